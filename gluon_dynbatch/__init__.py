@@ -1,0 +1,19 @@
+"""gluon_dynbatch: just-in-time dynamic batching for MXNet Gluon.
+
+Wrap a ``HybridBlock`` in :class:`DynBatchBlock`, write the per-sample loop
+inside a :func:`batching` scope, and the calls run merged into batched
+CachedOp calls, forward and backward.
+"""
+__version__ = '0.1.0'
+
+from .block import DynBatchBlock, batching, current_scope
+from .debug import reset_stats, stats
+from .errors import DynBatchError, InputError, LazyValueError, ScopeError
+from .graph import LazyValue
+from .plan import STRATEGIES, Agenda, BatchStep, ByDepth, Plan, PerSample
+from .rules import register_batching_rule
+
+__all__ = ['DynBatchBlock', 'batching', 'current_scope', 'stats', 'reset_stats',
+           'DynBatchError', 'InputError', 'LazyValueError', 'ScopeError', 'LazyValue',
+           'Plan', 'BatchStep', 'PerSample', 'ByDepth', 'Agenda', 'STRATEGIES',
+           'register_batching_rule']

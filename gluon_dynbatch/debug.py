@@ -1,0 +1,82 @@
+"""Counters per flush, and ``DYNBATCH_DEBUG`` printing.
+
+``DYNBATCH_DEBUG=1`` prints one line per flush (nodes, steps, batch sizes,
+record / analysis / run milliseconds, strategy); ``=2`` also prints the plan
+and why any signature runs per sample.  :func:`stats` returns the running
+totals and the last flush, :func:`reset_stats` clears them.
+"""
+import os
+import sys
+
+__all__ = ['stats', 'reset_stats', 'debug_level']
+
+_TOTALS = {}
+_LAST = {}
+
+
+def debug_level():
+    try:
+        return int(os.environ.get('DYNBATCH_DEBUG', '0'))
+    except ValueError:
+        return 1
+
+
+def reset_stats():
+    """Zero every counter."""
+    _TOTALS.clear()
+    _TOTALS.update(flushes=0, nodes=0, steps=0, record_ms=0.0, analyse_ms=0.0, run_ms=0.0,
+                   per_sample_nodes=0)
+    _LAST.clear()
+
+
+def stats():
+    """Counters since the last :func:`reset_stats`: totals, plus ``last``,
+    the most recent flush (nodes, steps, batch_sizes, *_ms, strategy)."""
+    out = dict(_TOTALS)
+    out['last'] = dict(_LAST)
+    return out
+
+
+def record_flush(plan, record_ms, analyse_ms, run_ms, extra=None):
+    sizes = plan.batch_sizes()
+    per_sample = sum(n for n, step in zip(sizes, plan.steps) if not step.sig.batch_safe)
+    _TOTALS['flushes'] += 1
+    _TOTALS['nodes'] += sum(sizes)
+    _TOTALS['steps'] += len(sizes)
+    _TOTALS['record_ms'] += record_ms
+    _TOTALS['analyse_ms'] += analyse_ms
+    _TOTALS['run_ms'] += run_ms
+    _TOTALS['per_sample_nodes'] += per_sample
+    _LAST.clear()
+    _LAST.update(nodes=sum(sizes), steps=len(sizes), batch_sizes=sizes, record_ms=record_ms,
+                 analyse_ms=analyse_ms, run_ms=run_ms, strategy=plan.strategy,
+                 per_sample_nodes=per_sample)
+    if extra:
+        _LAST.update(extra)
+    level = debug_level()
+    if level:
+        _print_flush(plan, sizes, level)
+
+
+def _print_flush(plan, sizes, level):
+    last = _LAST
+    ordered = sorted(sizes)
+    line = ('[dynbatch] flush: %d nodes -> %d steps (batch min/median/max %d/%d/%d), '
+            'record %.2f ms, analyse %.2f ms, run %.2f ms, strategy %s'
+            % (last['nodes'], last['steps'], ordered[0], ordered[len(ordered) // 2],
+               ordered[-1], last['record_ms'], last['analyse_ms'], last['run_ms'],
+               last['strategy']))
+    if 'predicted_ms' in last:
+        line += ', predicted %.2f ms' % last['predicted_ms']
+    print(line, file=sys.stderr)
+    if level >= 2:
+        print(plan, file=sys.stderr)
+        seen = set()
+        for step in plan.steps:
+            if not step.sig.batch_safe and step.sig.sig_id not in seen:
+                seen.add(step.sig.sig_id)
+                print('[dynbatch] %s runs per sample: %s' % (step.sig.block.name,
+                                                             step.sig.reason), file=sys.stderr)
+
+
+reset_stats()

@@ -1,0 +1,90 @@
+"""The recorded graph: one light :class:`Node` per block call, and the
+:class:`LazyValue` results handed back to user code.
+
+Nodes hold the call's traced signature, its flat argument leaves (lazy
+values, NDArrays or host numpy arrays) and its depth (1 + deepest pending
+producer), computed while recording so that depth grouping is one pass.
+After execution a node knows the batched output arrays it landed in and its
+row there; a lazy value reads its row from them.
+"""
+import mxnet as mx
+
+from .errors import LazyValueError
+
+__all__ = ['Node', 'LazyValue']
+
+PENDING, DONE, FAILED = 0, 1, 2
+
+
+class Node:
+    """One recorded block call."""
+    __slots__ = ('sig', 'leaves', 'depth', 'scope', 'state', 'arrays', 'row', 'outputs')
+
+    def __init__(self, sig, leaves, depth, scope):
+        self.sig = sig
+        self.leaves = leaves
+        self.depth = depth
+        self.scope = scope
+        self.state = PENDING
+        self.arrays = None   # batched output NDArrays of the step that ran this node
+        self.row = 0         # this node's row in them
+        self.outputs = None
+
+    def producers(self):
+        """Pending nodes whose outputs this node reads."""
+        return [leaf._node for leaf in self.leaves
+                if type(leaf) is LazyValue and leaf._node.state == PENDING]
+
+    def __repr__(self):
+        return 'Node(%s, depth=%d)' % (self.sig.block.name, self.depth)
+
+
+class LazyValue:
+    """A block call's output that may not be computed yet.
+
+    Its ``shape`` (per sample, leading axis 1), ``dtype`` and ``context`` are
+    known at once.  Reading ``.data`` or ``.asnumpy()`` inside a scope runs the
+    pending calls first (batched) and recording then goes on.
+    """
+    __slots__ = ('_node', '_index', 'shape', 'dtype', 'context', '_data')
+
+    def __init__(self, node, index, shape, dtype, context):
+        self._node = node
+        self._index = index
+        self.shape = shape
+        self.dtype = dtype
+        self.context = context
+        self._data = None
+
+    @property
+    def ready(self):
+        """True once the value has been computed."""
+        return self._node.state == DONE
+
+    @property
+    def data(self):
+        """The value as an NDArray of shape ``self.shape`` (a row of the
+        batched output, differentiable under ``autograd.record()``)."""
+        if self._data is None:
+            node = self._node
+            if node.state == PENDING:
+                node.scope.flush()
+            if node.state == FAILED:
+                raise LazyValueError(
+                    'this output of block %s (shape %s) was recorded in a batching() scope '
+                    'that failed or was abandoned, so it was never computed. Re-run the '
+                    'calls in a new scope.' % (node.sig.block.name, self.shape))
+            array = node.arrays[self._index]
+            if array.shape[0] == 1:
+                self._data = array
+            else:
+                self._data = mx.nd.slice_axis(array, axis=0, begin=node.row, end=node.row + 1)
+        return self._data
+
+    def asnumpy(self):
+        """The value as a numpy array."""
+        return self.data.asnumpy()
+
+    def __repr__(self):
+        state = ('pending', 'ready', 'failed')[self._node.state]
+        return 'LazyValue(%s, shape=%s, %s)' % (self._node.sig.block.name, self.shape, state)

@@ -1,0 +1,128 @@
+"""Plans: which recorded calls run together, in what order.
+
+A :class:`Plan` is plain data, a tuple of :class:`BatchStep`; the executor
+only iterates over it.  Strategies turn a list of pending nodes into a plan:
+
+* :class:`PerSample` - one step per call (no analysis at all);
+* :class:`ByDepth` - calls of equal signature and equal depth (linear time);
+* :class:`Agenda` - DyNet's heuristic: repeatedly run every ready call of the
+  signature whose calls have the lowest average depth.  It merges work that
+  depth misaligns, e.g. chains of different lengths feeding a common head.
+
+Calls whose signature is not batch-safe always run one per step.
+"""
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Tuple
+
+from .graph import LazyValue, PENDING
+
+__all__ = ['BatchStep', 'Plan', 'PerSample', 'ByDepth', 'Agenda', 'STRATEGIES']
+
+
+@dataclass(frozen=True)
+class BatchStep:
+    """Run ``nodes`` (calls of one signature) as one batched call."""
+    sig: object
+    nodes: Tuple
+
+    def __str__(self):
+        return '%-40s x%d' % (self.sig.describe(), len(self.nodes))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Steps in an order that respects every dependency."""
+    strategy: str
+    steps: Tuple[BatchStep, ...]
+
+    def batch_sizes(self):
+        return [len(step.nodes) for step in self.steps]
+
+    def __str__(self):
+        lines = ['Plan(%s, %d steps)' % (self.strategy, len(self.steps))]
+        lines += ['  %3d %s' % (i, step) for i, step in enumerate(self.steps)]
+        return '\n'.join(lines)
+
+
+class Strategy:
+    """Interface: ``plan(nodes) -> Plan`` for nodes in recording order."""
+    name = 'strategy'
+
+    def plan(self, nodes):
+        raise NotImplementedError
+
+
+class PerSample(Strategy):
+    """Every call alone, in recording order (a valid topological order)."""
+    name = 'per-sample'
+
+    def plan(self, nodes):
+        return Plan(self.name, tuple(BatchStep(n.sig, (n,)) for n in nodes))
+
+
+class ByDepth(Strategy):
+    """Group by (depth, signature); depth was computed while recording."""
+    name = 'depth'
+
+    def plan(self, nodes):
+        groups = defaultdict(list)
+        steps = []
+        for node in nodes:
+            if node.sig.batch_safe:
+                groups[(node.depth, node.sig.sig_id)].append(node)
+            else:
+                steps.append((node.depth, -1, (node,)))
+        steps += [(depth, sig_id, tuple(group)) for (depth, sig_id), group in groups.items()]
+        steps.sort(key=lambda item: (item[0], item[1]))
+        return Plan(self.name, tuple(BatchStep(group[0].sig, group) for _, _, group in steps))
+
+
+class Agenda(Strategy):
+    """DyNet's agenda heuristic (``autobatch_strategy=1``): among the
+    signatures with ready calls, run the one of lowest average depth."""
+    name = 'agenda'
+
+    def plan(self, nodes):
+        waiting, users = self._dependencies(nodes)
+        depth_sum, count = defaultdict(int), defaultdict(int)
+        ready = defaultdict(list)
+        for node in nodes:
+            key = self._key(node)
+            depth_sum[key] += node.depth
+            count[key] += 1
+            if waiting[node] == 0:
+                ready[key].append(node)
+        steps = []
+        while ready:
+            key = min(ready, key=lambda k: (depth_sum[k] / count[k], k))
+            group = ready.pop(key)
+            if key[0] == -1:  # not batch-safe: one call, the rest stay ready
+                group, rest = group[:1], group[1:]
+                if rest:
+                    ready[key] = rest
+            steps.append(BatchStep(group[0].sig, tuple(group)))
+            for node in group:
+                for user in users.get(node, ()):
+                    waiting[user] -= 1
+                    if waiting[user] == 0:
+                        ready[self._key(user)].append(user)
+        return Plan(self.name, tuple(steps))
+
+    @staticmethod
+    def _key(node):
+        return (node.sig.sig_id if node.sig.batch_safe else -1, node.sig.sig_id)
+
+    @staticmethod
+    def _dependencies(nodes):
+        waiting, users = {}, defaultdict(list)
+        for node in nodes:
+            producers = {id(leaf._node): leaf._node for leaf in node.leaves
+                         if type(leaf) is LazyValue and leaf._node.state == PENDING}
+            waiting[node] = len(producers)
+            for producer in producers.values():
+                users[producer].append(node)
+        return waiting, users
+
+
+STRATEGIES = {cls.name: cls for cls in (PerSample, ByDepth, Agenda)}

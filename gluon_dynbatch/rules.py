@@ -1,0 +1,195 @@
+"""Per-operator batching rules: which MXNet ops act row-wise on axis 0.
+
+A block's per-sample symbol is batch-safe when every op that touches a
+*batched* tensor (one derived from a per-sample input) has a rule here that
+accepts its attributes and inputs.  Ops that only touch *shared* tensors
+(parameters, constants) need no rule: they compute the same thing per sample
+and per batch.  An op without a rule makes the block run per sample, with the
+reason reported; we never guess (as JAX's vmap raises rather than guess).
+
+A rule is ``rule(op) -> None | str``: ``None`` when batching is safe, else the
+reason it is not.  ``op`` is an :class:`OpView` with the op's attributes and,
+per input, whether it is batched and its per-sample shape.
+"""
+import ast
+import warnings
+
+__all__ = ['register_batching_rule', 'batching_rule', 'OpView', 'RULES']
+
+RULES = {}
+
+
+def register_batching_rule(*op_names):
+    """Decorator registering ``rule`` for each MXNet operator name.
+
+    Overriding an existing rule warns, as ``mxnet.registry`` does."""
+    def register(rule):
+        for name in op_names:
+            if name in RULES and RULES[name] is not rule:
+                warnings.warn('batching rule for %r overridden' % name, stacklevel=2)
+            RULES[name] = rule
+        return rule
+    return register
+
+
+def batching_rule(op_name):
+    """The rule for ``op_name``, or None."""
+    return RULES.get(op_name)
+
+
+class OpView:
+    """What a rule may look at: op name, parsed attributes, and per input
+    whether it is batched and its per-sample shape (None when unknown)."""
+    __slots__ = ('op', 'attrs', 'batched', 'shapes')
+
+    def __init__(self, op, attrs, batched, shapes):
+        self.op, self.attrs, self.batched, self.shapes = op, attrs, batched, shapes
+
+    def attr(self, key, default=None):
+        raw = self.attrs.get(key)
+        if raw is None:
+            return default
+        try:
+            return ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            return raw
+
+    def batched_ndim(self):
+        """ndim of the first batched input (every batched tensor has
+        per-sample leading dim 1, checked by the tracer)."""
+        for is_batched, shape in zip(self.batched, self.shapes):
+            if is_batched and shape is not None:
+                return len(shape)
+        return None
+
+    def axis_is_batch(self, key, default):
+        """True when the axis attribute ``key`` names axis 0 (or all axes)."""
+        axis = self.attr(key, default)
+        if axis is None or axis == ():
+            return True
+        ndim = self.batched_ndim()
+        axes = axis if isinstance(axis, (tuple, list)) else (axis,)
+        if ndim is None:
+            return True
+        return any(a % ndim == 0 for a in axes)
+
+
+# --- rule helpers ---------------------------------------------------------
+
+def _rowwise(op):
+    """Acts on each row alone; every input may be batched."""
+    return None
+
+
+def _all_batched(op):
+    """Element-wise on inputs of equal shape: a shared input would keep its
+    per-sample shape while the batched ones grow, so all must be batched."""
+    if not all(op.batched):
+        return '%s mixes batched and shared inputs of equal shape' % op.op
+    return None
+
+
+def _batched_data_shared_rest(op):
+    """Input 0 is the batched data, the rest (weights, indices) are shared."""
+    if not op.batched[0] or any(op.batched[1:]):
+        return '%s needs batched data and shared weights' % op.op
+    return None
+
+
+def _broadcast(op):
+    ndim = max(len(s) for s in op.shapes if s is not None)
+    for is_batched, shape in zip(op.batched, op.shapes):
+        if shape is None:
+            return '%s: unknown input shape' % op.op
+        if is_batched and len(shape) != ndim:
+            return '%s broadcasts a batched input across axis 0' % op.op
+        if not is_batched and len(shape) == ndim and shape[0] != 1:
+            return '%s broadcasts a shared input of leading dim %d over the batch' % (
+                op.op, shape[0])
+    return None
+
+
+def _axis_rule(key, default, need_all_batched=False):
+    def rule(op):
+        if op.axis_is_batch(key, default):
+            return '%s acts on the batch axis (%s=%s)' % (op.op, key, op.attrs.get(key, default))
+        if need_all_batched:
+            return _all_batched(op)
+        return None
+    return rule
+
+
+def _reshape(op):
+    shape = op.attr('shape', ())
+    if op.attr('reverse', False):
+        return 'reshape with reverse=True'
+    if shape and shape[0] == 0:
+        return None
+    if shape and shape[0] == -1 and all(isinstance(d, int) and d > 0 for d in shape[1:]):
+        return None
+    return 'reshape(shape=%s) may move data across the batch axis' % (shape,)
+
+
+def _transpose(op):
+    axes = op.attr('axes', ())
+    if not axes or axes[0] != 0:
+        return 'transpose(axes=%s) moves the batch axis' % (axes,)
+    return None
+
+
+def _dot(op):
+    if op.attr('transpose_a', False) or not op.batched[0] or op.batched[1]:
+        return 'dot needs a batched lhs (not transposed) and a shared rhs'
+    return None
+
+
+def _take(op):
+    axis = op.attr('axis', 0)
+    if op.batched[0] and not op.batched[1]:
+        return op.axis_is_batch('axis', 0) and 'take along the batch axis' or None
+    if op.batched[1] and not op.batched[0] and axis == 0:
+        return None  # embedding-like lookup: one row of indices per sample
+    return 'take with batched data and batched indices'
+
+
+ROWWISE = '''Activation relu sigmoid tanh softsign exp log log1p expm1 sqrt rsqrt cbrt
+square abs negative sign round rint floor ceil trunc fix reciprocal sin cos tan arcsin
+arccos arctan sinh cosh arctanh arcsinh arccosh erf erfinv gamma gammaln _copy identity
+BlockGrad stop_gradient zeros_like ones_like Cast cast clip Dropout LeakyReLU
+_plus_scalar _minus_scalar _rminus_scalar _mul_scalar _div_scalar _rdiv_scalar
+_power_scalar _rpower_scalar _maximum_scalar _minimum_scalar _mod_scalar _rmod_scalar
+_equal_scalar _not_equal_scalar _greater_scalar _greater_equal_scalar _lesser_scalar
+_lesser_equal_scalar _logical_and_scalar _logical_or_scalar _hypot_scalar
+Flatten flatten one_hot SoftmaxActivation L2Normalization'''.split()
+ELEMENTWISE = '''elemwise_add elemwise_sub elemwise_mul elemwise_div _plus _Plus _add
+_minus _Minus _sub _mul _Mul _div _Div _maximum _Maximum _minimum _Minimum _power _Power
+_hypot _mod add_n ElementWiseSum _grad_add where _equal _not_equal _greater
+_greater_equal _lesser _lesser_equal _logical_and _logical_or _logical_xor'''.split()
+BROADCAST = '''broadcast_add broadcast_plus broadcast_sub broadcast_minus broadcast_mul
+broadcast_div broadcast_mod broadcast_power broadcast_maximum broadcast_minimum
+broadcast_hypot broadcast_equal broadcast_not_equal broadcast_greater
+broadcast_greater_equal broadcast_lesser broadcast_lesser_equal broadcast_logical_and
+broadcast_logical_or broadcast_logical_xor'''.split()
+
+register_batching_rule(*ROWWISE)(_rowwise)
+register_batching_rule(*ELEMENTWISE)(_all_batched)
+register_batching_rule(*BROADCAST)(_broadcast)
+register_batching_rule('FullyConnected', 'Embedding')(_batched_data_shared_rest)
+
+
+@register_batching_rule('LayerNorm')
+def _layer_norm(op):
+    return _axis_rule('axis', -1)(op) or _batched_data_shared_rest(op)
+register_batching_rule('concat', 'Concat')(_axis_rule('dim', 1, need_all_batched=True))
+register_batching_rule('stack')(_axis_rule('axis', 0, need_all_batched=True))
+register_batching_rule('slice_axis', 'SliceChannel', 'split', 'expand_dims', 'repeat',
+                       'argmax', 'argmin')(_axis_rule('axis', None))
+register_batching_rule('softmax', 'log_softmax')(_axis_rule('axis', -1))
+register_batching_rule('sum', 'mean', 'max', 'min', 'prod', 'nansum', 'nanprod', 'norm',
+                       'squeeze')(_axis_rule('axis', None))
+register_batching_rule('pick')(_axis_rule('axis', -1, need_all_batched=True))
+register_batching_rule('Reshape', 'reshape')(_reshape)
+register_batching_rule('transpose')(_transpose)
+register_batching_rule('dot')(_dot)
+register_batching_rule('take')(_take)
+register_batching_rule('batch_dot')(_all_batched)

@@ -1,0 +1,202 @@
+"""Trace a block once per call signature into its per-sample symbol.
+
+A call's signature is (block, nesting of its arguments, per-sample shape and
+dtype of every array leaf, context).  The first call with a new signature
+traces the block through Gluon's own symbolic path (``block(*symbols)`` runs
+``hybrid_forward(F=mx.sym, ...)``), infers output shapes and dtypes, finishes
+deferred parameter initialisation, and checks batch safety against
+:mod:`gluon_dynbatch.rules`.  Later calls with that signature cost one dict
+lookup: the per-sample recording path never touches MXNet.
+"""
+import json
+
+import mxnet as mx
+import numpy as np
+
+from .errors import InputError
+from .rules import OpView, batching_rule
+
+__all__ = ['flatten', 'regroup', 'TracedSignature', 'trace_signature']
+
+
+def flatten(args, leaves):
+    """Append the leaves of nested lists/tuples ``args`` to ``leaves`` and
+    return the nesting format: ``0`` per leaf, a tuple per list."""
+    fmt = []
+    for arg in args:
+        if isinstance(arg, (list, tuple)):
+            fmt.append(flatten(arg, leaves))
+        else:
+            leaves.append(arg)
+            fmt.append(0)
+    return tuple(fmt)
+
+
+def regroup(fmt, leaves, start=0):
+    """Inverse of :func:`flatten`: ``(nested list, next leaf index)``."""
+    out = []
+    for item in fmt:
+        if item == 0:
+            out.append(leaves[start])
+            start += 1
+        else:
+            sub, start = regroup(item, leaves, start)
+            out.append(sub)
+    return out, start
+
+
+class TracedSignature:
+    """Everything known about one (block, signature): the per-sample symbol,
+    its input names in CachedOp order, output shapes/dtypes and nesting, and
+    whether calls may be merged (with the reason when not)."""
+
+    def __init__(self, sig_id, block, symbol, data_names, out_fmt, out_shapes, out_dtypes,
+                 batch_safe, reason):
+        self.sig_id = sig_id
+        self.block = block
+        self.symbol = symbol
+        self.data_names = data_names
+        self.out_fmt = out_fmt
+        self.out_shapes = out_shapes
+        self.out_dtypes = out_dtypes
+        self.batch_safe = batch_safe
+        self.reason = reason
+        self.input_names = symbol.list_inputs()
+        params = block.collect_params()
+        by_name = {p.name: p for p in params.values()}
+        self.param_slots = [(i, by_name[n]) for i, n in enumerate(self.input_names)
+                            if n not in data_names]
+        self.data_slots = [self.input_names.index(n) for n in data_names]
+        self._cached_op = None
+
+    @property
+    def cached_op(self):
+        """The block's per-sample symbol compiled once; row-wise symbols
+        accept any batch size, so one CachedOp serves every group size."""
+        if self._cached_op is None:
+            self._cached_op = mx.nd.CachedOp(self.symbol)
+        return self._cached_op
+
+    def describe(self):
+        shapes = ', '.join(str(s) for s in self.out_shapes)
+        return '%s#%d(%d in) -> (%s)%s' % (self.block.name, self.sig_id, len(self.data_names),
+                                           shapes,
+                                 '' if self.batch_safe else ' per-sample: ' + self.reason)
+
+
+def _block_name(block):
+    return '%s (%s)' % (block.name, type(block).__name__)
+
+
+def trace_signature(sig_id, block, fmt, shapes, dtypes):
+    """Trace ``block`` for arguments of nesting ``fmt`` and per-sample leaf
+    ``shapes``/``dtypes``; see :class:`TracedSignature`."""
+    data_names = ['dynbatch_in%d' % i for i in range(len(shapes))]
+    variables = [mx.sym.var(n) for n in data_names]
+    sym_args, _ = regroup(fmt, variables)
+    out = block(*sym_args)
+    out_leaves = []
+    out_fmt = flatten(out if isinstance(out, (list, tuple)) else [out], out_leaves)
+    if not isinstance(out, (list, tuple)):
+        out_fmt = 0
+    symbol = out_leaves[0] if len(out_leaves) == 1 else mx.sym.Group(out_leaves)
+
+    known = dict(zip(data_names, shapes))
+    params = {p.name: p for p in block.collect_params().values()}
+    inputs = set(symbol.list_inputs())
+    for name, param in params.items():
+        if name in inputs and param.shape is not None and all(d > 0 for d in param.shape):
+            known[name] = param.shape
+    arg_shapes, out_shapes, aux_shapes = _infer_shapes(block, symbol, known, shapes)
+    _finish_deferred_init(block, symbol, arg_shapes, aux_shapes, params)
+    types = dict(zip(data_names, dtypes))
+    _, out_types, _ = symbol.infer_type(**types)
+    out_dtypes = [np.dtype(t).type for t in out_types]
+    batch_safe, reason = check_batch_safe(symbol, set(data_names), known)
+    return TracedSignature(sig_id, block, symbol, data_names, out_fmt, out_shapes,
+                           out_dtypes, batch_safe, reason)
+
+
+def _infer_shapes(block, symbol, known, shapes):
+    try:
+        arg_shapes, out_shapes, aux_shapes = symbol.infer_shape(**known)
+    except mx.base.MXNetError as err:
+        lines = [l for l in str(err).strip().splitlines() if l.strip()]
+        first = next((l for l in lines if 'Error' in l and 'Traceback' not in l), lines[-1])
+        raise InputError(
+            'block %s cannot take per-sample inputs of shapes %s: %s. Check the argument '
+            'shapes (each with a leading batch axis of 1) against the block\'s parameters.'
+            % (_block_name(block), list(shapes), first)) from None
+    if out_shapes is None or any(s is None or 0 in s for s in out_shapes):
+        raise InputError('block %s: output shapes cannot be inferred from inputs %s; '
+                         'give its layers their input sizes (e.g. in_units).'
+                         % (_block_name(block), list(shapes)))
+    return arg_shapes, [tuple(s) for s in out_shapes], aux_shapes
+
+
+def _finish_deferred_init(block, symbol, arg_shapes, aux_shapes, params):
+    """Give deferred-initialised parameters the shapes inferred from the
+    trace, as Gluon's own ``_deferred_infer_shape`` does on first call."""
+    inferred = dict(zip(symbol.list_arguments(), arg_shapes))
+    inferred.update(zip(symbol.list_auxiliary_states(), aux_shapes))
+    for name, param in params.items():
+        if name not in inferred or param._data is not None:
+            continue
+        if param._deferred_init:
+            param.shape = tuple(inferred[name])
+            param._finish_deferred_init()
+        elif param._data is None:
+            raise InputError('parameter %s of block %s is not initialized: call '
+                             '.initialize() on the block (or the DynBatchBlock) first.'
+                             % (name, _block_name(block)))
+
+
+def _parse_graph(symbol, known):
+    """Nodes of the symbol's JSON and the per-sample shape of every entry."""
+    graph = json.loads(symbol.tojson())
+    internals = symbol.get_internals()
+    _, shapes, _ = internals.infer_shape_partial(**known)
+    by_name = dict(zip(internals.list_outputs(), shapes or []))
+    return graph['nodes'], graph['heads'], by_name
+
+
+def _entry_shape(nodes, entry, by_name):
+    node = nodes[entry[0]]
+    if node['op'] == 'null':
+        shape = by_name.get(node['name'])
+    else:
+        shape = by_name.get('%s_output' % node['name']) if entry[1] == 0 else None
+        shape = shape or by_name.get('%s_output%d' % (node['name'], entry[1]))
+    return tuple(shape) if shape else None
+
+
+def check_batch_safe(symbol, data_names, known):
+    """``(True, '')`` when every op touching a batched tensor has a rule that
+    accepts it and every output is batched; else ``(False, reason)``."""
+    nodes, heads, by_name = _parse_graph(symbol, known)
+    batched = []
+    for node in nodes:
+        if node['op'] == 'null':
+            batched.append(node['name'] in data_names)
+            continue
+        inputs = node['inputs']
+        flags = [batched[e[0]] for e in inputs]
+        if not any(flags):
+            batched.append(False)
+            continue
+        rule = batching_rule(node['op'])
+        if rule is None:
+            return False, 'op %s (%s) has no batching rule' % (node['op'], node['name'])
+        shapes = [_entry_shape(nodes, e, by_name) for e in inputs]
+        for flag, shape in zip(flags, shapes):
+            if flag and (shape is None or not shape or shape[0] != 1):
+                return False, 'op %s (%s) sees a batched input of shape %s' % (
+                    node['op'], node['name'], shape)
+        reason = rule(OpView(node['op'], node.get('attrs', {}), flags, shapes))
+        if reason:
+            return False, '%s (%s)' % (reason, node['name'])
+        batched.append(True)
+    for head in heads:
+        if not batched[head[0]]:
+            return False, 'an output does not depend on the per-sample inputs'
+    return True, ''

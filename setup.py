@@ -1,0 +1,32 @@
+"""gluon_dynbatch: just-in-time dynamic batching for MXNet Gluon."""
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+VERSION = re.search(r"__version__ = '([^']+)'",
+                    (HERE / 'gluon_dynbatch' / '__init__.py').read_text()).group(1)
+
+setup(
+    name='gluon_dynbatch',
+    version=VERSION,
+    description='Just-in-time dynamic batching for MXNet Gluon',
+    long_description=(HERE / 'README.md').read_text() if (HERE / 'README.md').exists() else '',
+    long_description_content_type='text/markdown',
+    packages=find_packages(include=['gluon_dynbatch', 'gluon_dynbatch.*']),
+    python_requires='>=3.8',
+    install_requires=[
+        'mxnet==1.9.1',
+        'numpy>=1.16,<1.24',   # mxnet 1.9.1 breaks with numpy>=1.24
+        'gluonnlp==0.10.0',
+        'tqdm',
+        'scipy',
+        'matplotlib',
+    ],
+    extras_require={
+        'test': ['pytest', 'hypothesis'],
+        'docs': ['sphinx'],
+    },
+    license='Apache-2.0',
+)
