@@ -1,0 +1,472 @@
+"""SICK semantic-relatedness data in the format of Tai et al. (2015).
+
+The Tree-LSTM benchmark reads the SICK corpus as preprocessed by the scripts
+of https://github.com/stanfordnlp/treelstm: one folder per split
+(``train/``, ``dev/``, ``test/``), each holding line-aligned files
+
+``a.toks`` / ``b.toks``
+    space-separated tokens of the first / second sentence of each pair;
+``a.parents`` / ``b.parents``
+    for every token, the 1-based index of its head in the dependency parse
+    (``0`` marks the root);
+``sim.txt``
+    the gold relatedness score, a float in ``[1, 5]``.
+
+This module turns those files into :class:`SickPair` objects with a
+:class:`Tree` per sentence, builds a vocabulary and an embedding matrix.  The
+data are never bundled with the package: :func:`find_sick_dir` locates them.
+
+Trees are built and walked without recursion so that arbitrarily deep parses
+(or synthetic chains used in tests and benchmarks) never hit Python's
+recursion limit.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+__all__ = [
+    'DATA_ENV_VAR', 'SPLITS', 'REQUIRED_FILES', 'find_sick_dir', 'Tree', 'build_tree',
+    'SickPair', 'load_split', 'build_vocab', 'index_pairs', 'make_embedding_matrix',
+]
+
+_LOG = logging.getLogger(__name__)
+
+DATA_ENV_VAR = 'GLUON_DYNBATCH_SICK'
+"""Environment variable naming the SICK data folder (used when no path is passed)."""
+
+SPLITS = ('train', 'dev', 'test')
+"""The split folders expected inside the data folder."""
+
+REQUIRED_FILES = ('a.toks', 'b.toks', 'a.parents', 'b.parents', 'sim.txt')
+"""Files every split folder must hold; ``*.rels`` and ``id.txt`` are not used."""
+
+_DEFAULT_RELATIVE = Path('..') / 'shared' / 'data' / 'sick'
+_HOW_TO_GET = (
+    'Get the data with the preprocessing scripts of Tai et al. 2015 '
+    '(https://github.com/stanfordnlp/treelstm: fetch_and_preprocess.sh), then pass '
+    '--data PATH or set {} to the folder holding train/ dev/ test/.'.format(DATA_ENV_VAR))
+
+
+# --------------------------------------------------------------------------
+# Locating the data
+# --------------------------------------------------------------------------
+
+def _default_candidates() -> List[Path]:
+    """Places to look when neither an argument nor the env var names the data.
+
+    The repository root (parent of the package folder) comes first because
+    the shared data sit next to the checkout; the working directory covers
+    running from the repository root of an installed copy.
+    """
+    repo_root = Path(__file__).resolve().parents[2]
+    candidates = [repo_root / _DEFAULT_RELATIVE, Path.cwd() / _DEFAULT_RELATIVE]
+    unique = []
+    for cand in candidates:
+        if cand.resolve() not in [u.resolve() for u in unique]:
+            unique.append(cand)
+    return unique
+
+
+def _missing_files(folder: Path) -> List[str]:
+    """Relative names of the required files absent from ``folder``."""
+    return [
+        '{}/{}'.format(split, name)
+        for split in SPLITS for name in REQUIRED_FILES
+        if not (folder / split / name).is_file()
+    ]
+
+
+def _why_not(folder: Path) -> Optional[str]:
+    """Reason ``folder`` is not a usable SICK folder, or None if it is."""
+    if not folder.is_dir():
+        return 'not a folder'
+    missing = _missing_files(folder)
+    if missing:
+        shown = ', '.join(missing[:3]) + (', ...' if len(missing) > 3 else '')
+        return 'missing {}'.format(shown)
+    return None
+
+
+def find_sick_dir(path=None) -> Path:
+    """Locate the preprocessed SICK data folder.
+
+    The folder is looked up so that the benchmarks run unchanged from a fresh
+    checkout while still letting a user point elsewhere explicitly.
+
+    Parameters
+    ----------
+    path : str or os.PathLike, optional
+        Explicit folder.  When given it is the only place checked, so a typo
+        is reported instead of silently falling back to another copy.
+
+    Returns
+    -------
+    pathlib.Path
+        The resolved folder holding ``train/``, ``dev/`` and ``test/``.
+
+    Raises
+    ------
+    FileNotFoundError
+        If no candidate holds the required files.  The message lists every
+        place looked at (with the reason it was rejected) and how to get the
+        data.
+
+    Notes
+    -----
+    Search order: ``path``; else the environment variable ``DATA_ENV_VAR``
+    (``GLUON_DYNBATCH_SICK``), which, like ``path``, is then the only place
+    checked; else ``../shared/data/sick`` relative to the repository root
+    and relative to the current working directory.
+    """
+    if path is not None:
+        candidates = [Path(path).expanduser()]
+    elif os.environ.get(DATA_ENV_VAR):
+        candidates = [Path(os.environ[DATA_ENV_VAR]).expanduser()]
+    else:
+        candidates = _default_candidates()
+
+    looked = []
+    for cand in candidates:
+        reason = _why_not(cand)
+        if reason is None:
+            return cand.resolve()
+        looked.append('  {} ({})'.format(cand, reason))
+    raise FileNotFoundError(
+        'SICK data not found. Looked in:\n{}\n{}'.format('\n'.join(looked), _HOW_TO_GET))
+
+
+# --------------------------------------------------------------------------
+# Dependency trees
+# --------------------------------------------------------------------------
+
+class Tree:
+    """A node of a dependency tree over a sentence.
+
+    Parameters
+    ----------
+    idx : int
+        0-based position of the node's token in the sentence, used to pick
+        the token's embedding.
+    children : list of Tree, optional
+        Dependents of the token, in increasing token order.
+
+    Notes
+    -----
+    ``__slots__`` keeps the many small nodes of a corpus cheap.  ``size`` and
+    ``depth`` walk the tree with an explicit stack, so deep trees are safe.
+    """
+
+    __slots__ = ('idx', 'children')
+
+    def __init__(self, idx: int, children: Optional[List['Tree']] = None):
+        self.idx = idx
+        self.children = [] if children is None else children
+
+    def size(self) -> int:
+        """Number of nodes in the subtree rooted here."""
+        count, stack = 0, [self]
+        while stack:
+            node = stack.pop()
+            count += 1
+            stack.extend(node.children)
+        return count
+
+    def depth(self) -> int:
+        """Number of nodes on the longest root-to-leaf path (a leaf has depth 1)."""
+        best, stack = 0, [(self, 1)]
+        while stack:
+            node, d = stack.pop()
+            best = max(best, d)
+            stack.extend((child, d + 1) for child in node.children)
+        return best
+
+    def __repr__(self) -> str:
+        # Summary rather than the nested structure: cheap and safe for deep trees.
+        return 'Tree(idx={}, n_children={}, size={})'.format(
+            self.idx, len(self.children), self.size())
+
+
+def build_tree(parents: Sequence[int]) -> Tree:
+    """Build a :class:`Tree` from a dependency parent list.
+
+    Parameters
+    ----------
+    parents : sequence of int
+        ``parents[i]`` is the 1-based position of token ``i``'s head, ``0``
+        for the root and ``-1`` for a token left out of the tree (skipped).
+
+    Returns
+    -------
+    Tree
+        The root node.  Children are in increasing token order, which makes
+        the tree (and so a model's computation order) deterministic.
+
+    Raises
+    ------
+    ValueError
+        If there is no root, several roots, a parent index out of range, or
+        tokens that cannot be reached from the root (a cycle, or a token
+        hanging off a skipped one).
+
+    Notes
+    -----
+    Built by one pass over the tokens plus an explicit-stack reachability
+    check, so no recursion limit applies however deep the tree is.
+    """
+    parents = [int(p) for p in parents]
+    n = len(parents)
+    nodes = [Tree(i) for i in range(n)]
+    roots = []
+    for i, p in enumerate(parents):
+        if p == -1:
+            continue
+        if p == 0:
+            roots.append(i)
+        elif 1 <= p <= n:
+            if parents[p - 1] == -1:
+                raise ValueError('token {} has skipped token {} (parent -1) as its parent'
+                                 .format(i, p - 1))
+            nodes[p - 1].children.append(nodes[i])
+        else:
+            raise ValueError('token {} has parent {} outside 0..{}'.format(i, p, n))
+    if not roots:
+        raise ValueError('no root: no token has parent 0 (parents={})'.format(_short(parents)))
+    if len(roots) > 1:
+        raise ValueError('several roots: tokens {} all have parent 0'.format(roots))
+
+    root = nodes[roots[0]]
+    kept = sum(1 for p in parents if p != -1)
+    reached = root.size()
+    if reached != kept:
+        raise ValueError('cycle: {} of {} tokens are not reachable from the root token {} '
+                         '(parents={})'.format(kept - reached, kept, roots[0], _short(parents)))
+    return root
+
+
+def _short(seq: Sequence[int], limit: int = 20) -> str:
+    """Readable prefix of a long list for error messages."""
+    head = ' '.join(str(x) for x in seq[:limit])
+    return '[{}{}]'.format(head, ' ...' if len(seq) > limit else '')
+
+
+# --------------------------------------------------------------------------
+# Pairs
+# --------------------------------------------------------------------------
+
+@dataclass
+class SickPair:
+    """One SICK sentence pair with its parses and relatedness score.
+
+    Attributes
+    ----------
+    a_tokens, b_tokens : list of str
+        Tokens of the two sentences.
+    a_tree, b_tree : Tree
+        Dependency trees; node ``idx`` indexes the token lists.
+    score : float
+        Gold relatedness in ``[1, 5]``.
+    a_ids, b_ids : numpy.ndarray of int64, optional
+        Vocabulary indices of the tokens, filled by :func:`index_pairs` so
+        that the tokens are looked up once rather than every epoch.
+    """
+
+    a_tokens: List[str]
+    b_tokens: List[str]
+    a_tree: Tree
+    b_tree: Tree
+    score: float
+    a_ids: Optional[np.ndarray] = None
+    b_ids: Optional[np.ndarray] = None
+
+
+def _read_lines(path: Path) -> List[str]:
+    """Lines of a UTF-8 text file without newline characters.
+
+    Splits on ``'\\n'`` only (not ``str.splitlines``) so unusual Unicode
+    separators inside a sentence cannot shift the line alignment.
+    """
+    text = path.read_text(encoding='utf8')
+    lines = text.split('\n')
+    if lines and lines[-1] == '':
+        lines.pop()
+    return [line.rstrip('\r') for line in lines]
+
+
+def _read_split_files(split_dir: Path) -> dict:
+    """Read the required files of a split and check they are line-aligned."""
+    contents = {}
+    for name in REQUIRED_FILES:
+        path = split_dir / name
+        if not path.is_file():
+            raise FileNotFoundError('missing SICK file {}'.format(path))
+        contents[name] = _read_lines(path)
+    expected = len(contents['sim.txt'])
+    for name, lines in contents.items():
+        if len(lines) != expected:
+            raise ValueError('{} has {} lines but {} has {}; the files of a split must be '
+                             'line-aligned'.format(split_dir / name, len(lines),
+                                                   split_dir / 'sim.txt', expected))
+    return contents
+
+
+def _parse_sentence(toks_line: str, parents_line: str, where: str) -> Tuple[List[str], Tree]:
+    """Tokens and tree of one sentence; ``where`` names file and line for errors."""
+    tokens = toks_line.split(' ') if toks_line else []
+    try:
+        parents = [int(p) for p in parents_line.split()]
+    except ValueError as err:
+        raise ValueError('{}: bad parent list: {}'.format(where, err)) from None
+    if len(parents) != len(tokens):
+        raise ValueError('{}: {} tokens but {} parents'.format(where, len(tokens), len(parents)))
+    try:
+        tree = build_tree(parents)
+    except ValueError as err:
+        raise ValueError('{}: {}'.format(where, err)) from None
+    return tokens, tree
+
+
+def load_split(data_dir, split: str, limit: Optional[int] = None) -> List[SickPair]:
+    """Load one split of SICK as a list of :class:`SickPair`.
+
+    Parameters
+    ----------
+    data_dir : str or os.PathLike
+        Folder holding the split folders, e.g. from :func:`find_sick_dir`.
+    split : {'train', 'dev', 'test'}
+        Which split to read.
+    limit : int, optional
+        Keep only the first ``limit`` pairs, for quick runs and tests.
+
+    Returns
+    -------
+    list of SickPair
+        Pairs in file order, with ``a_ids`` / ``b_ids`` still None.
+
+    Raises
+    ------
+    ValueError
+        For an unknown split, files with different line counts (naming the
+        file), or a malformed line (naming file and line number).
+    FileNotFoundError
+        If a required file is missing.
+    """
+    if split not in SPLITS:
+        raise ValueError('unknown split {!r}; expected one of {}'.format(split, SPLITS))
+    split_dir = Path(data_dir) / split
+    files = _read_split_files(split_dir)
+    n = len(files['sim.txt']) if limit is None else min(limit, len(files['sim.txt']))
+
+    pairs = []
+    for i in range(n):
+        sentences = []
+        for side in ('a', 'b'):
+            where = '{} line {}'.format(split_dir / '{}.toks'.format(side), i + 1)
+            sentences.append(_parse_sentence(files['{}.toks'.format(side)][i],
+                                             files['{}.parents'.format(side)][i], where))
+        try:
+            score = float(files['sim.txt'][i])
+        except ValueError:
+            raise ValueError('{} line {}: bad score {!r}'.format(
+                split_dir / 'sim.txt', i + 1, files['sim.txt'][i])) from None
+        (a_tokens, a_tree), (b_tokens, b_tree) = sentences
+        pairs.append(SickPair(a_tokens, b_tokens, a_tree, b_tree, score))
+    return pairs
+
+
+# --------------------------------------------------------------------------
+# Vocabulary and embeddings
+# --------------------------------------------------------------------------
+
+def build_vocab(pair_lists: Iterable[Sequence[SickPair]]):
+    """Build a vocabulary over every token of the given pairs.
+
+    Parameters
+    ----------
+    pair_lists : iterable of list of SickPair
+        E.g. ``[train, dev, test]``.  Including all splits (no minimum
+        frequency) lets pretrained vectors cover test words, as in Tai et al.
+
+    Returns
+    -------
+    gluonnlp.Vocab
+        With gluonnlp's default ``<unk>``, ``<pad>``, ``<bos>``, ``<eos>``.
+    """
+    import gluonnlp as nlp
+
+    counter = None
+    for pairs in pair_lists:
+        for pair in pairs:
+            counter = nlp.data.count_tokens(pair.a_tokens, counter=counter)
+            counter = nlp.data.count_tokens(pair.b_tokens, counter=counter)
+    return nlp.Vocab(counter if counter is not None else nlp.data.count_tokens([]))
+
+
+def index_pairs(pairs: Iterable[SickPair], vocab) -> None:
+    """Fill ``a_ids`` / ``b_ids`` of each pair with vocabulary indices (in place).
+
+    Parameters
+    ----------
+    pairs : iterable of SickPair
+        Pairs to index.
+    vocab : gluonnlp.Vocab
+        Vocabulary; unknown tokens map to its unknown index.
+    """
+    for pair in pairs:
+        pair.a_ids = np.asarray(vocab[list(pair.a_tokens)], dtype=np.int64).reshape(-1)
+        pair.b_ids = np.asarray(vocab[list(pair.b_tokens)], dtype=np.int64).reshape(-1)
+
+
+def make_embedding_matrix(vocab, dim: int = 300, path=None,
+                          seed: int = 0) -> Tuple[np.ndarray, int]:
+    """Embedding matrix for ``vocab``: random, or pretrained where available.
+
+    Parameters
+    ----------
+    vocab : gluonnlp.Vocab
+        Row ``i`` of the result is the vector of ``vocab.idx_to_token[i]``.
+    dim : int, default 300
+        Vector size when no file is given.  When ``path`` is given the
+        file's dimension is used instead, since vectors cannot be resized.
+    path : str or os.PathLike, optional
+        GloVe-format text file (``word v1 v2 ...`` per line), read with
+        ``gluonnlp.embedding.TokenEmbedding.from_file``.
+    seed : int, default 0
+        Seed of the random init, so runs are reproducible.
+
+    Returns
+    -------
+    matrix : numpy.ndarray of float32, shape ``(len(vocab), dim)``
+        Rows of tokens found in the file hold their pretrained vectors; all
+        other rows keep a ``N(0, 1) * 0.05`` random init.
+    n_found : int
+        Number of vocabulary tokens found in the file (0 without a file),
+        to report pretrained coverage.
+    """
+    rng = np.random.RandomState(seed)
+    if path is None:
+        return (rng.normal(size=(len(vocab), dim)) * 0.05).astype(np.float32), 0
+
+    from gluonnlp.embedding import TokenEmbedding
+
+    # unknown_token=None: only tokens really in the file count as found.
+    emb = TokenEmbedding.from_file(str(path), elem_delim=' ', unknown_token=None)
+    vectors = emb.idx_to_vec.asnumpy()
+    file_dim = vectors.shape[1]
+    if file_dim != dim:
+        _LOG.info('embedding file %s has dimension %d, not %d; using %d',
+                  path, file_dim, dim, file_dim)
+    matrix = (rng.normal(size=(len(vocab), file_dim)) * 0.05).astype(np.float32)
+    n_found = 0
+    for i, token in enumerate(vocab.idx_to_token):
+        j = emb.token_to_idx.get(token)
+        if j is not None:
+            matrix[i] = vectors[j]
+            n_found += 1
+    _LOG.info('pretrained vectors found for %d of %d tokens', n_found, len(vocab))
+    return matrix, n_found

@@ -1,0 +1,250 @@
+"""Tests of the SICK data loading: trees, data lookup, splits, vocab, embeddings."""
+import numpy as np
+import pytest
+
+from gluon_dynbatch.data import sick
+from gluon_dynbatch.data.sick import (DATA_ENV_VAR, SickPair, Tree, build_tree, build_vocab,
+                                      find_sick_dir, index_pairs, load_split,
+                                      make_embedding_matrix)
+
+
+def _structure(tree):
+    """(idx, [children structures]) built iteratively, for easy comparison."""
+    out = (tree.idx, [])
+    stack = [(tree, out)]
+    while stack:
+        node, slot = stack.pop()
+        for child in node.children:
+            entry = (child.idx, [])
+            slot[1].append(entry)
+            stack.append((child, entry))
+    return out
+
+
+@pytest.fixture(scope='module')
+def sick_dir():
+    try:
+        return find_sick_dir()
+    except FileNotFoundError as err:
+        pytest.skip('SICK data not available: {}'.format(err))
+
+
+@pytest.fixture(scope='module')
+def dev_pairs(sick_dir):
+    return load_split(sick_dir, 'dev')
+
+
+# -- trees -----------------------------------------------------------------
+
+def test_build_tree_small():
+    # "A dog runs": A <- dog <- runs(root); runs also heads token 3.
+    tree = build_tree([2, 3, 0, 3])
+    assert tree.idx == 2
+    assert _structure(tree) == (2, [(1, [(0, [])]), (3, [])])
+    assert [c.idx for c in tree.children] == [1, 3]  # increasing token order
+    assert tree.size() == 4
+    assert tree.depth() == 3
+    assert 'idx=2' in repr(tree)
+
+
+def test_build_tree_single_and_children_order():
+    leaf = build_tree([0])
+    assert leaf.idx == 0 and leaf.children == [] and leaf.size() == 1 and leaf.depth() == 1
+    star = build_tree([3, 3, 0, 3, 3])
+    assert [c.idx for c in star.children] == [0, 1, 3, 4]
+    assert star.depth() == 2
+
+
+def test_build_tree_skips_minus_one():
+    tree = build_tree([2, 0, -1, 2])
+    assert tree.size() == 3
+    assert _structure(tree) == (1, [(0, []), (3, [])])
+
+
+def test_tree_manual_construction():
+    tree = Tree(0, [Tree(1), Tree(2, [Tree(3)])])
+    assert tree.size() == 4 and tree.depth() == 3
+    with pytest.raises(AttributeError):
+        tree.other = 1  # __slots__
+
+
+def test_deep_chain_no_recursion_error():
+    n = 5000
+    parents = [i + 2 for i in range(n - 1)] + [0]  # token i's head is token i+1
+    tree = build_tree(parents)
+    assert tree.idx == n - 1
+    assert tree.size() == n
+    assert tree.depth() == n
+    repr(tree)
+
+
+@pytest.mark.parametrize('parents, word', [
+    ([2, 1], 'no root'),
+    ([0, 0], 'several roots'),
+    ([0, 3, 2], 'cycle'),
+    ([0, 2], 'cycle'),          # self-loop
+    ([0, 5], 'outside'),
+    ([], 'no root'),
+])
+def test_build_tree_bad_parents(parents, word):
+    with pytest.raises(ValueError, match=word):
+        build_tree(parents)
+
+
+# -- locating the data -----------------------------------------------------
+
+def test_find_sick_dir_bad_path(tmp_path):
+    bad = tmp_path / 'nope'
+    with pytest.raises(FileNotFoundError) as info:
+        find_sick_dir(bad)
+    msg = str(info.value)
+    assert str(bad) in msg
+    assert 'treelstm' in msg and DATA_ENV_VAR in msg
+
+
+def test_find_sick_dir_incomplete_folder(tmp_path):
+    (tmp_path / 'train').mkdir()
+    (tmp_path / 'train' / 'a.toks').write_text('x\n')
+    with pytest.raises(FileNotFoundError, match='missing'):
+        find_sick_dir(tmp_path)
+
+
+def _fake_sick(root):
+    for split in sick.SPLITS:
+        (root / split).mkdir(parents=True)
+        for name in sick.REQUIRED_FILES:
+            (root / split / name).write_text('')
+    return root
+
+
+def test_find_sick_dir_env_var(tmp_path, monkeypatch):
+    fake = _fake_sick(tmp_path / 'sick')
+    monkeypatch.setenv(DATA_ENV_VAR, str(fake))
+    assert find_sick_dir() == fake.resolve()
+    # The explicit argument wins over the environment variable.
+    other = _fake_sick(tmp_path / 'other')
+    assert find_sick_dir(other) == other.resolve()
+
+
+def test_find_sick_dir_env_var_bad(tmp_path, monkeypatch):
+    bad = tmp_path / 'missing'
+    monkeypatch.setenv(DATA_ENV_VAR, str(bad))
+    with pytest.raises(FileNotFoundError, match='missing'):
+        find_sick_dir()
+
+
+def test_find_sick_dir_lists_defaults(tmp_path, monkeypatch):
+    monkeypatch.delenv(DATA_ENV_VAR, raising=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sick, '_default_candidates',
+                        lambda: [tmp_path / 'x1', tmp_path / 'x2'])
+    with pytest.raises(FileNotFoundError) as info:
+        find_sick_dir()
+    assert str(tmp_path / 'x1') in str(info.value)
+    assert str(tmp_path / 'x2') in str(info.value)
+
+
+# -- loading splits ----------------------------------------------------------
+
+def test_load_dev(dev_pairs):
+    assert len(dev_pairs) == 500
+    for pair in dev_pairs:
+        assert isinstance(pair, SickPair)
+        assert 1.0 <= pair.score <= 5.0
+        assert pair.a_tree.size() == len(pair.a_tokens) > 0
+        assert pair.b_tree.size() == len(pair.b_tokens) > 0
+        assert pair.a_ids is None
+
+
+def test_load_split_limit_and_bad_split(sick_dir):
+    assert len(load_split(sick_dir, 'train', limit=7)) == 7
+    with pytest.raises(ValueError, match='unknown split'):
+        load_split(sick_dir, 'valid')
+
+
+def test_load_split_line_mismatch(tmp_path):
+    d = tmp_path / 'dev'
+    d.mkdir()
+    (d / 'a.toks').write_text('A dog\nA cat\n')
+    (d / 'b.toks').write_text('A dog\nA cat\n')
+    (d / 'a.parents').write_text('2 0\n2 0\n')
+    (d / 'b.parents').write_text('2 0\n')
+    (d / 'sim.txt').write_text('3.5\n4.0\n')
+    with pytest.raises(ValueError, match='b.parents'):
+        load_split(tmp_path, 'dev')
+
+
+def test_load_split_small_fake(tmp_path):
+    d = tmp_path / 'dev'
+    d.mkdir()
+    (d / 'a.toks').write_text('A dog runs\n')
+    (d / 'b.toks').write_text('Dogs\n')
+    (d / 'a.parents').write_text('2 3 0\n')
+    (d / 'b.parents').write_text('0\n')
+    (d / 'sim.txt').write_text('4.5\n')
+    (pair,) = load_split(tmp_path, 'dev')
+    assert pair.a_tokens == ['A', 'dog', 'runs'] and pair.b_tokens == ['Dogs']
+    assert _structure(pair.a_tree) == (2, [(1, [(0, [])])])
+    assert pair.score == 4.5
+
+
+# -- vocabulary and embeddings -----------------------------------------------
+
+def test_vocab_round_trip(dev_pairs):
+    pairs = dev_pairs[:50]
+    vocab = build_vocab([pairs[:25], pairs[25:]])
+    index_pairs(pairs, vocab)
+    for pair in pairs:
+        for ids, tokens in ((pair.a_ids, pair.a_tokens), (pair.b_ids, pair.b_tokens)):
+            assert ids.dtype == np.int64 and ids.shape == (len(tokens),)
+            assert vocab.to_tokens(ids.tolist()) == tokens
+            assert vocab.unknown_token not in vocab.to_tokens(ids.tolist())
+
+
+def test_vocab_round_trip_fake():
+    a = SickPair(['a', 'b'], ['b'], build_tree([0, 1]), build_tree([0]), 3.0)
+    vocab = build_vocab([[a]])
+    assert {'a', 'b', '<unk>', '<pad>'} <= set(vocab.idx_to_token)
+    index_pairs([a], vocab)
+    assert vocab.to_tokens(a.a_ids.tolist()) == ['a', 'b']
+    assert vocab.to_tokens(a.b_ids.tolist()) == ['b']
+
+
+def _toy_vocab():
+    pair = SickPair(['the', 'dog', 'runs'], ['a', 'cat'], build_tree([2, 3, 0]),
+                    build_tree([2, 0]), 2.0)
+    return build_vocab([[pair]])
+
+
+def test_embedding_random_default():
+    vocab = _toy_vocab()
+    m1, n1 = make_embedding_matrix(vocab, dim=8, seed=3)
+    m2, _ = make_embedding_matrix(vocab, dim=8, seed=3)
+    m3, _ = make_embedding_matrix(vocab, dim=8, seed=4)
+    assert m1.shape == (len(vocab), 8) and m1.dtype == np.float32
+    assert n1 == 0
+    np.testing.assert_array_equal(m1, m2)
+    assert not np.array_equal(m1, m3)
+    assert np.abs(m1).max() < 1.0  # small init
+
+
+def test_embedding_from_glove_file(tmp_path):
+    vocab = _toy_vocab()
+    glove = {
+        'dog': [0.1, 0.2, 0.3, 0.4],
+        'cat': [-1.0, 0.5, 2.0, 3.5],
+        'the': [1.0, 1.0, 1.0, 1.0],
+        'zebra': [9.0, 9.0, 9.0, 9.0],  # not in the vocabulary
+    }
+    path = tmp_path / 'glove.txt'
+    path.write_text(''.join('{} {}\n'.format(w, ' '.join(map(str, v)))
+                            for w, v in glove.items()))
+    random_m, _ = make_embedding_matrix(vocab, dim=4, seed=0)
+    matrix, n_found = make_embedding_matrix(vocab, dim=300, path=path, seed=0)
+    assert matrix.shape == (len(vocab), 4)  # the file's dimension wins
+    assert matrix.dtype == np.float32
+    assert n_found == 3
+    for word in ('dog', 'cat', 'the'):
+        np.testing.assert_allclose(matrix[vocab[word]], glove[word], rtol=1e-6)
+    for word in ('runs', 'a', '<unk>'):
+        np.testing.assert_array_equal(matrix[vocab[word]], random_m[vocab[word]])
