@@ -14,7 +14,7 @@ import numpy as np
 
 from .graph import DONE, LazyValue
 
-__all__ = ['run_plan', 'run_step', 'gather']
+__all__ = ['run_plan', 'run_step', 'gather', 'to_device']
 
 NDArray = mx.nd.NDArray
 
@@ -47,14 +47,14 @@ def gather(leaves, ctx):
     """One batched NDArray whose row ``i`` is ``leaves[i]``."""
     first = leaves[0]
     if isinstance(first, np.ndarray) and all(isinstance(x, np.ndarray) for x in leaves):
-        return mx.nd.array(np.concatenate(leaves), ctx=ctx, dtype=first.dtype)
+        return to_device(np.concatenate(leaves), ctx)
     sources, positions, index = [], {}, []
     offset = 0
     for leaf in leaves:
         if type(leaf) is LazyValue:
             array, row = leaf._node.arrays[leaf._index], leaf._node.row
         elif isinstance(leaf, np.ndarray):
-            array, row = mx.nd.array(leaf, ctx=ctx, dtype=leaf.dtype), 0
+            array, row = to_device(leaf, ctx), 0
         else:
             array, row = leaf, 0
         start = positions.get(id(array))
@@ -71,4 +71,12 @@ def gather(leaves, ctx):
 
 
 def _take(array, index, ctx):
-    return mx.nd.take(array, mx.nd.array(index, ctx=ctx, dtype='int32'))
+    return mx.nd.take(array, to_device(np.asarray(index, dtype='int32'), ctx))
+
+
+def to_device(host, ctx):
+    """Copy a numpy array into a new NDArray on ``ctx`` (``mx.nd.array``
+    without its per-call type checks, which cost more than the copy)."""
+    array = mx.nd.empty(host.shape, ctx=ctx, dtype=host.dtype)
+    array._sync_copyfrom(host)
+    return array

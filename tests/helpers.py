@@ -1,0 +1,85 @@
+"""Shared test helpers: random trees, and the batched-vs-per-sample check."""
+import mxnet as mx
+import numpy as np
+from mxnet import autograd
+
+import gluon_dynbatch as dyb
+
+
+class Tree:
+    __slots__ = ('idx', 'children')
+
+    def __init__(self, idx, children=None):
+        self.idx = idx
+        self.children = children or []
+
+
+def random_tree(rng, size, max_arity=8):
+    """A random tree of ``size`` nodes with at most ``max_arity`` children."""
+    nodes = [Tree(0)]
+    for i in range(1, size):
+        candidates = [n for n in nodes if len(n.children) < max_arity]
+        child = Tree(i)
+        candidates[rng.randint(len(candidates))].children.append(child)
+        nodes.append(child)
+    return nodes[0]
+
+
+def tree_from_parents(parents):
+    """Tree from 0-based parent indices (-1 = root), nodes numbered 0..n-1."""
+    nodes = [Tree(i) for i in range(len(parents))]
+    root = None
+    for i, p in enumerate(parents):
+        if p < 0:
+            root = nodes[i]
+        else:
+            nodes[p].children.append(nodes[i])
+    return root
+
+
+def param_grads(*blocks):
+    out = {}
+    for block in blocks:
+        for name, param in block.collect_params().items():
+            if param.grad_req != 'null':
+                out[name] = param.grad().asnumpy().copy()
+    return out
+
+
+def run_both(forward, blocks, inputs=(), strategy='depth'):
+    """Run ``forward(batched)`` per sample and batched under autograd.
+
+    ``forward`` returns a list of output NDArrays (batched: ``.data`` of lazy
+    values is taken here).  Returns ``[(outputs, grads, input_grads)]`` for the
+    per-sample run and the batched run, with a fixed random weighting of the
+    outputs as the loss so that every output row matters."""
+    results = []
+    for batched in (False, True):
+        for x in inputs:
+            x.attach_grad()
+        with autograd.record():
+            if batched:
+                with dyb.batching(strategy):
+                    outs = forward()
+                outs = [o.data if isinstance(o, dyb.LazyValue) else o for o in outs]
+            else:
+                outs = forward()
+            rng = np.random.RandomState(1)
+            loss = sum((o * mx.nd.array(rng.uniform(-1, 1, o.shape))).sum() for o in outs)
+        loss.backward()
+        results.append(([o.asnumpy() for o in outs], param_grads(*blocks),
+                        [x.grad.asnumpy().copy() for x in inputs]))
+    return results
+
+
+def assert_same(results, rtol=1e-4, atol=1e-5):
+    (out_a, grad_a, in_a), (out_b, grad_b, in_b) = results
+    assert len(out_a) == len(out_b)
+    for a, b in zip(out_a, out_b):
+        np.testing.assert_allclose(b, a, rtol=rtol, atol=atol)
+    assert grad_a.keys() == grad_b.keys()
+    for name in grad_a:
+        np.testing.assert_allclose(grad_b[name], grad_a[name], rtol=rtol, atol=atol,
+                                   err_msg=name)
+    for a, b in zip(in_a, in_b):
+        np.testing.assert_allclose(b, a, rtol=rtol, atol=atol)

@@ -1,0 +1,237 @@
+"""Behaviour of the user-facing API: laziness, scopes, plans, parameters,
+and the errors each misuse gets."""
+import mxnet as mx
+import numpy as np
+import pytest
+from mxnet import autograd, gluon
+from mxnet.gluon import nn
+
+import gluon_dynbatch as dyb
+from gluon_dynbatch.models import ChildSumTreeLSTMCell
+
+from helpers import random_tree
+
+
+def dense(units=3, in_units=3):
+    block = dyb.DynBatchBlock(nn.Dense(units, in_units=in_units))
+    block.initialize(mx.init.Uniform(0.5))
+    return block
+
+
+def test_recording_is_lazy_and_knows_shapes():
+    block = dense(4)
+    dyb.reset_stats()
+    with dyb.batching():
+        y = block(mx.nd.ones((1, 3)))
+        assert isinstance(y, dyb.LazyValue) and not y.ready
+        assert y.shape == (1, 4) and y.dtype == np.float32
+        assert dyb.stats()['flushes'] == 0
+    assert y.ready and y.data.shape == (1, 4)
+    assert dyb.stats()['flushes'] == 1
+
+
+def test_reading_a_value_flushes_and_recording_goes_on():
+    """Data-dependent control flow: read a value mid-scope, branch on it."""
+    block = dense()
+    xs = [mx.nd.random.uniform(-1, 1, (1, 3)) for _ in range(4)]
+    expected = []
+    for x in xs:
+        y = block(x)
+        expected.append((block(y) if y.sum().asscalar() > 0 else block(block(y))).asnumpy())
+    with dyb.batching():
+        got = []
+        for x in xs:
+            y = block(x)
+            got.append(block(y) if y.asnumpy().sum() > 0 else block(block(y)))
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g.asnumpy(), e, rtol=1e-5, atol=1e-6)
+
+
+def test_outside_a_scope_the_block_is_the_wrapped_block():
+    inner = nn.Dense(3, in_units=3)
+    block = dyb.DynBatchBlock(inner)
+    block.initialize()
+    x = mx.nd.ones((2, 3))
+    np.testing.assert_allclose(block(x).asnumpy(), inner(x).asnumpy())
+    block.hybridize()
+    assert isinstance(block(x), mx.nd.NDArray)
+    np.testing.assert_allclose(block(x).asnumpy(), inner(x).asnumpy())
+
+
+def test_parameters_are_shared_and_files_interchange(tmp_path):
+    inner = ChildSumTreeLSTMCell(4, 3)
+    wrapped = dyb.DynBatchBlock(inner)
+    wrapped.initialize()
+    assert wrapped.collect_params().keys() == inner.collect_params().keys()
+    wrapped.save_parameters(str(tmp_path / 'w.params'))
+    other = ChildSumTreeLSTMCell(4, 3)
+    other.load_parameters(str(tmp_path / 'w.params'))
+    for a, b in zip(inner.collect_params().values(), other.collect_params().values()):
+        np.testing.assert_array_equal(a.data().asnumpy(), b.data().asnumpy())
+    inner.save_parameters(str(tmp_path / 'i.params'))
+    again = dyb.DynBatchBlock(ChildSumTreeLSTMCell(4, 3))
+    again.load_parameters(str(tmp_path / 'i.params'))
+
+
+def test_deferred_initialization_happens_at_trace_time():
+    block = dyb.DynBatchBlock(nn.Dense(5))   # in_units unknown until the first call
+    block.initialize()
+    x = mx.nd.ones((1, 7))
+    with dyb.batching():
+        y = block(x)
+    assert block.block.weight.shape == (5, 7)
+    np.testing.assert_allclose(y.asnumpy(), block.block(x).asnumpy(), rtol=1e-6)
+
+
+def test_trainer_step_after_batched_backward():
+    block = dense()
+    trainer = gluon.Trainer(block.collect_params(), 'adagrad', {'learning_rate': 0.1})
+    before = block.block.weight.data().asnumpy().copy()
+    with autograd.record():
+        with dyb.batching():
+            ys = [block(mx.nd.ones((1, 3)) * i) for i in range(3)]
+        loss = mx.nd.concat(*[y.data for y in ys], dim=0).sum()
+    loss.backward()
+    trainer.step(3)
+    assert not np.allclose(before, block.block.weight.data().asnumpy())
+
+
+def test_steps_per_flush_at_most_depth_times_signatures():
+    """Depth grouping: one batched call per (depth, signature) present."""
+    cell = dyb.DynBatchBlock(ChildSumTreeLSTMCell(4, 3))
+    cell.initialize()
+    rng = np.random.RandomState(5)
+    trees = [random_tree(rng, rng.randint(1, 20), max_arity=4) for _ in range(10)]
+
+    def enc(t):
+        ch = [enc(c) for c in t.children]
+        return cell(mx.nd.ones((1, 3)), [h for h, _ in ch], [c for _, c in ch])
+    dyb.reset_stats()
+    with dyb.batching() as scope:
+        for t in trees:
+            enc(t)
+        pending = list(scope.pending)
+        plan = dyb.ByDepth().plan(pending)
+        expected_steps = len({(n.depth, n.sig.sig_id) for n in pending})
+    last = dyb.stats()['last']
+    assert last['steps'] == len(plan.steps) == expected_steps
+    assert last['nodes'] == sum(t_size for t_size in plan.batch_sizes()) == len(pending)
+    depth = 1 + max(n.depth for n in pending)
+    assert last['steps'] <= depth * len(cell.signatures())
+    assert max(last['batch_sizes']) > 1
+
+
+def test_plan_orders_every_producer_before_its_users():
+    cell = dyb.DynBatchBlock(ChildSumTreeLSTMCell(4, 3))
+    cell.initialize()
+    rng = np.random.RandomState(2)
+
+    def enc(t):
+        ch = [enc(c) for c in t.children]
+        return cell(mx.nd.ones((1, 3)), [h for h, _ in ch], [c for _, c in ch])
+    with dyb.batching('per-sample') as scope:
+        for _ in range(6):
+            enc(random_tree(rng, rng.randint(1, 15), max_arity=5))
+        nodes = list(scope.pending)
+        for strategy in (dyb.ByDepth(), dyb.Agenda(), dyb.PerSample()):
+            plan = strategy.plan(nodes)
+            position = {id(n): i for i, step in enumerate(plan.steps) for n in step.nodes}
+            assert sorted(position) == sorted(id(n) for n in nodes)
+            for node in nodes:
+                for producer in node.producers():
+                    assert position[id(producer)] < position[id(node)]
+            assert all(len({n.sig.sig_id for n in step.nodes}) == 1 for step in plan.steps)
+        assert 'Plan(agenda' in str(dyb.Agenda().plan(nodes))
+
+
+def test_debug_output(capsys, monkeypatch):
+    monkeypatch.setenv('DYNBATCH_DEBUG', '2')
+    block = dense()
+    with dyb.batching():
+        block(block(mx.nd.ones((1, 3))))
+    err = capsys.readouterr().err
+    assert '[dynbatch] flush: 2 nodes -> 2 steps' in err and 'Plan(depth' in err
+
+
+# --- errors ----------------------------------------------------------------
+
+def test_error_lazy_value_after_failed_scope():
+    block = dense()
+    with pytest.raises(RuntimeError):
+        with dyb.batching():
+            y = block(mx.nd.ones((1, 3)))
+            raise RuntimeError('user code failed')
+    with pytest.raises(dyb.LazyValueError, match='failed'):
+        y.data
+    with dyb.batching():                      # the next scope works normally
+        with pytest.raises(dyb.LazyValueError):
+            block(y)
+        z = block(mx.nd.ones((1, 3)))
+    assert z.shape == (1, 3) and z.asnumpy().shape == (1, 3)
+
+
+def test_error_nested_scopes():
+    with dyb.batching():
+        with pytest.raises(dyb.ScopeError, match='do not nest'):
+            with dyb.batching():
+                pass
+    with dyb.batching():                      # still usable afterwards
+        pass
+
+
+def test_error_unknown_strategy():
+    with pytest.raises(dyb.ScopeError, match='unknown strategy'):
+        with dyb.batching('fastest'):
+            pass
+
+
+def test_error_non_array_argument_names_block_and_argument():
+    cell = dyb.DynBatchBlock(ChildSumTreeLSTMCell(4, 3))
+    cell.initialize()
+    with dyb.batching():
+        with pytest.raises(dyb.InputError, match=r'childsumtreelstmcell\d+.*#1\[0\].*int'):
+            cell(mx.nd.ones((1, 3)), [3], [mx.nd.ones((1, 4))])
+
+
+def test_error_mixed_dtypes():
+    block = dyb.DynBatchBlock(ChildSumTreeLSTMCell(4, 3))
+    block.initialize()
+    with dyb.batching():
+        with pytest.raises(dyb.InputError, match='float64.*float32|dtype'):
+            block(mx.nd.ones((1, 3)), [mx.nd.ones((1, 4), dtype='float64')],
+                  [mx.nd.ones((1, 4))])
+
+
+def test_error_mixed_contexts():
+    block = dyb.DynBatchBlock(ChildSumTreeLSTMCell(4, 3))
+    block.initialize()
+    with dyb.batching():
+        with pytest.raises(dyb.InputError, match='context'):
+            block(mx.nd.ones((1, 3), ctx=mx.cpu(0)), [mx.nd.ones((1, 4), ctx=mx.cpu(1))],
+                  [mx.nd.ones((1, 4))])
+
+
+def test_error_missing_batch_axis():
+    block = dense()
+    with dyb.batching():
+        with pytest.raises(dyb.InputError, match=r'shape \(3,\).*leading batch axis of 1'):
+            block(mx.nd.ones((3,)))
+
+
+def test_error_shapes_contradict_the_block():
+    block = dense(3, in_units=3)
+    with dyb.batching():
+        with pytest.raises(dyb.InputError, match=r'dense\d+.*\(1, 5\)'):
+            block(mx.nd.ones((1, 5)))
+
+
+def test_error_uninitialized_parameters():
+    block = dyb.DynBatchBlock(nn.Dense(3, in_units=3))
+    with dyb.batching():
+        with pytest.raises(dyb.DynBatchError, match='initialize'):
+            block(mx.nd.ones((1, 3)))
+
+
+def test_error_wrapping_a_non_hybrid_block():
+    with pytest.raises(dyb.InputError, match='HybridBlock'):
+        dyb.DynBatchBlock(gluon.Block())

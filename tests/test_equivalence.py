@@ -1,0 +1,218 @@
+"""Batched execution equals per-sample execution, forward and gradients."""
+import mxnet as mx
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+from mxnet import gluon
+from mxnet.gluon import nn
+
+import gluon_dynbatch as dyb
+from gluon_dynbatch.models import ChildSumTreeLSTMCell, Similarity, TreeLSTMNode
+
+from helpers import Tree, assert_same, random_tree, run_both, tree_from_parents
+
+STRATEGIES = ['depth', 'agenda', 'per-sample']
+
+
+def make_tree_model(hidden=6, embed=5, vocab=40):
+    node = dyb.DynBatchBlock(TreeLSTMNode(vocab, embed, hidden))
+    head = dyb.DynBatchBlock(Similarity(4, 5, in_units=hidden))
+    node.initialize(mx.init.Uniform(0.5))
+    head.initialize(mx.init.Uniform(0.5))
+    return node, head
+
+
+def encode(node, tree, ids):
+    children = [encode(node, c, ids) for c in tree.children]
+    return node(ids[tree.idx:tree.idx + 1], [h for h, _ in children], [c for _, c in children])
+
+
+def pair_forward(node, head, pairs):
+    def forward():
+        return [head(encode(node, a, ia)[0], encode(node, b, ib)[0]) for a, ia, b, ib in pairs]
+    return forward
+
+
+def random_pairs(rng, n, max_size=15, max_arity=8, vocab=40):
+    pairs = []
+    for _ in range(n):
+        sizes = rng.randint(1, max_size + 1, size=2)
+        ids = [rng.randint(vocab, size=(s,)).astype('float32') for s in sizes]
+        pairs.append((random_tree(rng, sizes[0], max_arity), ids[0],
+                      random_tree(rng, sizes[1], max_arity), ids[1]))
+    return pairs
+
+
+@pytest.mark.parametrize('strategy', STRATEGIES)
+def test_tree_lstm_random_pairs(strategy):
+    node, head = make_tree_model()
+    pairs = random_pairs(np.random.RandomState(3), 8)
+    assert_same(run_both(pair_forward(node, head, pairs), [node, head], strategy=strategy))
+
+
+def test_tree_lstm_on_sick_trees():
+    sick = pytest.importorskip('gluon_dynbatch.data.sick')
+    try:
+        data_dir = sick.find_sick_dir()
+    except FileNotFoundError:
+        pytest.skip('SICK data not found')
+    pairs = sick.load_split(data_dir, 'dev', limit=12)
+    vocab = sick.build_vocab([pairs])
+    sick.index_pairs(pairs, vocab)
+    node, head = make_tree_model(vocab=len(vocab))
+    batch = [(p.a_tree, p.a_ids.astype('float32'), p.b_tree, p.b_ids.astype('float32'))
+             for p in pairs]
+    assert_same(run_both(pair_forward(node, head, batch), [node, head]))
+
+
+@st.composite
+def trees(draw):
+    """Random trees: depth 1..15, arity 0..8."""
+    depth = draw(st.integers(1, 15))
+    spine = [0] + list(range(depth - 1))          # parent of node i on the spine
+    parents = [-1] + spine[1:]
+    levels = list(range(depth))
+    extra = draw(st.integers(0, 25))
+    arity = [0] * depth
+    for i in range(1, depth):
+        arity[parents[i]] += 1
+    for _ in range(extra):
+        candidates = [i for i in range(len(parents)) if levels[i] < depth - 1 and arity[i] < 8]
+        if not candidates:
+            break
+        p = draw(st.sampled_from(candidates))
+        parents.append(p)
+        levels.append(levels[p] + 1)
+        arity.append(0)
+        arity[p] += 1
+    return tree_from_parents(parents), len(parents)
+
+
+@given(st.lists(trees(), min_size=1, max_size=4))
+def test_tree_lstm_hypothesis_trees(tree_list):
+    cell = dyb.DynBatchBlock(ChildSumTreeLSTMCell(5, 4))
+    cell.initialize(mx.init.Uniform(0.5))
+    emb = mx.nd.random.uniform(-1, 1, shape=(max(n for _, n in tree_list), 4))
+
+    def enc(tree):
+        children = [enc(c) for c in tree.children]
+        return cell(emb[tree.idx:tree.idx + 1], [h for h, _ in children],
+                    [c for _, c in children])
+
+    def forward():
+        return [out for tree, _ in tree_list for out in enc(tree)]
+    assert_same(run_both(forward, [cell], inputs=[emb]))
+
+
+@pytest.mark.parametrize('strategy', STRATEGIES)
+def test_lstm_chains_of_different_lengths(strategy):
+    """gluon's own LSTMCell over ragged sequences, feeding a common head."""
+    lstm = dyb.DynBatchBlock(gluon.rnn.LSTMCell(6, input_size=3))
+    head = dyb.DynBatchBlock(nn.Dense(2, in_units=6))
+    lstm.initialize(mx.init.Uniform(0.5))
+    head.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(0)
+    seqs = [mx.nd.array(rng.uniform(-1, 1, (n, 3))) for n in (1, 4, 7, 2, 9)]
+
+    def forward():
+        outs = []
+        for seq in seqs:
+            state = [mx.nd.zeros((1, 6)), mx.nd.zeros((1, 6))]
+            for t in range(seq.shape[0]):
+                out, state = lstm(seq[t:t + 1], state)
+            outs.append(head(out))
+        return outs
+    assert_same(run_both(forward, [lstm, head], inputs=seqs, strategy=strategy))
+
+
+class TwoOutputs(gluon.HybridBlock):
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.dense = nn.Dense(4, in_units=4)
+
+    def hybrid_forward(self, F, x, y):
+        z = self.dense(x) * y
+        return F.tanh(z), F.relu(z) + x
+
+
+@pytest.mark.parametrize('strategy', STRATEGIES)
+def test_dag_shared_values_and_several_outputs(strategy):
+    """One lazy value feeds several calls; a block returns two outputs."""
+    block = dyb.DynBatchBlock(TwoOutputs())
+    block.initialize(mx.init.Uniform(0.5))
+    xs = [mx.nd.random.uniform(-1, 1, (1, 4)) for _ in range(3)]
+
+    def forward():
+        outs = []
+        for x in xs:
+            a, b = block(x, x)
+            c, d = block(a, b)          # a and b each feed two calls
+            e, f = block(a, c)
+            g, h = block(d, e)
+            outs += [f, g, h, b]
+        return outs
+    assert_same(run_both(forward, [block], inputs=xs, strategy=strategy))
+
+
+class AcrossBatch(gluon.HybridBlock):
+    """Normalises over axis 0: correct per sample, wrong if rows were merged."""
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.dense = nn.Dense(3, in_units=3)
+
+    def hybrid_forward(self, F, x):
+        y = self.dense(x)
+        return F.broadcast_sub(y, F.mean(y, axis=0, keepdims=True)) + y
+
+
+def test_mix_of_batch_safe_and_per_sample_blocks():
+    safe = dyb.DynBatchBlock(nn.Dense(3, in_units=3))
+    unsafe = dyb.DynBatchBlock(AcrossBatch())
+    safe.initialize(mx.init.Uniform(0.5))
+    unsafe.initialize(mx.init.Uniform(0.5))
+    xs = [mx.nd.random.uniform(-1, 1, (1, 3)) for _ in range(4)]
+
+    def forward():
+        return [safe(unsafe(safe(x))) for x in xs]
+    dyb.reset_stats()
+    assert_same(run_both(forward, [safe, unsafe], inputs=xs))
+    sig = unsafe.signatures()[0]
+    assert not sig.batch_safe and 'mean' in sig.reason
+    assert dyb.stats()['last']['per_sample_nodes'] == 4
+    assert safe.signatures()[0].batch_safe
+
+
+def test_numeric_gradient_of_batched_graph():
+    """Finite differences (float64) agree with backward through the batched run."""
+    cell = dyb.DynBatchBlock(ChildSumTreeLSTMCell(3, 2))
+    cell.initialize(mx.init.Uniform(0.5))
+    cell.cast('float64')
+    x = mx.nd.random.uniform(-1, 1, (5, 2), dtype='float64')
+    tree = tree_from_parents([-1, 0, 0, 1, 1])
+    weights = mx.nd.array(np.random.RandomState(0).uniform(-1, 1, (1, 3)), dtype='float64')
+
+    def loss_of(inputs):
+        def enc(t):
+            ch = [enc(c) for c in t.children]
+            return cell(inputs[t.idx:t.idx + 1], [h for h, _ in ch], [c for _, c in ch])
+        with dyb.batching():
+            h, _ = enc(tree)
+        return (h.data * weights).sum()
+
+    x.attach_grad()
+    with mx.autograd.record():
+        loss = loss_of(x)
+    loss.backward()
+    analytic = x.grad.asnumpy()
+    numeric = np.zeros_like(analytic)
+    base = x.asnumpy()
+    eps = 1e-6
+    for idx in np.ndindex(base.shape):
+        for sign in (1, -1):
+            shifted = base.copy()
+            shifted[idx] += sign * eps
+            numeric[idx] += sign * loss_of(mx.nd.array(shifted, dtype='float64')).asscalar()
+    numeric /= 2 * eps
+    np.testing.assert_allclose(analytic, numeric, rtol=1e-5, atol=1e-8)
