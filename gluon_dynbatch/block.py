@@ -17,7 +17,7 @@ from mxnet.gluon import Block
 
 from . import debug
 from .errors import InputError, ScopeError
-from .execute import run_plan
+from .execute import pad_leaves, run_plan
 from .graph import FAILED, PENDING, LazyValue, Node
 from .plan import STRATEGIES, ByDepth
 from .trace import flatten, regroup, trace_signature
@@ -27,6 +27,7 @@ __all__ = ['DynBatchBlock', 'batching', 'current_scope']
 NDArray = mx.nd.NDArray
 _LOCAL = threading.local()
 _SIG_IDS = itertools.count()
+_FAMILY_IDS = {}
 
 
 def current_scope():
@@ -185,6 +186,42 @@ def _leaf_path(fmt, index):
     return walk(fmt, '') or '#%d' % index
 
 
+def _leaf_shape(sig, item, elem=0):
+    """Per-sample shape of top-level argument ``item`` (element ``elem`` of
+    it, for a list) of ``sig``."""
+    pos = sum(1 if x == 0 else len(x) for x in sig.fmt[:item])
+    return sig.in_shapes[pos + elem]
+
+
+def check_padding_is_neutral(dblock, sig, padded):
+    """Run the block once on random inputs with the lists of ``sig`` and once
+    padded with zeros to ``padded``; raise unless the outputs agree."""
+    rng = np.random.RandomState(0)
+    dtype = sig.key[-2]
+    leaves = [mx.nd.array(rng.uniform(-1, 1, shape), ctx=sig.ctx, dtype=dtype)
+              for shape in sig.in_shapes]
+    zero = {}
+    def zeros(shape):
+        if shape not in zero:
+            zero[shape] = mx.nd.zeros(shape, ctx=sig.ctx, dtype=dtype)
+        return zero[shape]
+    longer = pad_leaves(sig.fmt, leaves, padded.fmt,
+                        lambda item: zeros(_leaf_shape(padded, item)))
+    with mx.autograd.pause():
+        short_out = dblock.block(*regroup(sig.fmt, leaves)[0])
+        long_out = dblock.block(*regroup(padded.fmt, longer)[0])
+    flat_short, flat_long = [], []
+    flatten([short_out], flat_short)
+    flatten([long_out], flat_long)
+    for a, b in zip(flat_short, flat_long):
+        if not np.allclose(a.asnumpy(), b.asnumpy(), rtol=1e-5, atol=1e-6):
+            raise InputError(
+                'block %s declares pad_lists, but padding its list arguments with zeros from '
+                '%s to %s changes its output. Pass pad_lists=False to DynBatchBlock (calls of '
+                'different list lengths then run as separate groups).'
+                % (dblock.block.name, sig.fmt, padded.fmt))
+
+
 def _materialize(args):
     """Arguments for the wrapped block outside a scope: lazy values become
     their NDArrays and host numpy arrays become NDArrays."""
@@ -205,18 +242,36 @@ class DynBatchBlock(Block):
     """Wrap a Gluon ``HybridBlock`` so that per-sample calls inside a
     :func:`batching` scope are recorded and run batched.
 
+    Parameters
+    ----------
+    block : HybridBlock
+        The per-sample block.  Its symbol decides batch safety (see
+        :mod:`gluon_dynbatch.rules`).
+    pad_lists : bool, optional
+        Declares that appending zero rows to the block's list arguments leaves
+        its outputs unchanged (true of sums over children, as in the child-sum
+        Tree-LSTM; false of means).  Calls that differ only in list lengths
+        may then run as one batched call, their lists padded with zeros.  The
+        claim is checked numerically once per padded shape.  Defaults to the
+        block's ``dynbatch_pad_lists`` attribute, else False.
+
     Parameters are the wrapped block's own: ``collect_params``,
     ``initialize``, ``save_parameters`` and ``load_parameters`` act on it
     with the same names, so files move freely between the two.
     """
 
-    def __init__(self, block, prefix=None):
+    def __init__(self, block, pad_lists=None, prefix=None):
         if not isinstance(block, mx.gluon.HybridBlock):
             raise InputError('DynBatchBlock wraps a gluon HybridBlock (it traces the block\'s '
                              'hybrid_forward symbolically); got %s.' % type(block).__name__)
         super().__init__(prefix=prefix)
         self.block = block
+        if pad_lists is None:
+            pad_lists = getattr(block, 'dynbatch_pad_lists', False)
+        self.pad_lists = pad_lists
         self._signatures = {}
+        self._families = {}
+        self._pad_checked = set()
 
     def __call__(self, *args):
         scope = current_scope()
@@ -238,8 +293,55 @@ class DynBatchBlock(Block):
                     % (self.block.name, _leaf_path(fmt, pos), shape))
         with ctx:
             sig = trace_signature(next(_SIG_IDS), self.block, fmt, shapes, dtypes)
-        sig.ctx = ctx
+        sig.ctx, sig.fmt, sig.dblock, sig.in_shapes, sig.key = ctx, fmt, self, shapes, key
+        sig.group_key = self._family_id(key, fmt) if sig.batch_safe else -1 - sig.sig_id
         self._signatures[key] = sig
+        return sig
+
+    def _family_id(self, key, fmt):
+        """Calls with equal family ids may merge.  With ``pad_lists`` the
+        family is the signature with list lengths forgotten (flat lists whose
+        leaves share one shape); otherwise it is the signature itself."""
+        family = key
+        if self.pad_lists and all(item == 0 or set(item) == {0} for item in fmt):
+            shapes, pos, parts = key[1:-2], 0, []
+            for item in fmt:
+                width = 1 if item == 0 else len(item)
+                elems = set(shapes[pos:pos + width])
+                pos += width
+                if len(elems) > 1:
+                    parts = None
+                    break
+                parts.append(shapes[pos - 1] if item == 0 else ('list', min(elems, default=None)))
+            if parts is not None:
+                family = (tuple(0 if item == 0 else 'list' for item in fmt),) + tuple(parts) \
+                    + key[-2:]
+        return _FAMILY_IDS.setdefault((id(self), family), len(_FAMILY_IDS))
+
+    def padded_signature(self, sigs):
+        """The signature that runs calls of ``sigs`` (one family) together:
+        each list argument padded to its longest length in the group."""
+        first = sigs[0]
+        lengths = [max(len(s.fmt[i]) for s in sigs) if item != 0 else 0
+                   for i, item in enumerate(first.fmt)]
+        fmt, shapes = [], []
+        for i, item in enumerate(first.fmt):
+            if item == 0:
+                fmt.append(0)
+                shapes.append(_leaf_shape(first, i))
+            else:
+                fmt.append((0,) * lengths[i])
+                shape = next(_leaf_shape(s, i, 0) for s in sigs if len(s.fmt[i]))
+                shapes += [shape] * lengths[i]
+        fmt = tuple(fmt)
+        key = (fmt,) + tuple(shapes) + first.key[-2:]
+        sig = self._signatures.get(key)
+        if sig is None:
+            sig = self._trace(key, fmt, None, first.ctx)
+        for other in sigs:
+            if other is not sig and (other.key, key) not in self._pad_checked:
+                check_padding_is_neutral(self, other, sig)
+                self._pad_checked.add((other.key, key))
         return sig
 
     def signatures(self):

@@ -9,7 +9,9 @@ only iterates over it.  Strategies turn a list of pending nodes into a plan:
   signature whose calls have the lowest average depth.  It merges work that
   depth misaligns, e.g. chains of different lengths feeding a common head.
 
-Calls whose signature is not batch-safe always run one per step.
+Calls whose signature is not batch-safe always run one per step.  Calls are
+grouped by their signature's ``group_key``: the signature itself, or its
+family when the block allows zero-padded lists (``pad_lists``).
 """
 from collections import defaultdict
 from dataclasses import dataclass
@@ -45,6 +47,15 @@ class Plan:
         return '\n'.join(lines)
 
 
+def make_step(nodes):
+    """A step over ``nodes`` of one family; mixed list lengths run under the
+    padded signature."""
+    sig = nodes[0].sig
+    if any(node.sig is not sig for node in nodes):
+        sig = sig.dblock.padded_signature(list({id(n.sig): n.sig for n in nodes}.values()))
+    return BatchStep(sig, nodes)
+
+
 class Strategy:
     """Interface: ``plan(nodes) -> Plan`` for nodes in recording order."""
     name = 'strategy'
@@ -70,12 +81,12 @@ class ByDepth(Strategy):
         steps = []
         for node in nodes:
             if node.sig.batch_safe:
-                groups[(node.depth, node.sig.sig_id)].append(node)
+                groups[(node.depth, node.sig.group_key)].append(node)
             else:
-                steps.append((node.depth, -1, (node,)))
-        steps += [(depth, sig_id, tuple(group)) for (depth, sig_id), group in groups.items()]
+                steps.append((node.depth, node.sig.group_key, (node,)))
+        steps += [(depth, key, tuple(group)) for (depth, key), group in groups.items()]
         steps.sort(key=lambda item: (item[0], item[1]))
-        return Plan(self.name, tuple(BatchStep(group[0].sig, group) for _, _, group in steps))
+        return Plan(self.name, tuple(make_step(group) for _, _, group in steps))
 
 
 class Agenda(Strategy):
@@ -97,11 +108,11 @@ class Agenda(Strategy):
         while ready:
             key = min(ready, key=lambda k: (depth_sum[k] / count[k], k))
             group = ready.pop(key)
-            if key[0] == -1:  # not batch-safe: one call, the rest stay ready
+            if key < 0:  # not batch-safe: one call, the rest stay ready
                 group, rest = group[:1], group[1:]
                 if rest:
                     ready[key] = rest
-            steps.append(BatchStep(group[0].sig, tuple(group)))
+            steps.append(make_step(tuple(group)))
             for node in group:
                 for user in users.get(node, ()):
                     waiting[user] -= 1
@@ -111,7 +122,7 @@ class Agenda(Strategy):
 
     @staticmethod
     def _key(node):
-        return (node.sig.sig_id if node.sig.batch_safe else -1, node.sig.sig_id)
+        return node.sig.group_key
 
     @staticmethod
     def _dependencies(nodes):

@@ -67,15 +67,9 @@ class TracedSignature:
         self.param_slots = [(i, by_name[n]) for i, n in enumerate(self.input_names)
                             if n not in data_names]
         self.data_slots = [self.input_names.index(n) for n in data_names]
-        self._cached_op = None
-
-    @property
-    def cached_op(self):
-        """The block's per-sample symbol compiled once; row-wise symbols
-        accept any batch size, so one CachedOp serves every group size."""
-        if self._cached_op is None:
-            self._cached_op = mx.nd.CachedOp(self.symbol)
-        return self._cached_op
+        # compiled step programs by gather pattern (see lower.py); row-wise
+        # symbols accept any batch size, so one program serves every N
+        self.programs = {}
 
     def describe(self):
         shapes = ', '.join(str(s) for s in self.out_shapes)

@@ -14,8 +14,8 @@ from helpers import Tree, assert_same, random_tree, run_both, tree_from_parents
 STRATEGIES = ['depth', 'agenda', 'per-sample']
 
 
-def make_tree_model(hidden=6, embed=5, vocab=40):
-    node = dyb.DynBatchBlock(TreeLSTMNode(vocab, embed, hidden))
+def make_tree_model(hidden=6, embed=5, vocab=40, pad_lists=None):
+    node = dyb.DynBatchBlock(TreeLSTMNode(vocab, embed, hidden), pad_lists=pad_lists)
     head = dyb.DynBatchBlock(Similarity(4, 5, in_units=hidden))
     node.initialize(mx.init.Uniform(0.5))
     head.initialize(mx.init.Uniform(0.5))
@@ -44,10 +44,32 @@ def random_pairs(rng, n, max_size=15, max_arity=8, vocab=40):
 
 
 @pytest.mark.parametrize('strategy', STRATEGIES)
-def test_tree_lstm_random_pairs(strategy):
-    node, head = make_tree_model()
+@pytest.mark.parametrize('pad_lists', [True, False])
+def test_tree_lstm_random_pairs(strategy, pad_lists):
+    node, head = make_tree_model(pad_lists=pad_lists)
     pairs = random_pairs(np.random.RandomState(3), 8)
     assert_same(run_both(pair_forward(node, head, pairs), [node, head], strategy=strategy))
+
+
+class MeanOfChildren(gluon.HybridBlock):
+    """Padding its list with zeros would change the mean: must be refused."""
+    dynbatch_pad_lists = True
+
+    def hybrid_forward(self, F, x, children):
+        if not children:
+            return x
+        return x + F.add_n(*children) / len(children) if len(children) > 1 else x + children[0]
+
+
+def test_wrong_pad_lists_claim_is_caught():
+    block = dyb.DynBatchBlock(MeanOfChildren())
+    x = mx.nd.ones((1, 2))
+    with pytest.raises(dyb.InputError, match='pad_lists'):
+        with dyb.batching():
+            a = block(x, [x])
+            b = block(x, [x])
+            block(x, [a])
+            block(x, [a, b])
 
 
 def test_tree_lstm_on_sick_trees():

@@ -28,7 +28,12 @@ class ChildSumTreeLSTMCell(HybridBlock):
     each ``(1, hidden_size)`` (empty lists for a leaf), and returns ``(h, c)``.
     As in Tai et al., ``i``, ``o`` and ``u`` read the sum of the children's
     hidden states and each child has its own forget gate.
+
+    Zero children add nothing to either sum, so the cell sets
+    ``dynbatch_pad_lists``: nodes of different arity may run as one batched
+    call with their child lists padded with zeros.
     """
+    dynbatch_pad_lists = True
 
     def __init__(self, hidden_size, input_size=0, prefix=None, params=None):
         super().__init__(prefix=prefix, params=params)
@@ -68,6 +73,7 @@ class TreeLSTMNode(HybridBlock):
     whole flush to the device at once (host data) and look them up with one
     ``Embedding`` op, instead of one slicing op per node.
     """
+    dynbatch_pad_lists = True
 
     def __init__(self, vocab_size, embed_size=300, hidden_size=150, prefix=None, params=None):
         super().__init__(prefix=prefix, params=params)
