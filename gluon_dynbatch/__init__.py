@@ -10,10 +10,12 @@ from .block import DynBatchBlock, batching, current_scope
 from .debug import reset_stats, stats
 from .errors import DynBatchError, InputError, LazyValueError, ScopeError
 from .graph import LazyValue
-from .plan import STRATEGIES, Agenda, BatchStep, ByDepth, Plan, PerSample
+from .plan import STRATEGIES, Agenda, BatchStep, ByDepth, CachedPlan, Plan, PerSample, Strategy
+from .cost import Auto, CostModel, default_cost_model
 from .rules import register_batching_rule
 
 __all__ = ['DynBatchBlock', 'batching', 'current_scope', 'stats', 'reset_stats',
            'DynBatchError', 'InputError', 'LazyValueError', 'ScopeError', 'LazyValue',
-           'Plan', 'BatchStep', 'PerSample', 'ByDepth', 'Agenda', 'STRATEGIES',
+           'Plan', 'BatchStep', 'Strategy', 'PerSample', 'ByDepth', 'Agenda', 'CachedPlan',
+           'Auto', 'CostModel', 'default_cost_model', 'STRATEGIES',
            'register_batching_rule']

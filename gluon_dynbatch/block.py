@@ -19,10 +19,10 @@ from . import debug
 from .errors import InputError, ScopeError
 from .execute import pad_leaves, run_plan
 from .graph import FAILED, PENDING, LazyValue, Node
-from .plan import STRATEGIES, ByDepth
+from .plan import STRATEGIES
 from .trace import flatten, regroup, trace_signature
 
-__all__ = ['DynBatchBlock', 'batching', 'current_scope']
+__all__ = ['DynBatchBlock', 'batching', 'current_scope', 'private_scope']
 
 NDArray = mx.nd.NDArray
 _LOCAL = threading.local()
@@ -42,6 +42,8 @@ class BatchingScope:
         self.strategy = strategy
         self.pending = []
         self.record_s = 0.0
+        self.groups = {}     # (depth, family) -> calls: what depth grouping will make
+        self.unsafe = 0      # calls that must run alone
 
     def record(self, dblock, args):
         """Record one call of ``dblock``; return its lazy result(s)."""
@@ -53,6 +55,11 @@ class BatchingScope:
         if sig is None:
             sig = dblock._trace(key, fmt, leaves, ctx)
         node = Node(sig, leaves, depth, self)
+        if sig.batch_safe:
+            group = (depth, sig.group_key)
+            self.groups[group] = self.groups.get(group, 0) + 1
+        else:
+            self.unsafe += 1
         outputs = [LazyValue(node, i, shape, dtype, ctx)
                    for i, (shape, dtype) in enumerate(zip(sig.out_shapes, sig.out_dtypes))]
         node.outputs = outputs
@@ -67,21 +74,28 @@ class BatchingScope:
         if not self.pending:
             return
         nodes, self.pending = self.pending, []
+        summary = {'depth_steps': len(self.groups) + self.unsafe,
+                   'fingerprint': (frozenset(self.groups.items()), self.unsafe)}
+        self.groups, self.unsafe = {}, 0
         record_ms, self.record_s = self.record_s * 1e3, 0.0
         try:
             start = time.perf_counter()
-            plan = self.strategy.plan(nodes)
+            plan = self.strategy.plan(nodes, summary)
             planned = time.perf_counter()
-            run_plan(plan, lambda step: step.sig.ctx)
+            step_seconds = run_plan(plan)
             done = time.perf_counter()
         except BaseException:
             _fail(nodes)
             raise
-        debug.record_flush(plan, record_ms, (planned - start) * 1e3, (done - planned) * 1e3)
+        self.strategy.observe(plan, step_seconds, planned - start, nodes)
+        debug.record_flush(plan, record_ms, (planned - start) * 1e3, (done - planned) * 1e3,
+                           getattr(self.strategy, 'last', None))
 
     def abandon(self):
+        """Drop what was recorded: its lazy values will raise when read."""
         _fail(self.pending)
         self.pending = []
+        self.groups, self.unsafe = {}, 0
 
 
 def _fail(nodes):
@@ -91,14 +105,15 @@ def _fail(nodes):
 
 
 @contextmanager
-def batching(strategy='depth'):
+def batching(strategy='auto'):
     """Record wrapped-block calls in this scope and run them batched.
 
     Parameters
     ----------
     strategy : str or Strategy
-        How to group calls: ``'depth'`` (default), ``'agenda'`` or
-        ``'per-sample'`` (see :mod:`gluon_dynbatch.plan`).
+        How to group calls: ``'auto'`` (default: the cost model picks per
+        flush), or pin one of ``'depth'``, ``'agenda'``, ``'cached'``,
+        ``'per-sample'`` (see :mod:`gluon_dynbatch.plan`, :mod:`gluon_dynbatch.cost`).
 
     One scope per minibatch.  On normal exit everything recorded is run; if
     the body raises, what was recorded is dropped (its lazy values raise
@@ -112,7 +127,7 @@ def batching(strategy='depth'):
         if strategy not in STRATEGIES:
             raise ScopeError('unknown strategy %r; choose one of %s'
                              % (strategy, sorted(STRATEGIES)))
-        strategy = STRATEGIES[strategy]()
+        strategy = STRATEGIES[strategy]
     scope = BatchingScope(strategy)
     _LOCAL.scope = scope
     try:
@@ -124,6 +139,20 @@ def batching(strategy='depth'):
         scope.flush()
     finally:
         _LOCAL.scope = None
+
+
+@contextmanager
+def private_scope(strategy):
+    """A scope that may open while another is open (the cost model's probe
+    runs in the middle of a user's flush); the user's scope is restored."""
+    outer = current_scope()
+    scope = BatchingScope(STRATEGIES[strategy] if isinstance(strategy, str) else strategy)
+    _LOCAL.scope = scope
+    try:
+        yield scope
+    finally:
+        scope.abandon()
+        _LOCAL.scope = outer
 
 
 def _signature_key(dblock, fmt, leaves, scope):

@@ -53,6 +53,11 @@ def record_flush(plan, record_ms, analyse_ms, run_ms, extra=None):
                  per_sample_nodes=per_sample)
     if extra:
         _LAST.update(extra)
+        if 'choice' in extra:
+            choices = _TOTALS.setdefault('choices', {})
+            choices[extra['choice']] = choices.get(extra['choice'], 0) + 1
+            _TOTALS['predicted_ms'] = _TOTALS.get('predicted_ms', 0.0) + extra['predicted_ms']
+            _TOTALS['actual_ms'] = _TOTALS.get('actual_ms', 0.0) + analyse_ms + run_ms
     level = debug_level()
     if level:
         _print_flush(plan, sizes, level)
@@ -67,7 +72,8 @@ def _print_flush(plan, sizes, level):
                ordered[-1], last['record_ms'], last['analyse_ms'], last['run_ms'],
                last['strategy']))
     if 'predicted_ms' in last:
-        line += ', predicted %.2f ms' % last['predicted_ms']
+        line += ' (auto chose %s: predicted %.2f ms, actual %.2f ms)' % (
+            last['choice'], last['predicted_ms'], last['analyse_ms'] + last['run_ms'])
     print(line, file=sys.stderr)
     if level >= 2:
         print(plan, file=sys.stderr)

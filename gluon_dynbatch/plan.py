@@ -7,7 +7,11 @@ only iterates over it.  Strategies turn a list of pending nodes into a plan:
 * :class:`ByDepth` - calls of equal signature and equal depth (linear time);
 * :class:`Agenda` - DyNet's heuristic: repeatedly run every ready call of the
   signature whose calls have the lowest average depth.  It merges work that
-  depth misaligns, e.g. chains of different lengths feeding a common head.
+  depth misaligns, e.g. chains of different lengths feeding a common head;
+* :class:`CachedPlan` - reuse the plan of an earlier graph of the same
+  structure (a hash, no analysis).
+
+:class:`gluon_dynbatch.cost.Auto` chooses among them per flush.
 
 Calls whose signature is not batch-safe always run one per step.  Calls are
 grouped by their signature's ``group_key``: the signature itself, or its
@@ -19,7 +23,8 @@ from typing import Tuple
 
 from .graph import LazyValue, PENDING
 
-__all__ = ['BatchStep', 'Plan', 'PerSample', 'ByDepth', 'Agenda', 'STRATEGIES']
+__all__ = ['BatchStep', 'Plan', 'Strategy', 'PerSample', 'ByDepth', 'Agenda', 'CachedPlan',
+           'structure_key', 'STRATEGIES']
 
 
 @dataclass(frozen=True)
@@ -57,18 +62,23 @@ def make_step(nodes):
 
 
 class Strategy:
-    """Interface: ``plan(nodes) -> Plan`` for nodes in recording order."""
+    """Interface: ``plan(nodes, summary=None) -> Plan`` for nodes in recording
+    order (``summary``: what recording counted, see ``cost.summarize``), and
+    ``observe(...)``, told what the plan then cost."""
     name = 'strategy'
 
-    def plan(self, nodes):
+    def plan(self, nodes, summary=None):
         raise NotImplementedError
+
+    def observe(self, plan, step_seconds, analyse_s, nodes):
+        """Called after the plan ran; strategies that learn override it."""
 
 
 class PerSample(Strategy):
     """Every call alone, in recording order (a valid topological order)."""
     name = 'per-sample'
 
-    def plan(self, nodes):
+    def plan(self, nodes, summary=None):
         return Plan(self.name, tuple(BatchStep(n.sig, (n,)) for n in nodes))
 
 
@@ -76,7 +86,7 @@ class ByDepth(Strategy):
     """Group by (depth, signature); depth was computed while recording."""
     name = 'depth'
 
-    def plan(self, nodes):
+    def plan(self, nodes, summary=None):
         groups = defaultdict(list)
         steps = []
         for node in nodes:
@@ -94,7 +104,7 @@ class Agenda(Strategy):
     signatures with ready calls, run the one of lowest average depth."""
     name = 'agenda'
 
-    def plan(self, nodes):
+    def plan(self, nodes, summary=None):
         waiting, users = self._dependencies(nodes)
         depth_sum, count = defaultdict(int), defaultdict(int)
         ready = defaultdict(list)
@@ -136,4 +146,60 @@ class Agenda(Strategy):
         return waiting, users
 
 
-STRATEGIES = {cls.name: cls for cls in (PerSample, ByDepth, Agenda)}
+def structure_key(nodes):
+    """Hashable structure of a recorded graph: per node its signature and,
+    per lazy input, which earlier node and output it reads.  Two flushes with
+    equal keys can run the same plan."""
+    position = {id(node): i for i, node in enumerate(nodes)}
+    key = []
+    for node in nodes:
+        reads = tuple((position.get(id(leaf._node), -1), leaf._index)
+                      if type(leaf) is LazyValue else None for leaf in node.leaves)
+        key.append((node.sig.sig_id, reads))
+    return tuple(key)
+
+
+class CachedPlan(Strategy):
+    """Reuse the plan of an earlier flush with the same structure: no
+    analysis beyond hashing the structure.  On a miss, plan with ``fallback``
+    and remember the result (at most ``capacity`` structures)."""
+    name = 'cached'
+
+    def __init__(self, fallback=None, capacity=4096):
+        self.fallback = fallback or ByDepth()
+        self.capacity = capacity
+        self.cache = {}
+        self.hits = self.misses = 0
+
+    def lookup(self, nodes):
+        """``(key, cached steps or None)``."""
+        key = structure_key(nodes)
+        return key, self.cache.get(key)
+
+    def plan(self, nodes, summary=None, key=None):
+        if key is None:
+            key, entry = self.lookup(nodes)
+        else:
+            entry = self.cache.get(key)
+        if entry is not None:
+            self.hits += 1
+            return Plan(self.name, tuple(BatchStep(sig, tuple(nodes[i] for i in rows))
+                                         for sig, rows in entry))
+        self.misses += 1
+        plan = self.fallback.plan(nodes)
+        self.store(key, nodes, plan)
+        return Plan(self.name + '-miss:' + plan.strategy, plan.steps)
+
+    def store(self, key, nodes, plan):
+        """Remember ``plan`` (made for ``nodes``) under structure ``key``."""
+        position = {id(node): i for i, node in enumerate(nodes)}
+        if len(self.cache) >= self.capacity:
+            self.cache.pop(next(iter(self.cache)))
+        self.cache[key] = [(step.sig, [position[id(n)] for n in step.nodes])
+                           for step in plan.steps]
+
+
+STRATEGIES = {strategy.name: strategy for strategy in (PerSample(), ByDepth(), Agenda(),
+                                                        CachedPlan())}
+"""Shared strategy instances by name (``batching(name)``); the cached-plan
+strategy keeps its cache across scopes."""

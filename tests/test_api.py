@@ -152,10 +152,14 @@ def test_plan_orders_every_producer_before_its_users():
 def test_debug_output(capsys, monkeypatch):
     monkeypatch.setenv('DYNBATCH_DEBUG', '2')
     block = dense()
-    with dyb.batching():
+    with dyb.batching('depth'):
         block(block(mx.nd.ones((1, 3))))
     err = capsys.readouterr().err
     assert '[dynbatch] flush: 2 nodes -> 2 steps' in err and 'Plan(depth' in err
+    with dyb.batching('auto'):
+        block(block(mx.nd.ones((1, 3))))
+    err = capsys.readouterr().err
+    assert 'auto chose' in err and 'predicted' in err and 'actual' in err
 
 
 # --- errors ----------------------------------------------------------------

@@ -11,7 +11,7 @@ from gluon_dynbatch.models import ChildSumTreeLSTMCell, Similarity, TreeLSTMNode
 
 from helpers import Tree, assert_same, random_tree, run_both, tree_from_parents
 
-STRATEGIES = ['depth', 'agenda', 'per-sample']
+STRATEGIES = ['depth', 'agenda', 'per-sample', 'cached', 'auto']
 
 
 def make_tree_model(hidden=6, embed=5, vocab=40, pad_lists=None):

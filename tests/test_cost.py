@@ -1,0 +1,109 @@
+"""Cost model, cached plans and the automatic choice."""
+import json
+
+import mxnet as mx
+import numpy as np
+from mxnet.gluon import nn
+
+import gluon_dynbatch as dyb
+from gluon_dynbatch.cost import summarize
+from gluon_dynbatch.models import ChildSumTreeLSTMCell
+
+from helpers import random_tree
+
+
+def record_trees(cell, trees):
+    def enc(t):
+        ch = [enc(c) for c in t.children]
+        return cell(mx.nd.ones((1, 3)), [h for h, _ in ch], [c for _, c in ch])
+    return [enc(t)[0] for t in trees]
+
+
+def test_calibration_is_short_and_sane():
+    import time
+    start = time.perf_counter()
+    model = dyb.CostModel().calibrate()
+    assert time.perf_counter() - start < 1.0
+    assert model.step_us > 0 and model.row_us > 0
+    assert model.step_us > model.row_us          # a step costs more than one more row
+    assert set(model.analyse_us) == {'per-sample', 'depth', 'agenda', 'cached'}
+
+
+def test_predictions_rank_strategies_as_expected():
+    model = dyb.CostModel(step_us=200, row_us=5,
+                          analyse_us={'per-sample': 0.2, 'depth': 1, 'agenda': 4, 'cached': 2})
+    big = model.predict(5000, 40)
+    total = {k: sum(v) for k, v in big.items()}
+    assert min(total, key=total.get) == 'depth'
+    assert total['per-sample'] > 10 * total['depth']
+    one = model.predict(1, 1)
+    assert abs(sum(one['per-sample']) - sum(one['depth'])) < 0.01
+    with_cache = model.predict(5000, 40, cached_steps=40)
+    assert sum(with_cache['cached']) < sum(with_cache['agenda'])
+
+
+def test_save_and_load_profile(tmp_path):
+    model = dyb.CostModel(step_us=123, row_us=4.5)
+    model.save(str(tmp_path / 'profile.json'))
+    again = dyb.CostModel.load(str(tmp_path / 'profile.json'))
+    assert again.to_dict() == model.to_dict()
+    assert json.load(open(tmp_path / 'profile.json'))['step_us'] == 123
+
+
+def test_recording_counts_what_depth_grouping_makes():
+    cell = dyb.DynBatchBlock(ChildSumTreeLSTMCell(4, 3))
+    cell.initialize()
+    rng = np.random.RandomState(1)
+    with dyb.batching('depth') as scope:
+        record_trees(cell, [random_tree(rng, rng.randint(1, 15), 4) for _ in range(6)])
+        nodes = list(scope.pending)
+        recorded = len(scope.groups) + scope.unsafe
+        assert recorded == summarize(nodes)['depth_steps'] == len(dyb.ByDepth().plan(nodes).steps)
+
+
+def test_cached_plan_is_reused_for_equal_structures():
+    cell = dyb.DynBatchBlock(ChildSumTreeLSTMCell(4, 3))
+    cell.initialize()
+    trees = [random_tree(np.random.RandomState(4), 12, 4) for _ in range(5)]
+    cached = dyb.CachedPlan()
+    outs = []
+    for _ in range(3):
+        with dyb.batching(cached):
+            outs.append(record_trees(cell, trees))
+        outs[-1] = [o.asnumpy() for o in outs[-1]]
+    assert cached.misses == 1 and cached.hits == 2
+    assert dyb.stats()['last']['strategy'] == 'cached'
+    for again in outs[1:]:
+        for a, b in zip(outs[0], again):
+            np.testing.assert_allclose(a, b, rtol=1e-6)
+    with dyb.batching(cached):                     # a different structure misses
+        record_trees(cell, trees[:3])
+    assert cached.misses == 2
+
+
+def test_auto_reports_prediction_and_actual():
+    block = dyb.DynBatchBlock(nn.Dense(3, in_units=3))
+    block.initialize()
+    dyb.reset_stats()
+    for _ in range(3):
+        with dyb.batching('auto'):
+            xs = [block(mx.nd.ones((1, 3))) for _ in range(20)]
+            [block(x) for x in xs]
+    stats = dyb.stats()
+    assert sum(stats['choices'].values()) == 3
+    assert stats['last']['choice'] in ('depth', 'agenda', 'cached', 'per-sample')
+    assert stats['predicted_ms'] > 0 and stats['actual_ms'] > 0
+    assert stats['last']['steps'] <= 2           # 40 calls, two depths: batched
+
+
+def test_auto_prefers_cached_plan_for_repeated_structures():
+    auto = dyb.Auto(dyb.CostModel(step_us=200, row_us=5,
+                                  analyse_us={'per-sample': 0.5, 'depth': 5, 'agenda': 20,
+                                              'cached': 1}))
+    block = dyb.DynBatchBlock(nn.Dense(3, in_units=3))
+    block.initialize()
+    for _ in range(4):
+        with dyb.batching(auto):
+            xs = [block(mx.nd.ones((1, 3))) for _ in range(30)]
+            [block(block(x)) for x in xs]
+    assert auto.choices.get('cached', 0) >= 1
