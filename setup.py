@@ -25,7 +25,7 @@ setup(
         'matplotlib',
     ],
     extras_require={
-        'test': ['pytest', 'hypothesis'],
+        'test': ['pytest', 'hypothesis', 'sphinx'],   # the docs build is a test
         'docs': ['sphinx'],
     },
     license='Apache-2.0',

@@ -115,6 +115,8 @@ def batching(strategy='auto'):
         flush), or pin one of ``'depth'``, ``'agenda'``, ``'cached'``,
         ``'per-sample'`` (see :mod:`gluon_dynbatch.plan`, :mod:`gluon_dynbatch.cost`).
 
+    Notes
+    -----
     One scope per minibatch.  On normal exit everything recorded is run; if
     the body raises, what was recorded is dropped (its lazy values raise
     :class:`~.errors.LazyValueError` when read) and the next scope starts
@@ -284,6 +286,8 @@ class DynBatchBlock(Block):
         claim is checked numerically once per padded shape.  Defaults to the
         block's ``dynbatch_pad_lists`` attribute, else False.
 
+    Notes
+    -----
     Parameters are the wrapped block's own: ``collect_params``,
     ``initialize``, ``save_parameters`` and ``load_parameters`` act on it
     with the same names, so files move freely between the two.

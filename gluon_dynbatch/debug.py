@@ -31,7 +31,7 @@ def reset_stats():
 
 def stats():
     """Counters since the last :func:`reset_stats`: totals, plus ``last``,
-    the most recent flush (nodes, steps, batch_sizes, *_ms, strategy)."""
+    the most recent flush (nodes, steps, batch_sizes, ``*_ms``, strategy)."""
     out = dict(_TOTALS)
     out['last'] = dict(_LAST)
     return out
