@@ -18,7 +18,7 @@ from mxnet.gluon import Block
 from . import debug
 from .errors import InputError, ScopeError
 from .execute import pad_leaves, run_plan
-from .graph import FAILED, PENDING, LazyValue, Node
+from .graph import DONE, FAILED, PENDING, LazyValue, Node
 from .plan import STRATEGIES
 from .trace import flatten, regroup, trace_signature
 
@@ -158,33 +158,40 @@ def private_scope(strategy):
 
 
 def _signature_key(dblock, fmt, leaves, scope):
-    """(signature key, context, depth) of a call; checks the leaves."""
+    """(signature key, context, depth) of a call; checks the leaves.
+
+    This runs once per recorded call, so it compares contexts and dtypes by
+    identity first and reads NDArray properties (C calls) only for NDArrays.
+    """
     key = [fmt]
     ctx = dtype = None
     depth = 0
     for pos, leaf in enumerate(leaves):
-        if type(leaf) is LazyValue:
+        kind = type(leaf)
+        if kind is LazyValue:
             node = leaf._node
-            if node.state != 1:  # not DONE
+            if node.state != DONE:
                 if node.state == FAILED:
                     leaf.data  # raises LazyValueError with the details
-                depth = max(depth, node.depth + 1)
+                if node.depth >= depth:
+                    depth = node.depth + 1
             shape, leaf_dtype, leaf_ctx = leaf.shape, leaf.dtype, leaf.context
+        elif kind is np.ndarray:
+            shape, leaf_dtype, leaf_ctx = leaf.shape, leaf.dtype.type, None
         elif isinstance(leaf, NDArray):
             shape, leaf_dtype, leaf_ctx = leaf.shape, leaf.dtype, leaf.context
-        elif isinstance(leaf, np.ndarray):
-            shape, leaf_dtype, leaf_ctx = leaf.shape, leaf.dtype.type, None
         else:
             raise InputError('block %s, argument %s: got %s, expected an NDArray, a lazy '
                              'value or a numpy array (per-sample, leading axis of 1).'
                              % (dblock.block.name, _leaf_path(fmt, pos), type(leaf).__name__))
-        if leaf_ctx is not None and ctx != leaf_ctx:
-            if ctx is not None:
+        if leaf_ctx is not ctx and leaf_ctx is not None:
+            if ctx is None:
+                ctx = leaf_ctx
+            elif leaf_ctx != ctx:
                 raise InputError('block %s, argument %s is on %s but earlier arguments are on '
                                  '%s; move all arguments of a call to one context.'
                                  % (dblock.block.name, _leaf_path(fmt, pos), leaf_ctx, ctx))
-            ctx = leaf_ctx
-        if leaf_dtype != dtype:
+        if leaf_dtype is not dtype:
             if dtype is not None:
                 raise InputError('block %s, argument %s has dtype %s but earlier arguments have '
                                  '%s; cast them to one dtype (token ids as float32, as MXNet\'s '
