@@ -130,6 +130,7 @@ def batching(strategy='auto'):
             raise ScopeError('unknown strategy %r; choose one of %s'
                              % (strategy, sorted(STRATEGIES)))
         strategy = STRATEGIES[strategy]
+    strategy.prepare()
     scope = BatchingScope(strategy)
     _LOCAL.scope = scope
     try:

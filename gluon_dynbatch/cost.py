@@ -65,19 +65,33 @@ class CostModel:
                 for name, count in steps.items()}
 
     # --- learning ----------------------------------------------------------
-    def observe(self, plan, step_seconds, analyse_s, name, n_nodes, alpha=0.2):
-        """Move the constants toward what a flush measured (exponential
-        moving averages, so one noisy flush cannot swing the choice)."""
-        if n_nodes:
-            per_node = analyse_s * 1e6 / n_nodes
+    def observe_analysis(self, name, seconds, n_nodes, alpha=0.2, min_nodes=200):
+        """Move ``analyse_us[name]`` toward a measured analysis.  Flushes of
+        fewer than ``min_nodes`` calls are ignored: there fixed costs, not
+        per-node work, dominate the time."""
+        if n_nodes >= min_nodes:
+            per_node = seconds * 1e6 / n_nodes
             self.analyse_us[name] += alpha * (per_node - self.analyse_us[name])
-        sizes = plan.batch_sizes()
-        if len(sizes) >= 2:
-            fit = _fit_line(sizes, [s * 1e6 for s in step_seconds])
-            if fit is not None:
-                step_us, row_us = fit
-                self.step_us += alpha * (step_us - self.step_us)
-                self.row_us += alpha * (row_us - self.row_us)
+
+    def observe_steps(self, plan, step_seconds, alpha=0.2):
+        """Refine ``step_us``/``row_us`` from a flush's measured steps.
+
+        Steps of different blocks cost very different amounts per row, so a
+        line is fitted per signature family (steps of one family at several
+        batch sizes) and the median intercept and slope are used; a single
+        line through all steps would fold the blocks' differences into the
+        intercept."""
+        by_family = {}
+        for step, seconds in zip(plan.steps, step_seconds):
+            by_family.setdefault(step.sig.group_key, []).append((len(step.nodes), seconds * 1e6))
+        fits = [_fit_line(*zip(*points)) for points in by_family.values()
+                if len({n for n, _ in points}) >= 2]
+        fits = sorted(f for f in fits if f is not None)
+        if fits:
+            step_us, _ = fits[len(fits) // 2]
+            row_us = sorted(f[1] for f in fits)[len(fits) // 2]
+            self.step_us += alpha * (step_us - self.step_us)
+            self.row_us += alpha * (row_us - self.row_us)
 
     def calibrate(self, rows=(1, 64), repeats=5):
         """Measure the constants with a short probe (~0.1-0.5 s): batched
@@ -167,20 +181,26 @@ class Auto(Strategy):
     """Pick, per flush, the strategy with the lowest predicted analysis + run
     time, and learn from what the flush then measured.
 
-    Plans are offered to the cache only for graphs whose summary (the counts
-    per depth and family) was seen before, so graphs that never repeat pay
-    nothing for the cache; every ``probe_every``-th flush also plans with
-    agenda, without running it, to learn how many steps agenda saves.
+    * Every strategy's analysis is timed by itself (not with this class's own
+      bookkeeping), and every ``probe_every``-th flush also plans with the
+      strategy not chosen among depth/agenda, without running it, so both
+      per-node costs and agenda's step saving stay measured.
+    * A cached plan is considered only for a graph whose summary (calls per
+      depth and family) matches one whose plan was stored, and only when its
+      prediction, hashing included, beats the others: the structure is
+      hashed only then.  Plans are stored for summaries seen twice, so graphs
+      that never repeat pay nothing for the cache.
     """
     name = 'auto'
 
-    def __init__(self, model=None, probe_every=16):
+    def __init__(self, model=None, probe_every=16, memory=4096):
         self._model = model
         self.cached = STRATEGIES['cached']
         self.probe_every = probe_every
+        self.memory = memory
         self.choices = {}
         self.last = {}
-        self._fingerprints = set()
+        self._seen = {}      # summary fingerprint -> steps of its stored plan (None: seen once)
         self._flushes = 0
 
     @property
@@ -189,39 +209,67 @@ class Auto(Strategy):
             self._model = default_cost_model()
         return self._model
 
+    def prepare(self):
+        self.model  # calibrate now, outside any timed flush
+
     def plan(self, nodes, summary=None):
         summary = summary or summarize(nodes)
         self._flushes += 1
-        key = cached_steps = None
         fingerprint = summary['fingerprint']
-        if fingerprint in self._fingerprints:
+        predictions = self.model.predict(len(nodes), summary['depth_steps'],
+                                         self._seen.get(fingerprint))
+        ranked = sorted(predictions, key=lambda k: sum(predictions[k]))
+        plan = None
+        if ranked[0] == 'cached':
             key, entry = self.cached.lookup(nodes)
-            cached_steps = len(entry) if entry is not None else None
-        self._fingerprints.add(fingerprint)
-        predictions = self.model.predict(len(nodes), summary['depth_steps'], cached_steps)
-        name = min(predictions, key=lambda k: sum(predictions[k]))
-        if name == 'cached':
-            plan = self.cached.plan(nodes, key)
-        else:
+            if entry is not None:
+                plan = self.cached.plan(nodes, key=key)
+            else:
+                ranked.pop(0)
+        name = ranked[0]
+        if plan is None:
+            start = time.perf_counter()
             plan = STRATEGIES[name].plan(nodes)
-            if key is not None:
-                self.cached.store(key, nodes, plan)
-        if name != 'agenda' and self._flushes % self.probe_every == 1 and len(nodes) > 1:
-            probe = STRATEGIES['agenda'].plan(nodes)
-            ratio = len(probe.steps) / max(1, summary['depth_steps'])
-            self.model.agenda_ratio += 0.3 * (ratio - self.model.agenda_ratio)
+            self.model.observe_analysis(name, time.perf_counter() - start, len(nodes))
+            self._remember(fingerprint, nodes, plan, name)
+        self._probe(nodes, summary, name)
         self.choices[name] = self.choices.get(name, 0) + 1
         self.last = {'choice': name, 'predicted_ms': sum(predictions[name]),
                      'depth_steps': summary['depth_steps'],
                      'predictions_ms': {k: round(sum(v), 3) for k, v in predictions.items()}}
         return plan
 
+    def _remember(self, fingerprint, nodes, plan, name):
+        if name == 'per-sample':
+            return
+        if fingerprint in self._seen:
+            if self._seen[fingerprint] is not None:
+                return                      # stored already
+            key, _ = self.cached.lookup(nodes)
+            self.cached.store(key, nodes, plan)
+            self._seen[fingerprint] = len(plan.steps)
+        elif len(self._seen) < self.memory:
+            self._seen[fingerprint] = None
+
+    def _probe(self, nodes, summary, chosen):
+        """Now and then, time the other of depth/agenda (not run)."""
+        if self._flushes % self.probe_every != 1 or len(nodes) < 2:
+            return
+        other = 'agenda' if chosen != 'agenda' else 'depth'
+        start = time.perf_counter()
+        plan = STRATEGIES[other].plan(nodes)
+        self.model.observe_analysis(other, time.perf_counter() - start, len(nodes))
+        if other == 'agenda':
+            self._observe_agenda(len(plan.steps), summary['depth_steps'])
+
+    def _observe_agenda(self, agenda_steps, depth_steps):
+        ratio = agenda_steps / max(1, depth_steps)
+        self.model.agenda_ratio += 0.3 * (ratio - self.model.agenda_ratio)
+
     def observe(self, plan, step_seconds, analyse_s, nodes):
-        name = self.last.get('choice', plan.strategy)
-        self.model.observe(plan, step_seconds, analyse_s, name, len(nodes))
-        if name == 'agenda':
-            ratio = len(plan.steps) / max(1, self.last['depth_steps'])
-            self.model.agenda_ratio += 0.3 * (ratio - self.model.agenda_ratio)
+        self.model.observe_steps(plan, step_seconds)
+        if self.last.get('choice') == 'agenda':
+            self._observe_agenda(len(plan.steps), self.last['depth_steps'])
 
 
 def summarize(nodes):

@@ -70,6 +70,9 @@ class Strategy:
     def plan(self, nodes, summary=None):
         raise NotImplementedError
 
+    def prepare(self):
+        """Called when a scope opens (one-time set-up, kept out of timings)."""
+
     def observe(self, plan, step_seconds, analyse_s, nodes):
         """Called after the plan ran; strategies that learn override it."""
 
