@@ -26,7 +26,7 @@ import time
 import mxnet as mx
 
 from .execute import run_plan
-from .plan import STRATEGIES, Agenda, ByDepth, CachedPlan, PerSample, Strategy
+from .plan import PADDING_COST, STRATEGIES, Agenda, ByDepth, CachedPlan, PerSample, Strategy
 
 __all__ = ['CostModel', 'Auto', 'default_cost_model']
 
@@ -48,6 +48,9 @@ class CostModel:
         self.analyse_us = dict(analyse_us or {'per-sample': 0.3, 'depth': 1.0, 'agenda': 5.0,
                                               'cached': 2.0})
         self.agenda_ratio = agenda_ratio
+        # fixed cost of one step per signature family: a Tree-LSTM step runs
+        # dozens of ops, a Dense step one, so splitting padded groups asks here
+        self.family_step_us = PADDING_COST['family_step_us']
         self.calibrated = False
 
     # --- prediction --------------------------------------------------------
@@ -76,22 +79,34 @@ class CostModel:
     def observe_steps(self, plan, step_seconds, alpha=0.2):
         """Refine ``step_us``/``row_us`` from a flush's measured steps.
 
-        Steps of different blocks cost very different amounts per row, so a
-        line is fitted per signature family (steps of one family at several
-        batch sizes) and the median intercept and slope are used; a single
-        line through all steps would fold the blocks' differences into the
-        intercept."""
+        Steps of different blocks cost very different amounts, so a line
+        ``time = step + per_element * elements`` is fitted per signature
+        family (elements = calls x input leaves, which counts padded list
+        elements), giving that family's step cost; the medians over families
+        refine the global constants, and the per-element slope is what a
+        padded list element costs.  A single line through all steps would
+        fold the blocks' differences into the intercept."""
         by_family = {}
         for step, seconds in zip(plan.steps, step_seconds):
-            by_family.setdefault(step.sig.group_key, []).append((len(step.nodes), seconds * 1e6))
-        fits = [_fit_line(*zip(*points)) for points in by_family.values()
-                if len({n for n, _ in points}) >= 2]
-        fits = sorted(f for f in fits if f is not None)
+            elements = len(step.nodes) * max(1, len(step.sig.data_names))
+            by_family.setdefault(step.sig.group_key, []).append((elements, seconds * 1e6))
+        fits = {}
+        for family, points in by_family.items():
+            if len({n for n, _ in points}) >= 2:
+                fit = _fit_line(*zip(*points))
+                if fit is not None:
+                    fits[family] = fit
+        for family, (step_us, row_us) in fits.items():
+            old = self.family_step_us.get(family, step_us)
+            self.family_step_us[family] = old + alpha * (step_us - old)
         if fits:
-            step_us, _ = fits[len(fits) // 2]
-            row_us = sorted(f[1] for f in fits)[len(fits) // 2]
+            ordered = sorted(fits.values())
+            step_us = ordered[len(ordered) // 2][0]
+            row_us = sorted(f[1] for f in ordered)[len(ordered) // 2]
             self.step_us += alpha * (step_us - self.step_us)
             self.row_us += alpha * (row_us - self.row_us)
+            PADDING_COST['step_us'] = self.step_us
+            PADDING_COST['elem_us'] = max(0.05, self.row_us)
 
     def calibrate(self, rows=(1, 64), repeats=5):
         """Measure the constants with a short probe (~0.1-0.5 s): batched
@@ -118,6 +133,7 @@ class CostModel:
             times[n] = sorted(samples)[len(samples) // 2] * 1e6
         self.row_us = max(0.1, (times[rows[1]] - times[rows[0]]) / (rows[1] - rows[0]))
         self.step_us = max(1.0, times[rows[0]] - self.row_us * rows[0])
+        PADDING_COST['step_us'] = self.step_us
         with private_scope('per-sample') as scope:
             chains = [block(x) for _ in range(20)]
             for _ in range(19):

@@ -52,13 +52,57 @@ class Plan:
         return '\n'.join(lines)
 
 
-def make_step(nodes):
-    """A step over ``nodes`` of one family; mixed list lengths run under the
-    padded signature."""
-    sig = nodes[0].sig
-    if any(node.sig is not sig for node in nodes):
-        sig = sig.dblock.padded_signature(list({id(n.sig): n.sig for n in nodes}.values()))
-    return BatchStep(sig, nodes)
+PADDING_COST = {'step_us': 300.0, 'elem_us': 1.0, 'family_step_us': {}}
+"""What splitting a padded group trades: one more step (``step_us``, or the
+family's own ``family_step_us``, kept up to date by the cost model) against
+the padded list elements it avoids (``elem_us`` each: a gathered row and its
+share of the per-element ops)."""
+
+
+def make_steps(nodes):
+    """Steps over ``nodes`` of one family.  Calls of one signature make one
+    step.  Calls of several (list lengths differ) run under padded
+    signatures, split into buckets of similar length where the padding saved
+    outweighs the cost of another step (an exact minimisation over the
+    distinct lengths, of which there are few)."""
+    by_sig = {}
+    for node in nodes:
+        by_sig.setdefault(node.sig, []).append(node)
+    if len(by_sig) == 1:
+        return [BatchStep(nodes[0].sig, nodes)]
+    sigs = sorted(by_sig, key=lambda sig: len(sig.data_names))
+    step_us = PADDING_COST['family_step_us'].get(nodes[0].sig.group_key)
+    buckets = _split_buckets([len(sig.data_names) for sig in sigs],
+                             [len(by_sig[sig]) for sig in sigs], step_us)
+    steps = []
+    for first, last in buckets:
+        group = tuple(node for sig in sigs[first:last + 1] for node in by_sig[sig])
+        sig = sigs[last] if first == last else \
+            sigs[0].dblock.padded_signature(sigs[first:last + 1])
+        steps.append(BatchStep(sig, group))
+    return steps
+
+
+def _split_buckets(widths, counts, step_us=None):
+    """Contiguous buckets ``[(first, last)]`` of the sorted ``widths`` that
+    minimise sum(step_us + rows * widest * elem_us)."""
+    step_us = step_us or PADDING_COST['step_us']
+    elem_us = PADDING_COST['elem_us']
+    n = len(widths)
+    best = [0.0] + [float('inf')] * n
+    cut = [0] * (n + 1)
+    for end in range(1, n + 1):
+        rows = 0
+        for start in range(end, 0, -1):
+            rows += counts[start - 1]
+            cost = best[start - 1] + step_us + rows * widths[end - 1] * elem_us
+            if cost < best[end]:
+                best[end], cut[end] = cost, start - 1
+    buckets, end = [], n
+    while end:
+        buckets.append((cut[end], end - 1))
+        end = cut[end]
+    return buckets[::-1]
 
 
 class Strategy:
@@ -99,7 +143,7 @@ class ByDepth(Strategy):
                 steps.append((node.depth, node.sig.group_key, (node,)))
         steps += [(depth, key, tuple(group)) for (depth, key), group in groups.items()]
         steps.sort(key=lambda item: (item[0], item[1]))
-        return Plan(self.name, tuple(make_step(group) for _, _, group in steps))
+        return Plan(self.name, tuple(step for _, _, group in steps for step in make_steps(group)))
 
 
 class Agenda(Strategy):
@@ -125,7 +169,7 @@ class Agenda(Strategy):
                 group, rest = group[:1], group[1:]
                 if rest:
                     ready[key] = rest
-            steps.append(make_step(tuple(group)))
+            steps.extend(make_steps(tuple(group)))
             for node in group:
                 for user in users.get(node, ()):
                     waiting[user] -= 1

@@ -107,3 +107,19 @@ def test_auto_prefers_cached_plan_for_repeated_structures():
             xs = [block(mx.nd.ones((1, 3))) for _ in range(30)]
             [block(block(x)) for x in xs]
     assert auto.choices.get('cached', 0) >= 1
+
+
+def test_padded_groups_split_only_where_padding_costs_more_than_a_step():
+    from gluon_dynbatch.plan import PADDING_COST, _split_buckets
+    saved = dict(PADDING_COST)
+    try:
+        PADDING_COST.update(step_us=300.0, elem_us=1.0)
+        # one very wide call among many narrow ones gets its own step; the two
+        # close widths share one (a step costs more than the padding saved)
+        assert _split_buckets([9, 11, 21], [100, 100, 1]) == [(0, 1), (2, 2)]
+        # few calls: padding is cheaper than another step
+        assert _split_buckets([3, 5, 21], [2, 3, 1]) == [(0, 2)]
+        PADDING_COST.update(step_us=1e9)
+        assert _split_buckets([3, 5, 21], [1000, 300, 1]) == [(0, 2)]
+    finally:
+        PADDING_COST.update(saved)
