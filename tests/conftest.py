@@ -17,3 +17,17 @@ def _seed():
     np.random.seed(0)
     mx.random.seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_padding_costs():
+    """The cost model tunes these as it learns; give each test the defaults."""
+    from gluon_dynbatch.plan import PADDING_COST
+    saved = {k: (dict(v) if isinstance(v, dict) else v) for k, v in PADDING_COST.items()}
+    yield
+    for key, value in saved.items():
+        if isinstance(value, dict):      # shared with the cost model: restore in place
+            PADDING_COST[key].clear()
+            PADDING_COST[key].update(value)
+        else:
+            PADDING_COST[key] = value

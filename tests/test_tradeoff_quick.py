@@ -1,0 +1,74 @@
+"""Smoke test of the analysis-vs-batching trade-off benchmark
+(``benchmarks/tradeoff.py --quick``): it runs end to end, every strategy ran on
+every workload with positive times, and all strategies computed the same
+outputs.  Speeds are not asserted (CI machines vary)."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, 'benchmarks', 'tradeoff.py')
+
+
+def _sick_available():
+    from gluon_dynbatch.data import sick
+    try:
+        sick.find_sick_dir()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not _sick_available(), reason='SICK data not found (see '
+                    'gluon_dynbatch.data.sick.find_sick_dir)')
+def test_tradeoff_quick(tmp_path):
+    proc = subprocess.run([sys.executable, SCRIPT, '--quick', '--out', str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, 'tradeoff.py failed:\n%s\n%s' % (proc.stdout[-4000:],
+                                                                  proc.stderr[-4000:])
+    assert 'MXNET_ENGINE_TYPE=NaiveEngine' in proc.stdout
+    assert 'OMP_NUM_THREADS=1' in proc.stdout
+
+    with open(tmp_path / 'tradeoff.json') as f:
+        res = json.load(f)
+
+    import gluon_dynbatch as dyb
+    expected = set(dyb.STRATEGIES) | {'plain'}
+    assert expected <= set(res['strategies'])
+    kinds = {w['kind'] for w in res['workloads']}
+    assert {'sick', 'sick-repeat', 'synthetic'} <= kinds
+    names = {w['name'] for w in res['workloads']}
+    assert {'sick B=1', 'chains', 'bushy', 'dag'} <= names
+
+    for w in res['workloads']:
+        cells = w['strategies']
+        assert expected <= set(cells), (w['name'], expected - set(cells))
+        for name in expected:
+            cell = cells[name]
+            assert 'skipped' not in cell, (w['name'], name, cell)
+            total = cell['total_ms']
+            assert math.isfinite(total) and total > 0, (w['name'], name, total)
+            if name != 'plain':
+                for key in ('record_ms', 'analyse_ms', 'run_ms'):
+                    assert cell[key] >= 0, (w['name'], name, key, cell[key])
+                assert cell['run_ms'] > 0 and cell['steps'] >= 1, (w['name'], name)
+                assert cell['nodes'] == w['nodes'], (w['name'], name)
+        # per-sample runs one call per step; batching strategies fewer
+        assert cells['per-sample']['steps'] == cells['per-sample']['nodes']
+        assert cells['depth']['steps'] < cells['per-sample']['steps']
+        eq = w['equivalence']
+        assert eq['passed'], (w['name'], eq)
+        assert set(eq['max_abs_diff']) | {eq['reference']} >= expected
+        assert all(d <= 1e-4 for d in eq['max_abs_diff'].values()), (w['name'], eq)
+        assert w['auto_over_best'] > 0
+        assert set(cells['auto']['choices']) <= set(dyb.STRATEGIES) - {'auto'}
+
+    assert res['equivalence']['passed'], res['equivalence']['failures']
+    assert res['acceptance']['auto_vs_plain_at_B1'] > 0
+    assert isinstance(res['flags'], list)
+    assert (tmp_path / 'tradeoff.png').stat().st_size > 0
