@@ -53,7 +53,7 @@ class BatchingScope:
         key, ctx, depth = _signature_key(dblock, fmt, leaves, self)
         sig = dblock._signatures.get(key)
         if sig is None:
-            sig = dblock._trace(key, fmt, leaves, ctx)
+            sig = dblock._trace(key, fmt, ctx)
         node = Node(sig, leaves, depth, self)
         if sig.batch_safe:
             group = (depth, sig.group_key)
@@ -62,7 +62,6 @@ class BatchingScope:
             self.unsafe += 1
         outputs = [LazyValue(node, i, shape, dtype, ctx)
                    for i, (shape, dtype) in enumerate(zip(sig.out_shapes, sig.out_dtypes))]
-        node.outputs = outputs
         self.pending.append(node)
         self.record_s += time.perf_counter() - start
         if sig.out_fmt == 0:
@@ -323,7 +322,7 @@ class DynBatchBlock(Block):
     def forward(self, *args):  # pylint: disable=arguments-differ
         return self.block(*_materialize(args))
 
-    def _trace(self, key, fmt, leaves, ctx):
+    def _trace(self, key, fmt, ctx):
         shapes = key[1:-2]
         dtypes = [key[-2]] * len(shapes)
         for pos, shape in enumerate(shapes):
@@ -378,7 +377,7 @@ class DynBatchBlock(Block):
         key = (fmt,) + tuple(shapes) + first.key[-2:]
         sig = self._signatures.get(key)
         if sig is None:
-            sig = self._trace(key, fmt, None, first.ctx)
+            sig = self._trace(key, fmt, first.ctx)
         for other in sigs:
             if other is not sig and (other.key, key) not in self._pad_checked:
                 check_padding_is_neutral(self, other, sig)

@@ -18,7 +18,7 @@ PENDING, DONE, FAILED = 0, 1, 2
 
 class Node:
     """One recorded block call."""
-    __slots__ = ('sig', 'leaves', 'depth', 'scope', 'state', 'arrays', 'row', 'outputs')
+    __slots__ = ('sig', 'leaves', 'depth', 'scope', 'state', 'arrays', 'row')
 
     def __init__(self, sig, leaves, depth, scope):
         self.sig = sig
@@ -28,7 +28,6 @@ class Node:
         self.state = PENDING
         self.arrays = None   # batched output NDArrays of the step that ran this node
         self.row = 0         # this node's row in them
-        self.outputs = None
 
     def producers(self):
         """Pending nodes whose outputs this node reads."""
