@@ -6,6 +6,7 @@ and returns lazy results; nothing is computed.  The scope runs what was
 recorded, batched, when it exits or when a lazy value is read.  Outside any
 scope a wrapped block is just the block it wraps.
 """
+import gc
 import itertools
 import threading
 import time
@@ -119,7 +120,8 @@ def batching(strategy='auto'):
     One scope per minibatch.  On normal exit everything recorded is run; if
     the body raises, what was recorded is dropped (its lazy values raise
     :class:`~.errors.LazyValueError` when read) and the next scope starts
-    clean.  Scopes do not nest.
+    clean.  Scopes do not nest.  Python's cyclic garbage collector is paused
+    inside a scope (reference counting still frees memory as usual).
     """
     if current_scope() is not None:
         raise ScopeError('batching() scopes do not nest: a scope is already open in this '
@@ -132,6 +134,12 @@ def batching(strategy='auto'):
     strategy.prepare()
     scope = BatchingScope(strategy)
     _LOCAL.scope = scope
+    # Recording makes many small objects; the cyclic collector would walk every
+    # live object of the process (datasets included) again and again, which
+    # measured up to 7x the recording cost itself.  Recorded nodes form no
+    # cycles, so collection waits until the scope closes.
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         yield scope
     except BaseException:
@@ -141,6 +149,8 @@ def batching(strategy='auto'):
         scope.flush()
     finally:
         _LOCAL.scope = None
+        if collecting:
+            gc.enable()
 
 
 @contextmanager

@@ -246,3 +246,17 @@ def test_error_uninitialized_parameters():
 def test_error_wrapping_a_non_hybrid_block():
     with pytest.raises(dyb.InputError, match='HybridBlock'):
         dyb.DynBatchBlock(gluon.Block())
+
+
+def test_garbage_collector_paused_inside_scope_and_restored():
+    import gc
+    block = dense()
+    assert gc.isenabled()
+    with dyb.batching():
+        assert not gc.isenabled()
+        block(mx.nd.ones((1, 3)))
+    assert gc.isenabled()
+    with pytest.raises(ValueError):
+        with dyb.batching():
+            raise ValueError
+    assert gc.isenabled()
