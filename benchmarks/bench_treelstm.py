@@ -1,0 +1,1015 @@
+#!/usr/bin/env python
+"""Throughput of the child-sum Tree-LSTM (Tai et al. 2015) on SICK, computed
+every way this project cares about, with one set of weights:
+
+1. ``per-sample``        plain imperative Gluon, node-by-node recursion;
+2. ``per-sample-hybrid`` the same recursion through hybridized blocks (one
+                         hybridized instance per child count, all sharing the
+                         parameters: a hybridized block fixes its argument
+                         structure, and a node's child lists vary);
+3. ``hand-batched``      expert hand-batched MXNet (``benchmarks/handbatched.py``);
+4. ``dynbatch-<s>``      gluon_dynbatch, for every strategy ``s`` in
+                         ``gluon_dynbatch.STRATEGIES`` (read at run time).
+
+One invocation does everything::
+
+    python benchmarks/bench_treelstm.py                 # full run, < 8 min on 2 cores
+    python benchmarks/bench_treelstm.py --quick         # CI smoke run, < 1 min
+    python benchmarks/bench_treelstm.py --sweep-settings   # threads x engine sweep
+
+Steps: (a) every form must give the same log-probabilities and the same
+gradient of every parameter as ``per-sample`` on a couple of minibatches, or
+the run stops with an error; (b) a GEMM roofline ("physical limit") from the
+model's real matrix products on the real trees and the GEMM speed measured
+here; (c) inference (log-probs to host) and training (forward, backward,
+Adagrad step) throughput in pairs/s, median of repeats, forms interleaved in
+every repeat.  Output: a table on stdout, ``results.json`` and
+``throughput.png`` in ``--out`` (default ``benchmarks/results/``).
+
+MXNet's threads and engine are set from the command line *before* MXNet is
+imported (``--threads``, default 1; ``--engine``, default NaiveEngine): see
+``benchmarks/README.md``.
+"""
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+DEFAULT_OUT = os.path.join(HERE, 'results')
+
+ENGINES = ('NaiveEngine', 'ThreadedEnginePerDevice', 'ThreadedEngine')
+PER_SAMPLE = 'per-sample'
+HYBRID = 'per-sample-hybrid'
+HAND = 'hand-batched'
+DYB_PREFIX = 'dynbatch-'
+
+# (name, mode, minibatch size)
+FULL_SETTINGS = [('infer B=1', 'infer', 1), ('infer B=25', 'infer', 25),
+                 ('infer B=256', 'infer', 256), ('infer B=1024', 'infer', 1024),
+                 ('train B=25', 'train', 25), ('train B=256', 'train', 256)]
+QUICK_SETTINGS = [('infer B=1', 'infer', 1), ('infer B=25', 'infer', 25),
+                  ('train B=25', 'train', 25)]
+SWEEP_SETTINGS = [('infer B=25', 'infer', 25), ('infer B=256', 'infer', 256),
+                  ('train B=25', 'train', 25)]
+
+EMBED, HIDDEN, SIM_HIDDEN, CLASSES = 300, 150, 50, 5
+TRAIN_FORWARD_SHARE = 0.35
+
+
+# ==========================================================================
+# Command line and environment (no MXNet import here)
+# ==========================================================================
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        description='Tree-LSTM/SICK throughput: per-sample, hybridized, hand-batched and '
+                    'gluon_dynbatch, same weights.',
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument('--data', default=None, help='SICK folder (else $GLUON_DYNBATCH_SICK, '
+                                                'else ../shared/data/sick)')
+    p.add_argument('--out', default=DEFAULT_OUT, help='folder for results.json and the PNG')
+    p.add_argument('--threads', type=int, default=1,
+                   help='OpenMP/MKL threads per operator (OMP_NUM_THREADS, MKL_NUM_THREADS)')
+    p.add_argument('--engine', choices=ENGINES, default='NaiveEngine',
+                   help='MXNET_ENGINE_TYPE')
+    p.add_argument('--workers', type=int, default=None,
+                   help='MXNET_CPU_WORKER_NTHREADS for the threaded engines (MXNet default: 1)')
+    p.add_argument('--quick', action='store_true',
+                   help='tiny run for CI: B in {1, 25}, train 25, short timings')
+    p.add_argument('--sweep-settings', action='store_true',
+                   help='re-run a short subset under threads {1,2} x engine {Naive, '
+                        'ThreadedEnginePerDevice} as subprocesses; report the fastest per form')
+    p.add_argument('--sweep-rounds', type=int, default=2,
+                   help='rounds of the sweep (combinations interleaved; median over rounds)')
+    p.add_argument('--sweep-child', action='store_true', help=argparse.SUPPRESS)
+    p.add_argument('--budget', type=float, default=None,
+                   help='seconds of minibatches per form per repeat per setting '
+                        '(default 1.6; quick 0.3)')
+    p.add_argument('--repeats', type=int, default=None,
+                   help='repeats per setting, forms interleaved (default 3; quick 2)')
+    p.add_argument('--max-batch-s', type=float, default=4.0,
+                   help='skip a setting for a form that cannot stop mid-minibatch when one '
+                        'minibatch is estimated to take longer than this')
+    p.add_argument('--forms', nargs='+', default=None,
+                   help='only these forms (per-sample is always run for the check)')
+    p.add_argument('--settings', nargs='+', default=None,
+                   help="only these settings, e.g. 'infer B=25' 'train B=256'")
+    p.add_argument('--check-pairs', type=int, default=None,
+                   help='pairs per equivalence-check minibatch (default 25; quick 8)')
+    p.add_argument('--check-batches', type=int, default=2)
+    p.add_argument('--tol', type=float, default=1e-4,
+                   help='equivalence tolerance: log-probs absolute, gradients relative to '
+                        'the largest gradient entry of the parameter')
+    p.add_argument('--seed', type=int, default=0, help='weights and pair order')
+    p.add_argument('--gc-freeze', action='store_true',
+                   help='gc.freeze() after loading the data, so that Python\'s full '
+                        'collections do not walk the ~0.3M objects of the data set')
+    p.add_argument('--no-plot', action='store_true')
+    return p
+
+
+def configure_env(args):
+    """Set threads / engine for MXNet; must run before ``import mxnet``."""
+    env = os.environ
+    env['MXNET_ENGINE_TYPE'] = args.engine
+    env['OMP_NUM_THREADS'] = str(args.threads)
+    env['MKL_NUM_THREADS'] = str(args.threads)
+    if args.workers is not None:
+        env['MXNET_CPU_WORKER_NTHREADS'] = str(args.workers)
+    if 'mxnet' in sys.modules:
+        print('warning: mxnet was imported before the environment was set; --threads/--engine '
+              'may not apply', file=sys.stderr)
+
+
+def _loaded_allocator():
+    """'tcmalloc' / 'jemalloc' when one is mapped into this process, else 'glibc'."""
+    try:
+        with open('/proc/self/maps') as f:
+            maps = f.read()
+    except OSError:
+        return 'unknown'
+    for name in ('tcmalloc', 'jemalloc'):
+        if name in maps:
+            return name
+    return 'glibc'
+
+
+def _cpu_model():
+    try:
+        with open('/proc/cpuinfo') as f:
+            for line in f:
+                if line.startswith('model name'):
+                    return line.split(':', 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or 'unknown'
+
+
+def runtime_config(args, mx):
+    try:
+        features = [f.name for f in mx.runtime.Features().values() if f.enabled]
+    except Exception:  # pylint: disable=broad-except
+        features = []
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count()
+    return {
+        'threads': args.threads,
+        'engine': os.environ.get('MXNET_ENGINE_TYPE'),
+        'OMP_NUM_THREADS': os.environ.get('OMP_NUM_THREADS'),
+        'MKL_NUM_THREADS': os.environ.get('MKL_NUM_THREADS'),
+        'MXNET_CPU_WORKER_NTHREADS': os.environ.get('MXNET_CPU_WORKER_NTHREADS',
+                                                    '(unset: 1)'),
+        'LD_PRELOAD': os.environ.get('LD_PRELOAD', ''),
+        'allocator': _loaded_allocator(),
+        'mxnet': mx.__version__,
+        'mxnet_features': [f for f in features if f in ('MKLDNN', 'ONEDNN', 'BLAS_OPEN',
+                                                         'BLAS_MKL', 'OPENMP', 'CUDA')],
+        'python': platform.python_version(),
+        'platform': platform.platform(),
+        'cpu': _cpu_model(),
+        'cores_available': cores,
+    }
+
+
+# ==========================================================================
+# The forms
+# ==========================================================================
+
+class Forms:
+    """Builds every form over one set of parameters (imported lazily so that
+    the environment is configured before MXNet loads)."""
+
+    def __init__(self, vocab_size, embedding, seed, wanted=None):
+        import mxnet as mx
+        import gluon_dynbatch as dyb
+        from gluon_dynbatch.models import Similarity, TreeLSTMNode
+
+        self.mx, self.dyb = mx, dyb
+        mx.random.seed(seed)
+        self.node = TreeLSTMNode(vocab_size, EMBED, HIDDEN, prefix='treelstm_')
+        self.head = Similarity(SIM_HIDDEN, CLASSES, in_units=HIDDEN, prefix='sim_')
+        self.node.initialize(mx.init.Xavier())
+        self.head.initialize(mx.init.Xavier())
+        self.node.embedding.weight.set_data(mx.nd.array(embedding))
+        self.params = self.node.collect_params()
+        self.params.update(self.head.collect_params())
+        self.trainer = mx.gluon.Trainer(self.params, 'adagrad', {'learning_rate': 0.05})
+
+        self.forms = {}          # name -> callable(pairs, deadline) -> (n, C) log-probs
+        self.can_cut = set()     # forms that may stop mid-minibatch at the deadline
+        self.skipped = {}        # name -> reason
+        self.forms[PER_SAMPLE] = PerSampleForm(self.node, self.head)
+        self.can_cut.add(PER_SAMPLE)
+        self.forms[HYBRID] = HybridPerSampleForm(self.node, self.head, vocab_size)
+        self.can_cut.add(HYBRID)
+        hand = _load_handbatched()
+        if isinstance(hand, str):
+            self.skipped[HAND] = hand
+            print('NOTE: hand-batched form skipped: %s' % hand, flush=True)
+        else:
+            self.forms[HAND] = HandForm(hand(self.node, self.head))
+        self.dnode = dyb.DynBatchBlock(self.node)
+        self.dhead = dyb.DynBatchBlock(self.head)
+        for strategy in dyb.STRATEGIES:
+            self.forms[DYB_PREFIX + strategy] = DynBatchForm(dyb, self.dnode, self.dhead,
+                                                             strategy)
+        if wanted:
+            for name in list(self.forms):
+                if name != PER_SAMPLE and name not in wanted:
+                    del self.forms[name]
+            unknown = set(wanted) - set(self.forms) - set(self.skipped)
+            if unknown:
+                raise SystemExit('unknown form(s) %s; available: %s'
+                                 % (sorted(unknown), list(self.forms)))
+        self.order = list(self.forms)
+        self.measured = [n for n in self.order if not wanted or n in wanted]
+
+
+def _load_handbatched():
+    """The HandBatchedTreeLSTM class, or the reason it cannot be used."""
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    try:
+        from handbatched import HandBatchedTreeLSTM  # pylint: disable=import-outside-toplevel
+    except ImportError as err:
+        return 'benchmarks/handbatched.py not importable (%s)' % err
+    except Exception as err:  # pylint: disable=broad-except
+        return 'benchmarks/handbatched.py failed to import: %s: %s' % (type(err).__name__, err)
+    return HandBatchedTreeLSTM
+
+
+def _to_device(host):
+    """numpy -> NDArray without ``mx.nd.array``'s per-call checks (the same
+    fast copy the other forms use)."""
+    import mxnet as mx
+    array = mx.nd.empty(host.shape, dtype=host.dtype)
+    array._sync_copyfrom(host)  # pylint: disable=protected-access
+    return array
+
+
+class PerSampleForm:
+    """Plain Gluon: recursion over the tree, one block call per node."""
+
+    def __init__(self, node, head):
+        self.node, self.head = node, head
+
+    def node_block(self, arity):
+        return self.node
+
+    def encode(self, tree, ids):
+        states = [self.encode(child, ids) for child in tree.children]
+        return self.node_block(len(states))(ids[tree.idx:tree.idx + 1],
+                                            [h for h, _ in states], [c for _, c in states])
+
+    def __call__(self, pairs, deadline=None):
+        import mxnet as mx
+        outs = []
+        for a_ids, a_tree, b_ids, b_tree in pairs:
+            ha = self.encode(a_tree, _to_device(a_ids))[0]
+            hb = self.encode(b_tree, _to_device(b_ids))[0]
+            outs.append(self.head(ha, hb))
+            if deadline is not None and time.perf_counter() >= deadline:
+                break
+        return outs[0] if len(outs) == 1 else mx.nd.concat(*outs, dim=0)
+
+
+class HybridPerSampleForm(PerSampleForm):
+    """The same recursion through hybridized (CachedOp) blocks.  A hybridized
+    Gluon block fixes the structure of its arguments, so there is one
+    hybridized ``TreeLSTMNode`` per child count, all sharing the one set of
+    parameters.  Each mode uses the hybridize flags measured fastest for it
+    on MXNet 1.9.1: ``static_alloc`` + ``static_shape`` for inference, plain
+    ``hybridize()`` under autograd (static shapes made training ~3x slower)."""
+
+    FLAGS = {False: {'static_alloc': True, 'static_shape': True}, True: {}}
+
+    def __init__(self, node, head, vocab_size):
+        from gluon_dynbatch.models import Similarity, TreeLSTMNode
+        import mxnet as mx
+        self.autograd = mx.autograd
+        self.base, self.vocab_size = node, vocab_size
+        self.TreeLSTMNode = TreeLSTMNode
+        self.by_arity = {}
+        self.heads = {}
+        for training, flags in self.FLAGS.items():
+            head_h = Similarity(SIM_HIDDEN, CLASSES, in_units=HIDDEN, prefix=head.prefix,
+                                params=head.collect_params())
+            head_h.hybridize(**flags)
+            self.heads[training] = head_h
+        super().__init__(node, None)
+
+    def node_block(self, arity):
+        key = (self.training, arity)
+        block = self.by_arity.get(key)
+        if block is None:
+            block = self.TreeLSTMNode(self.vocab_size, EMBED, HIDDEN, prefix=self.base.prefix,
+                                      params=self.base.collect_params())
+            block.hybridize(**self.FLAGS[self.training])
+            self.by_arity[key] = block
+        return block
+
+    def __call__(self, pairs, deadline=None):
+        self.training = self.autograd.is_recording()
+        self.head = self.heads[self.training]
+        return super().__call__(pairs, deadline)
+
+
+class HandForm:
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, pairs, deadline=None):
+        return self.model(pairs)
+
+
+class DynBatchForm:
+    """The per-sample recursion, unchanged, inside a ``batching`` scope."""
+
+    def __init__(self, dyb, dnode, dhead, strategy):
+        self.dyb, self.dnode, self.dhead, self.strategy = dyb, dnode, dhead, strategy
+
+    def encode(self, tree, ids):
+        states = [self.encode(child, ids) for child in tree.children]
+        return self.dnode(ids[tree.idx:tree.idx + 1],
+                          [h for h, _ in states], [c for _, c in states])
+
+    def __call__(self, pairs, deadline=None):
+        import mxnet as mx
+        with self.dyb.batching(self.strategy):
+            preds = [self.dhead(self.encode(a_tree, a_ids)[0], self.encode(b_tree, b_ids)[0])
+                     for a_ids, a_tree, b_ids, b_tree in pairs]
+        if len(preds) == 1:
+            return preds[0].data
+        return mx.nd.concat(*[p.data for p in preds], dim=0)
+
+
+# ==========================================================================
+# Data
+# ==========================================================================
+
+def load_data(args):
+    """Shuffled SICK test pairs as (a_ids, a_tree, b_ids, b_tree), their
+    targets, the vocabulary size and an embedding matrix."""
+    import numpy as np
+    from gluon_dynbatch.data import sick
+    from gluon_dynbatch.models import sick_target
+
+    folder = sick.find_sick_dir(args.data)
+    splits = [sick.load_split(folder, s) for s in sick.SPLITS]
+    vocab = sick.build_vocab(splits)
+    test = splits[sick.SPLITS.index('test')]
+    sick.index_pairs(test, vocab)
+    order = np.random.RandomState(args.seed).permutation(len(test))
+    test = [test[i] for i in order]
+    items = [(p.a_ids.astype(np.float32), p.a_tree, p.b_ids.astype(np.float32), p.b_tree)
+             for p in test]
+    targets = sick_target([p.score for p in test], CLASSES)
+    embedding, _ = sick.make_embedding_matrix(vocab, EMBED, seed=args.seed)
+    return folder, items, targets, len(vocab), embedding
+
+
+def tree_counts(items):
+    """Nodes, internal nodes and child edges over all trees of ``items``, and
+    the set of child counts seen."""
+    nodes = internal = edges = 0
+    arities = set()
+    for _, a_tree, _, b_tree in items:
+        stack = [a_tree, b_tree]
+        while stack:
+            t = stack.pop()
+            k = len(t.children)
+            nodes += 1
+            edges += k
+            internal += k > 0
+            arities.add(k)
+            stack.extend(t.children)
+    return nodes, internal, edges, arities
+
+
+def covering_pairs(items):
+    """A few pairs that together hold every child count of the data: used to
+    warm every form up (trace dynbatch signatures, build hybridized blocks)."""
+    chosen, seen = [], set()
+    for item in items:
+        _, _, _, arities = tree_counts([item])
+        if arities - seen:
+            chosen.append(item)
+            seen |= arities
+    return chosen
+
+
+# ==========================================================================
+# Running a minibatch
+# ==========================================================================
+
+def run_minibatch(ctx, form, mode, pairs, targets, deadline=None):
+    """One inference or training step; returns the number of pairs done."""
+    mx = ctx.mx
+    if mode == 'infer':
+        logp = form(pairs, deadline)
+        logp.asnumpy()
+        return logp.shape[0]
+    with mx.autograd.record():
+        logp = form(pairs, deadline)
+        n = logp.shape[0]
+        loss = -(logp * _to_device(targets[:n])).sum()
+    loss.backward()
+    ctx.trainer.step(n, ignore_stale_grad=True)
+    mx.nd.waitall()
+    return n
+
+
+def grads_of(ctx, form, pairs, weights):
+    """Log-probs and every parameter's gradient for loss = -sum(w * logp)."""
+    mx = ctx.mx
+    with mx.autograd.record():
+        logp = form(pairs)
+        loss = -(logp * _to_device(weights)).sum()
+    loss.backward()
+    grads = {name: p.grad().asnumpy().copy() for name, p in ctx.params.items()
+             if p.grad_req != 'null'}
+    return logp.asnumpy(), grads
+
+
+def check_equivalence(ctx, items, n_batches, batch, tol):
+    """Every form against ``per-sample``: log-probs (absolute) and gradients
+    (relative to the largest entry of each reference gradient)."""
+    import numpy as np
+    rng = np.random.RandomState(1)
+    report = {'tolerance': tol, 'minibatches': n_batches, 'pairs_per_minibatch': batch,
+              'reference': PER_SAMPLE, 'forms': {}, 'failures': []}
+    for b in range(n_batches):
+        pairs = items[b * batch:(b + 1) * batch]
+        weights = rng.dirichlet(np.ones(CLASSES), size=len(pairs)).astype(np.float32)
+        ref_logp, ref_grads = grads_of(ctx, ctx.forms[PER_SAMPLE], pairs, weights)
+        for name in ctx.order:
+            if name == PER_SAMPLE:
+                continue
+            logp, grads = grads_of(ctx, ctx.forms[name], pairs, weights)
+            entry = report['forms'].setdefault(
+                name, {'max_logp_abs_diff': 0.0, 'max_grad_rel_diff': 0.0, 'worst_param': None})
+            if logp.shape != ref_logp.shape:
+                report['failures'].append('%s: log-probs of shape %s, expected %s'
+                                          % (name, logp.shape, ref_logp.shape))
+                continue
+            d = float(np.max(np.abs(logp - ref_logp)))
+            entry['max_logp_abs_diff'] = max(entry['max_logp_abs_diff'], d)
+            if not d <= tol:
+                report['failures'].append('%s: minibatch %d log-probs differ by %.3g (> %g)'
+                                          % (name, b, d, tol))
+            for pname, ref in ref_grads.items():
+                scale = max(float(np.max(np.abs(ref))), 1e-6)
+                rel = float(np.max(np.abs(grads[pname] - ref))) / scale
+                if rel > entry['max_grad_rel_diff'] or entry['worst_param'] is None:
+                    entry['max_grad_rel_diff'] = max(entry['max_grad_rel_diff'], rel)
+                    entry['worst_param'] = pname
+                if not rel <= tol:
+                    report['failures'].append(
+                        '%s: minibatch %d gradient of %s differs by %.3g of its largest entry '
+                        '(> %g)' % (name, b, pname, rel, tol))
+    report['passed'] = not report['failures']
+    return report
+
+
+# ==========================================================================
+# Physical limit: GEMMs only
+# ==========================================================================
+
+def gemm_limit(mx, items, rows=2048, seconds=0.25):
+    """FLOPs of the model's matrix products per pair (from the real trees) and
+    the best time those GEMMs can take at ``rows`` rows on this machine."""
+    import numpy as np
+    nodes, internal, edges, _ = tree_counts(items)
+    n_pairs = len(items)
+    # (name, in, out, rows per pair)
+    gemms = [('i2h', EMBED, 4 * HIDDEN, nodes / n_pairs),
+             ('h2h_iou', HIDDEN, 3 * HIDDEN, internal / n_pairs),
+             ('h2h_f', HIDDEN, HIDDEN, edges / n_pairs),
+             ('sim_wh', 2 * HIDDEN, SIM_HIDDEN, 1.0),
+             ('sim_wp', SIM_HIDDEN, CLASSES, 1.0)]
+    out = {'rows_timed': rows, 'gemms': {}}
+    flops = t_pair = 0.0
+    for name, k, n, per_pair in gemms:
+        x = mx.nd.array(np.random.RandomState(0).uniform(-1, 1, (rows, k)))
+        w = mx.nd.array(np.random.RandomState(1).uniform(-1, 1, (n, k)))
+        b = mx.nd.zeros((n,))
+        for _ in range(3):
+            mx.nd.FullyConnected(x, w, b, num_hidden=n).wait_to_read()
+        reps, tic = 0, time.perf_counter()
+        while True:
+            mx.nd.FullyConnected(x, w, b, num_hidden=n).wait_to_read()
+            reps += 1
+            if time.perf_counter() - tic >= seconds and reps >= 5:
+                break
+        per_call = (time.perf_counter() - tic) / reps
+        f = 2.0 * k * n
+        out['gemms'][name] = {'shape': '(%d,%d)x(%d,%d)' % (rows, k, k, n),
+                              'rows_per_pair': per_pair, 'flops_per_row': f,
+                              'gflops': f * rows / per_call / 1e9}
+        flops += f * per_pair
+        t_pair += per_call / rows * per_pair
+    out['flops_per_pair_infer'] = flops
+    out['flops_per_pair_train'] = 3 * flops
+    out['effective_gflops'] = flops / t_pair / 1e9
+    out['pairs_per_s'] = {'infer': 1.0 / t_pair, 'train': 1.0 / (3 * t_pair)}
+    return out
+
+
+# ==========================================================================
+# Timing
+# ==========================================================================
+
+def time_cell(ctx, name, mode, batch, items, targets, start, budget):
+    """Run minibatches of ``name`` from position ``start`` until ``budget``
+    seconds have passed (at least one); returns (pairs, seconds, cut)."""
+    form = ctx.forms[name]
+    cut = name in ctx.can_cut
+    n_items = len(items)
+    pos, done, partial = start, 0, False
+    cpu0 = time.process_time()
+    tic = time.perf_counter()
+    deadline = tic + budget
+    # per-sample backward takes ~2x the forward: stop the forward early
+    cut_at = tic + (budget * TRAIN_FORWARD_SHARE if mode == 'train' else budget)
+    while True:
+        idx = [(pos + i) % n_items for i in range(batch)]
+        pairs = [items[i] for i in idx]
+        n = run_minibatch(ctx, form, mode, pairs, targets[idx], cut_at if cut else None)
+        partial |= n < batch
+        done += n
+        pos = (pos + n) % n_items
+        if time.perf_counter() >= deadline:
+            break
+    wall = time.perf_counter() - tic
+    return done, wall, partial, (time.process_time() - cpu0) / wall
+
+
+def measure(ctx, items, targets, settings, repeats, budget, max_batch_s):
+    import numpy as np
+    dyb = ctx.dyb
+    results = {name: {} for name in ctx.measured}
+    rates = {}   # (form, mode) -> last pairs/s, for the skip estimate
+    n_items = len(items)
+    for sname, mode, batch in settings:
+        active = []
+        for name in ctx.measured:
+            est = rates.get((name, mode))
+            if name not in ctx.can_cut and est and batch / est > max_batch_s:
+                results[name][sname] = {
+                    'skipped': 'one minibatch of %d estimated at %.1f s (> --max-batch-s %g)'
+                               % (batch, batch / est, max_batch_s)}
+                continue
+            active.append(name)
+        # warm-up: one (time-boxed) minibatch per form at this setting
+        for name in active:
+            time_cell(ctx, name, mode, batch, items, targets, 0, min(budget, 0.3))
+        cells = {name: {'pairs': [], 'seconds': [], 'cpu_per_wall': [], 'partial': False,
+                        'dyb': []}
+                 for name in active}
+        for rep in range(repeats):
+            start = (rep * 997) % n_items
+            shift = rep % max(1, len(active))
+            for name in active[shift:] + active[:shift]:
+                dyb.reset_stats()
+                pairs, secs, partial, cpu = time_cell(ctx, name, mode, batch, items, targets,
+                                                      start, budget)
+                cell = cells[name]
+                cell['cpu_per_wall'].append(cpu)
+                cell['pairs'].append(pairs)
+                cell['seconds'].append(secs)
+                cell['partial'] |= partial
+                if name.startswith(DYB_PREFIX):
+                    st = dyb.stats()
+                    st.pop('last', None)
+                    st['wall_ms'] = secs * 1e3
+                    cell['dyb'].append(st)
+        line = []
+        for name in active:
+            cell = cells[name]
+            per_rep = [p / s for p, s in zip(cell['pairs'], cell['seconds'])]
+            cell['pairs_per_s_repeats'] = per_rep
+            cell['pairs_per_s'] = float(np.median(per_rep))
+            rates[(name, mode)] = cell['pairs_per_s']
+            if cell['dyb']:
+                cell['dynbatch_split'] = dyb_split(cell['dyb'], sum(cell['pairs']), batch)
+            del cell['dyb']
+            results[name][sname] = cell
+            line.append('%s %.0f' % (name, cell['pairs_per_s']))
+        print('  %-13s %s' % (sname, ' | '.join(line)), flush=True)
+    return results
+
+
+def load_report(results, load_start, load_end, cpu_share):
+    """Was the machine busy?  With the NaiveEngine and one thread this process
+    should get a whole core (CPU time / wall ~ 1) while it times; much less
+    means other work competed and the numbers are low."""
+    shares = sorted(s for cells in results.values() for cell in cells.values()
+                    for s in cell.get('cpu_per_wall', []))
+    low = [s for s in shares if s < 0.85]
+    summary = ('machine load: 1-min load average %.2f at start of timing, %.2f at end; this '
+               'process used %.2f CPU-s per wall-s while timing' % (load_start[0], load_end[0],
+                                                                  cpu_share))
+    if shares:
+        summary += ' (per timed run: min %.2f, median %.2f)' % (shares[0],
+                                                                shares[len(shares) // 2])
+    if low and os.environ.get('MXNET_ENGINE_TYPE') == 'NaiveEngine':
+        summary += ('\nWARNING: %d of %d timed runs got less than 0.85 of a core: other '
+                    'processes competed for the CPU; those numbers are low.'
+                    % (len(low), len(shares)))
+    return {'loadavg_start': load_start, 'loadavg_end': load_end,
+            'cpu_per_wall': cpu_share, 'runs_below_0.85_core': len(low), 'runs': len(shares),
+            'summary': summary}
+
+
+def dyb_split(stats_list, pairs, batch):
+    """Where a dynbatch minibatch's time goes: record (the user's loop),
+    analysis (planning), compile (when reported), run (batched execution of
+    the forward), other (the rest of the wall time: reading results,
+    backward and the optimizer step when training)."""
+    keys = ('record_ms', 'analyse_ms', 'compile_ms', 'run_ms')
+    tot = {k: sum(float(s.get(k, 0.0) or 0.0) for s in stats_list) for k in keys}
+    wall = sum(s['wall_ms'] for s in stats_list)
+    flushes = sum(int(s.get('flushes', 0) or 0) for s in stats_list)
+    steps = sum(int(s.get('steps', 0) or 0) for s in stats_list)
+    nodes = sum(int(s.get('nodes', 0) or 0) for s in stats_list)
+    split = {k[:-3]: tot[k] / wall for k in keys}
+    split['other'] = max(0.0, 1.0 - sum(split.values()))
+    minibatches = max(1, flushes)
+    choices = {}
+    for s in stats_list:
+        for k, v in (s.get('choices') or {}).items():
+            choices[k] = choices.get(k, 0) + v
+    return {'auto_choices': choices or None,'fraction_of_wall': split,
+            'ms_per_minibatch': {**{k[:-3]: tot[k] / minibatches for k in keys},
+                                 'wall': wall / minibatches},
+            'flushes': flushes, 'steps_per_flush': steps / minibatches,
+            'nodes_per_step': nodes / max(1, steps), 'pairs': pairs, 'batch': batch}
+
+
+# ==========================================================================
+# Reporting
+# ==========================================================================
+
+def add_ratios(results, limit):
+    for name, cells in results.items():
+        for sname, cell in cells.items():
+            if 'pairs_per_s' not in cell:
+                continue
+            for key, ref in (('x_per_sample_hybrid', HYBRID), ('x_hand_batched', HAND)):
+                other = results.get(ref, {}).get(sname, {}).get('pairs_per_s')
+                cell[key] = cell['pairs_per_s'] / other if other else None
+            mode = 'train' if sname.startswith('train') else 'infer'
+            cell['fraction_of_limit'] = cell['pairs_per_s'] / limit['pairs_per_s'][mode]
+
+
+def format_table(results, settings, limit):
+    names = [s[0] for s in settings]
+    width = max(12, max(len(n) for n in names) + 1)
+    rows = ['%-22s %-11s' % ('form', 'metric') + ''.join('%*s' % (width, n) for n in names)]
+    rows.append('-' * len(rows[0]))
+
+    def fmt(v, kind):
+        if v is None:
+            return 'n/a'
+        if kind == 'rate':
+            return '%.0f' % v if v >= 10 else '%.2f' % v
+        if kind == 'x':
+            return '%.2fx' % v
+        return '%.2f%%' % (100 * v)
+
+    metrics = [('pairs/s', 'pairs_per_s', 'rate'), ('x hybrid', 'x_per_sample_hybrid', 'x'),
+               ('x hand', 'x_hand_batched', 'x'), ('of limit', 'fraction_of_limit', '%')]
+    for name, cells in results.items():
+        for i, (label, key, kind) in enumerate(metrics):
+            vals = []
+            for sname in names:
+                cell = cells.get(sname, {})
+                if 'skipped' in cell:
+                    vals.append('skipped' if i == 0 else '')
+                elif not cell:
+                    vals.append('')
+                else:
+                    v = fmt(cell.get(key), kind)
+                    if i == 0 and cell.get('partial'):
+                        v += '*'
+                    vals.append(v)
+            rows.append('%-22s %-11s' % (name if i == 0 else '', label)
+                        + ''.join('%*s' % (width, v) for v in vals))
+    rows.append('%-22s %-11s' % ('GEMM limit', 'pairs/s') + ''.join(
+        '%*s' % (width, fmt(limit['pairs_per_s']['train' if n.startswith('train') else 'infer'],
+                            'rate')) for n in names))
+    rows.append('* per-sample forms stop mid-minibatch when the time budget runs out '
+                '(pairs/s over the pairs done)')
+    return '\n'.join(rows)
+
+
+def format_split(results, settings):
+    lines = ['dynbatch time split (fraction of wall time per minibatch: record / analyse / '
+             'compile / run / other; other = reading results, backward + optimizer in training)']
+    for name, cells in results.items():
+        if not name.startswith(DYB_PREFIX):
+            continue
+        for sname, _, _ in settings:
+            sp = cells.get(sname, {}).get('dynbatch_split')
+            if not sp:
+                continue
+            f = sp['fraction_of_wall']
+            lines.append('  %-22s %-13s %5.1f%% %5.1f%% %5.1f%% %5.1f%% %5.1f%%   %.2f ms/mb, '
+                         '%.0f steps/mb, %.1f nodes/step%s'
+                         % (name, sname, 100 * f['record'], 100 * f['analyse'],
+                            100 * f['compile'], 100 * f['run'], 100 * f['other'],
+                            sp['ms_per_minibatch']['wall'], sp['steps_per_flush'],
+                            sp['nodes_per_step'],
+                            ', chose %s' % sp['auto_choices'] if sp['auto_choices'] else ''))
+    return '\n'.join(lines)
+
+
+def plot(results, settings, limit, path):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    names = [s[0] for s in settings]
+    forms = list(results)
+    fig, ax = plt.subplots(figsize=(max(9, 1.9 * len(names) + 4), 5.5))
+    width = 0.8 / max(1, len(forms))
+    x = np.arange(len(names))
+    colors = plt.get_cmap('tab10')
+    for j, form in enumerate(forms):
+        vals = [results[form].get(n, {}).get('pairs_per_s', np.nan) for n in names]
+        pos = x - 0.4 + width * (j + 0.5)
+        ax.bar(pos, vals, width, label=form, color=colors(j % 10))
+        for i, n in enumerate(names):
+            if 'skipped' in results[form].get(n, {}):
+                ax.text(pos[i], 0.02, 'skipped', rotation=90, ha='center', va='bottom',
+                        fontsize=7, color=colors(j % 10), transform=ax.get_xaxis_transform())
+    for i, n in enumerate(names):
+        lim = limit['pairs_per_s']['train' if n.startswith('train') else 'infer']
+        ax.hlines(lim, i - 0.45, i + 0.45, colors='k', linestyles='--', linewidth=1,
+                  label='GEMM limit' if i == 0 else None)
+    ax.set_yscale('log')
+    ax.set_xticks(x)
+    ax.set_xticklabels(names)
+    ax.set_ylabel('pairs / s (log scale)')
+    ax.set_title('Child-sum Tree-LSTM on SICK test: throughput by form (higher is better)')
+    ax.grid(axis='y', which='both', alpha=0.3)
+    ax.legend(fontsize=8, loc='upper left', bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ==========================================================================
+# Settings sweep (subprocesses; no MXNet in this process)
+# ==========================================================================
+
+SWEEP_COMBOS = [(1, 'NaiveEngine'), (2, 'NaiveEngine'), (1, 'ThreadedEnginePerDevice'),
+                (2, 'ThreadedEnginePerDevice')]
+_SHORT_ENGINE = {'NaiveEngine': 'Naive', 'ThreadedEnginePerDevice': 'ThreadedPerDev',
+                 'ThreadedEngine': 'Threaded'}
+
+
+def _median(values):
+    values = sorted(values)
+    n = len(values)
+    return None if not n else (values[n // 2] if n % 2 else 0.5 * (values[n // 2 - 1]
+                                                                    + values[n // 2]))
+
+
+def run_sweep(args):
+    """Each threads x engine combination in its own subprocess (MXNet reads
+    them at load), ``--sweep-rounds`` rounds with the combinations
+    interleaved; a cell is the median over rounds."""
+    os.makedirs(args.out, exist_ok=True)
+    runs = {}    # label -> list of results.json contents
+    loads = {}   # label -> list of machine_load summaries
+    labels = ['t%d %s' % (t, _SHORT_ENGINE[e]) for t, e in SWEEP_COMBOS]
+    print('settings sweep: threads {1,2} x engine {NaiveEngine, ThreadedEnginePerDevice}, '
+          'subset %s, %d round(s), one subprocess per run'
+          % ([s[0] for s in SWEEP_SETTINGS], args.sweep_rounds), flush=True)
+    for rnd in range(args.sweep_rounds):
+        for (threads, engine), label in zip(SWEEP_COMBOS, labels):
+            sub_out = os.path.join(args.out, 'sweep', 'round%d-t%d-%s' % (rnd, threads, engine))
+            cmd = [sys.executable, os.path.abspath(__file__), '--sweep-child', '--threads',
+                   str(threads), '--engine', engine, '--out', sub_out, '--seed', str(args.seed)]
+            if args.data:
+                cmd += ['--data', args.data]
+            if args.forms:
+                cmd += ['--forms'] + args.forms
+            if args.gc_freeze:
+                cmd += ['--gc-freeze']
+            print('\n=== round %d: threads=%d %s ===' % (rnd + 1, threads, engine), flush=True)
+            tic = time.perf_counter()
+            proc = subprocess.run(cmd, check=False)
+            if proc.returncode != 0:
+                print('%s: failed with exit code %d' % (label, proc.returncode), flush=True)
+                continue
+            with open(os.path.join(sub_out, 'results.json')) as f:
+                res = json.load(f)
+            runs.setdefault(label, []).append(res)
+            loads.setdefault(label, []).append(res.get('machine_load', {}))
+            print('(took %.0f s)' % (time.perf_counter() - tic), flush=True)
+    if not runs:
+        raise SystemExit('every sweep run failed')
+
+    labels = [l for l in labels if l in runs]
+    forms = []
+    for res_list in runs.values():
+        for res in res_list:
+            forms += [f for f in res['results'] if f not in forms]
+    names = [s[0] for s in SWEEP_SETTINGS]
+    sweep = {'combos': {l: {'threads': t, 'engine': e}
+                        for (t, e), l in zip(SWEEP_COMBOS, labels)},
+             'rounds': args.sweep_rounds, 'settings': names,
+             'statistic': 'median over rounds of each run\'s pairs/s; geomean over settings',
+             'machine_load': loads, 'forms': {}}
+    width = max(len(l) for l in labels) + 2
+    print('\nsettings sweep: pairs/s, geometric mean over %s (median of %d round(s))'
+          % (names, args.sweep_rounds))
+    print('%-22s' % 'form' + ''.join('%*s' % (width, l) for l in labels) + '   fastest')
+    for form in forms:
+        per_combo = {}
+        for label in labels:
+            per_setting = {}
+            for sname in names:
+                vals = [r['results'].get(form, {}).get(sname, {}).get('pairs_per_s')
+                        for r in runs[label]]
+                per_setting[sname] = _median([v for v in vals if v])
+            vals = [v for v in per_setting.values() if v]
+            geo = (math.exp(sum(math.log(v) for v in vals) / len(vals))
+                   if vals and len(vals) == len(names) else None)
+            per_combo[label] = {'per_setting': per_setting, 'geomean': geo}
+        valid = {l: v['geomean'] for l, v in per_combo.items() if v['geomean']}
+        best = max(valid, key=valid.get) if valid else None
+        best_per_setting = {}
+        for sname in names:
+            cand = {l: per_combo[l]['per_setting'][sname] for l in labels
+                    if per_combo[l]['per_setting'][sname]}
+            best_per_setting[sname] = max(cand, key=cand.get) if cand else None
+        sweep['forms'][form] = {'per_combo': per_combo, 'fastest': best,
+                                'fastest_per_setting': best_per_setting}
+        print('%-22s' % form + ''.join(
+            '%*s' % (width, '%.0f' % per_combo[l]['geomean'] if per_combo[l]['geomean']
+                     else 'n/a') for l in labels) + '   ' + str(best))
+    print('\nfastest per setting:')
+    for form, entry in sweep['forms'].items():
+        print('  %-22s %s' % (form, '; '.join('%s: %s' % kv
+                                               for kv in entry['fastest_per_setting'].items())))
+    print('\nCPU-s per wall-s of each run while timing (1 thread + NaiveEngine should be ~1.0; '
+          'lower means the machine was busy):')
+    for label in labels:
+        print('  %-*s %s' % (width, label, ' '.join('%.2f' % l.get('cpu_per_wall', float('nan'))
+                                                    for l in loads[label])))
+    path = os.path.join(args.out, 'sweep.json')
+    with open(path, 'w') as f:
+        json.dump(sweep, f, indent=1)
+    print('\nwrote %s' % path)
+
+
+# ==========================================================================
+# Main
+# ==========================================================================
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.sweep_settings:
+        return run_sweep(args)
+    configure_env(args)
+    wall0 = time.perf_counter()
+
+    if args.sweep_child:
+        settings, repeats, budget, check_pairs = SWEEP_SETTINGS, 2, 0.5, 8
+        args.no_plot = True
+        args.check_batches = 1
+    elif args.quick:
+        settings, repeats, budget, check_pairs = QUICK_SETTINGS, 2, 0.3, 8
+    else:
+        settings, repeats, budget, check_pairs = FULL_SETTINGS, 3, 1.6, 25
+    repeats = args.repeats or repeats
+    budget = args.budget or budget
+    check_pairs = args.check_pairs or check_pairs
+    if args.settings:
+        by_name = {s[0]: s for s in FULL_SETTINGS}
+        unknown = [s for s in args.settings if s not in by_name]
+        if unknown:
+            raise SystemExit('unknown settings %s; choose from %s' % (unknown, list(by_name)))
+        settings = [by_name[s] for s in args.settings]
+
+    import mxnet as mx  # pylint: disable=import-outside-toplevel
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import gluon_dynbatch as dyb  # pylint: disable=import-outside-toplevel
+
+    config = runtime_config(args, mx)
+    print('MXNet %s | engine %s | OMP_NUM_THREADS=%s | MXNET_CPU_WORKER_NTHREADS=%s | '
+          'LD_PRELOAD=%r | allocator %s | %s, %s cores'
+          % (config['mxnet'], config['engine'], config['OMP_NUM_THREADS'],
+             config['MXNET_CPU_WORKER_NTHREADS'], config['LD_PRELOAD'], config['allocator'],
+             config['cpu'], config['cores_available']), flush=True)
+
+    folder, items, targets, vocab_size, embedding = load_data(args)
+    nodes, internal, edges, arities = tree_counts(items)
+    print('SICK test: %d pairs from %s, %.1f nodes/pair, child counts %s, vocab %d'
+          % (len(items), folder, nodes / len(items), sorted(arities), vocab_size), flush=True)
+
+    if args.gc_freeze:
+        import gc  # pylint: disable=import-outside-toplevel
+        gc.collect()
+        gc.freeze()
+    ctx = Forms(vocab_size, embedding, args.seed, args.forms)
+    ctx.mx = mx
+    print('forms: %s | dynbatch strategies: %s' % (', '.join(ctx.order), list(dyb.STRATEGIES)),
+          flush=True)
+
+    # warm-up: every child count, inference and training, every form
+    warm = covering_pairs(items)
+    for name in ctx.order:
+        for mode in ('infer', 'train'):
+            run_minibatch(ctx, ctx.forms[name], mode, warm, targets[:len(warm)])
+
+    result = {
+        'benchmark': 'child-sum Tree-LSTM, SICK test', 'argv': sys.argv[1:],
+        'mode': 'sweep-child' if args.sweep_child else ('quick' if args.quick else 'full'),
+        'config': config,
+        'data': {'folder': str(folder), 'split': 'test', 'pairs': len(items), 'seed': args.seed,
+                 'nodes_per_pair': nodes / len(items), 'child_counts': sorted(arities),
+                 'vocab': vocab_size},
+        'model': {'embed': EMBED, 'hidden': HIDDEN, 'sim_hidden': SIM_HIDDEN,
+                  'classes': CLASSES, 'optimizer': 'adagrad lr 0.05',
+                  'loss': '-sum(target * logp) (KL up to a constant)'},
+        'timing': {'repeats': repeats, 'budget_s': budget, 'max_batch_s': args.max_batch_s,
+                   'gc_freeze': args.gc_freeze,
+                   'statistic': 'median over repeats of pairs/s; forms interleaved per repeat'},
+        'forms': ctx.measured, 'skipped_forms': ctx.skipped,
+        'dynbatch_strategies': list(dyb.STRATEGIES),
+        'settings': [{'name': n, 'mode': m, 'batch': b} for n, m, b in settings],
+    }
+    os.makedirs(args.out, exist_ok=True)
+    json_path = os.path.join(args.out, 'results.json')
+
+    # (a) equivalence
+    print('equivalence check: %d minibatches of %d pairs, tolerance %g ...'
+          % (args.check_batches, check_pairs, args.tol), flush=True)
+    eq = check_equivalence(ctx, items, args.check_batches, check_pairs, args.tol)
+    result['equivalence'] = eq
+    for name, entry in eq['forms'].items():
+        print('  %-22s max |logp diff| %.2e   max grad diff %.2e of largest entry (%s)'
+              % (name, entry['max_logp_abs_diff'], entry['max_grad_rel_diff'],
+                 entry['worst_param']), flush=True)
+    if not eq['passed']:
+        with open(json_path, 'w') as f:
+            json.dump(result, f, indent=1)
+        bad = sorted({f.split(':')[0] for f in eq['failures']})
+        print('\nERROR: %s disagree(s) with %s beyond tolerance %g; aborting before any '
+              'timing (details in %s):\n  %s'
+              % (', '.join(bad), PER_SAMPLE, args.tol, json_path,
+                 '\n  '.join(eq['failures'])), file=sys.stderr)
+        return 2
+    print('  all forms agree', flush=True)
+
+    # (b) physical limit
+    limit = gemm_limit(mx, items)
+    result['limit'] = limit
+    print('GEMM limit: %.2f MFLOP/pair forward; GEMMs at %d rows run at %s GFLOP/s -> '
+          '%.0f pairs/s inference, %.0f pairs/s training (3x FLOPs)'
+          % (limit['flops_per_pair_infer'] / 1e6, limit['rows_timed'],
+             '/'.join('%.1f' % g['gflops'] for g in limit['gemms'].values()),
+             limit['pairs_per_s']['infer'], limit['pairs_per_s']['train']), flush=True)
+
+    # (c) throughput
+    print('timing: %d repeats x %.1f s per form per setting' % (repeats, budget), flush=True)
+    load0, cpu0, tic = os.getloadavg(), time.process_time(), time.perf_counter()
+    results = measure(ctx, items, targets, settings, repeats, budget, args.max_batch_s)
+    add_ratios(results, limit)
+    result['results'] = results
+    result['machine_load'] = load_report(results, load0, os.getloadavg(),
+                                         (time.process_time() - cpu0) / (time.perf_counter() - tic))
+    result['elapsed_s'] = time.perf_counter() - wall0
+
+    print()
+    print(format_table(results, settings, limit))
+    print()
+    print(format_split(results, settings))
+    print()
+    print(result['machine_load']['summary'])
+    with open(json_path, 'w') as f:
+        json.dump(result, f, indent=1)
+    print('\nwrote %s' % json_path)
+    if not args.no_plot:
+        png = os.path.join(args.out, 'throughput.png')
+        plot(results, settings, limit, png)
+        print('wrote %s' % png)
+    print('total %.0f s' % (time.perf_counter() - wall0))
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
