@@ -14,8 +14,9 @@ from helpers import Tree, assert_same, random_tree, run_both, tree_from_parents
 STRATEGIES = ['depth', 'agenda', 'per-sample', 'cached', 'auto']
 
 
-def make_tree_model(hidden=6, embed=5, vocab=40, pad_lists=None):
-    node = dyb.DynBatchBlock(TreeLSTMNode(vocab, embed, hidden), pad_lists=pad_lists)
+def make_tree_model(hidden=6, embed=5, vocab=40, pad_lists=None, sparse_grad=False):
+    node = dyb.DynBatchBlock(TreeLSTMNode(vocab, embed, hidden, sparse_grad=sparse_grad),
+                             pad_lists=pad_lists)
     head = dyb.DynBatchBlock(Similarity(4, 5, in_units=hidden))
     node.initialize(mx.init.Uniform(0.5))
     head.initialize(mx.init.Uniform(0.5))
@@ -70,6 +71,13 @@ def test_wrong_pad_lists_claim_is_caught():
             b = block(x, [x])
             block(x, [a])
             block(x, [a, b])
+
+
+def test_tree_lstm_with_row_sparse_embedding_gradient():
+    node, head = make_tree_model(sparse_grad=True)
+    pairs = random_pairs(np.random.RandomState(7), 6)
+    assert node.block.embedding.weight.grad().stype == 'row_sparse'
+    assert_same(run_both(pair_forward(node, head, pairs), [node, head]))
 
 
 def test_tree_lstm_on_sick_trees():

@@ -183,7 +183,8 @@ def build_model(vocab, args, ctx=None):
     np.random.seed(args.seed)
     matrix, n_found = make_embedding_matrix(vocab, dim=args.embed_size,
                                             path=args.embeddings, seed=args.seed)
-    node = dyb.DynBatchBlock(TreeLSTMNode(len(vocab), matrix.shape[1], args.hidden_size))
+    node = dyb.DynBatchBlock(TreeLSTMNode(len(vocab), matrix.shape[1], args.hidden_size,
+                                          sparse_grad=True))  # see TreeLSTMNode
     head = dyb.DynBatchBlock(Similarity(args.sim_hidden_size, NUM_CLASSES,
                                         in_units=args.hidden_size))
     init = mx.init.Xavier(rnd_type='uniform', factor_type='avg', magnitude=3)

@@ -75,10 +75,12 @@ class TreeLSTMNode(HybridBlock):
     """
     dynbatch_pad_lists = True
 
-    def __init__(self, vocab_size, embed_size=300, hidden_size=150, prefix=None, params=None):
+    def __init__(self, vocab_size, embed_size=300, hidden_size=150, sparse_grad=False,
+                 prefix=None, params=None):
         super().__init__(prefix=prefix, params=params)
         with self.name_scope():
-            self.embedding = nn.Embedding(vocab_size, embed_size, prefix='embedding_')
+            self.embedding = nn.Embedding(vocab_size, embed_size, sparse_grad=sparse_grad,
+                                          prefix='embedding_')
             self.cell = ChildSumTreeLSTMCell(hidden_size, embed_size, prefix='cell_')
 
     def hybrid_forward(self, F, token, child_h, child_c):
