@@ -54,18 +54,32 @@ class CostModel:
         self.calibrated = False
 
     # --- prediction --------------------------------------------------------
-    def predict(self, n_nodes, n_steps_by_depth, cached_steps=None):
+    def predict(self, n_nodes, n_steps_by_depth, cached_steps=None, groups=None):
         """``{strategy: (analyse_ms, run_ms)}`` for a flush of ``n_nodes``
         calls that depth grouping would run in ``n_steps_by_depth`` steps;
-        ``cached_steps`` is the step count of a reusable cached plan."""
+        ``cached_steps`` is the step count of a reusable cached plan.
+
+        With ``groups`` (calls per (depth, family), as recording counts them)
+        each step is charged its family's learned step cost, so a workload of
+        cheap blocks is not priced with the costs of expensive ones."""
         rows_ms = n_nodes * self.row_us / 1e3
-        steps = {'per-sample': n_nodes, 'depth': n_steps_by_depth,
-                 'agenda': max(1.0, n_steps_by_depth * self.agenda_ratio)}
+        if groups:
+            family_cost = self.family_step_us.get
+            depth_us = sum(family_cost(family, self.step_us) for _, family in groups)
+            depth_us += (n_steps_by_depth - len(groups)) * self.step_us
+            sample_us = sum(count * family_cost(family, self.step_us)
+                            for (_, family), count in groups.items())
+            sample_us += (n_nodes - sum(groups.values())) * self.step_us
+        else:
+            depth_us = n_steps_by_depth * self.step_us
+            sample_us = n_nodes * self.step_us
+        per_step = depth_us / max(1, n_steps_by_depth)
+        steps_us = {'per-sample': sample_us, 'depth': depth_us,
+                    'agenda': max(per_step, depth_us * self.agenda_ratio)}
         if cached_steps is not None:
-            steps['cached'] = cached_steps
-        return {name: (n_nodes * self.analyse_us[name] / 1e3,
-                       count * self.step_us / 1e3 + rows_ms)
-                for name, count in steps.items()}
+            steps_us['cached'] = cached_steps * per_step
+        return {name: (n_nodes * self.analyse_us[name] / 1e3, cost / 1e3 + rows_ms)
+                for name, cost in steps_us.items()}
 
     # --- learning ----------------------------------------------------------
     def observe_analysis(self, name, seconds, n_nodes, alpha=0.2, min_nodes=200):
@@ -233,7 +247,7 @@ class Auto(Strategy):
         self._flushes += 1
         fingerprint = summary['fingerprint']
         predictions = self.model.predict(len(nodes), summary['depth_steps'],
-                                         self._seen.get(fingerprint))
+                                         self._seen.get(fingerprint), dict(fingerprint[0]))
         ranked = sorted(predictions, key=lambda k: sum(predictions[k]))
         plan = None
         if ranked[0] == 'cached':
