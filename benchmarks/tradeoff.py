@@ -429,20 +429,12 @@ class DagWorkload(Workload):
 
 
 def load_sick(args):
-    """Shuffled SICK test pairs as (a_ids, a_tree, b_ids, b_tree), vocab size
-    and a random embedding matrix (as benchmarks/bench_treelstm.py)."""
-    import numpy as np
-    from gluon_dynbatch.data import sick
-    folder = sick.find_sick_dir(args.data)
-    splits = [sick.load_split(folder, s) for s in sick.SPLITS]
-    vocab = sick.build_vocab(splits)
-    test = splits[sick.SPLITS.index('test')]
-    sick.index_pairs(test, vocab)
-    order = np.random.RandomState(args.seed).permutation(len(test))
-    items = [(test[i].a_ids.astype(np.float32), test[i].a_tree,
-              test[i].b_ids.astype(np.float32), test[i].b_tree) for i in order]
-    embedding, _ = sick.make_embedding_matrix(vocab, EMBED, seed=args.seed)
-    return folder, items, len(vocab), embedding
+    """Shuffled SICK test pairs, vocab size and embedding matrix: the same
+    data, order and embeddings as benchmarks/bench_treelstm.py."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_treelstm import load_data
+    folder, items, _, vocab_size, embedding = load_data(args)
+    return folder, items, vocab_size, embedding
 
 
 def build_workloads(mx, dyb, args, cfg):

@@ -31,3 +31,13 @@ def _fresh_padding_costs():
             PADDING_COST[key].update(value)
         else:
             PADDING_COST[key] = value
+
+
+@pytest.fixture(scope='module')
+def sick_dir():
+    """The SICK data folder; tests that need it skip when it is missing."""
+    from gluon_dynbatch.data.sick import find_sick_dir
+    try:
+        return find_sick_dir()
+    except FileNotFoundError as err:
+        pytest.skip('SICK data not available: {}'.format(err))

@@ -83,3 +83,13 @@ def assert_same(results, rtol=1e-4, atol=1e-5):
                                    err_msg=name)
     for a, b in zip(in_a, in_b):
         np.testing.assert_allclose(b, a, rtol=rtol, atol=atol)
+
+
+def sick_available():
+    """True when the SICK data can be found (for skipif marks)."""
+    from gluon_dynbatch.data.sick import find_sick_dir
+    try:
+        find_sick_dir()
+    except FileNotFoundError:
+        return False
+    return True

@@ -16,13 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, 'benchmarks', 'bench_treelstm.py')
 
 
-def _sick_available():
-    from gluon_dynbatch.data import sick
-    try:
-        sick.find_sick_dir()
-    except FileNotFoundError:
-        return False
-    return True
+from helpers import sick_available as _sick_available
 
 
 @pytest.mark.skipif(not _sick_available(), reason='SICK data not found (see '

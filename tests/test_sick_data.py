@@ -22,14 +22,6 @@ def _structure(tree):
 
 
 @pytest.fixture(scope='module')
-def sick_dir():
-    try:
-        return find_sick_dir()
-    except FileNotFoundError as err:
-        pytest.skip('SICK data not available: {}'.format(err))
-
-
-@pytest.fixture(scope='module')
 def dev_pairs(sick_dir):
     return load_split(sick_dir, 'dev')
 

@@ -36,14 +36,6 @@ def example():
 
 
 @pytest.fixture(scope='module')
-def sick_dir():
-    try:
-        return find_sick_dir()
-    except FileNotFoundError as err:
-        pytest.skip('SICK data not available: {}'.format(err))
-
-
-@pytest.fixture(scope='module')
 def small_data(example, sick_dir):
     return example.load_data(sick_dir, train_limit=100, dev_limit=40, test_limit=10)
 
