@@ -215,6 +215,8 @@ class Auto(Strategy):
       bookkeeping), and every ``probe_every``-th flush also plans with the
       strategy not chosen among depth/agenda, without running it, so both
       per-node costs and agenda's step saving stay measured.
+    * Flushes of fewer than ``small`` calls are planned by depth without
+      deciding: the decision itself would cost more than it could save.
     * A cached plan is considered only for a graph whose summary (calls per
       depth and family) matches one whose plan was stored, and only when its
       prediction, hashing included, beats the others: the structure is
@@ -223,8 +225,9 @@ class Auto(Strategy):
     """
     name = 'auto'
 
-    def __init__(self, model=None, probe_every=16, memory=4096):
+    def __init__(self, model=None, probe_every=16, memory=4096, small=32):
         self._model = model
+        self.small = small
         self.cached = STRATEGIES['cached']
         self.probe_every = probe_every
         self.memory = memory
@@ -243,6 +246,12 @@ class Auto(Strategy):
         self.model  # calibrate now, outside any timed flush
 
     def plan(self, nodes, summary=None):
+        if len(nodes) < self.small:
+            # Deciding costs more than any choice could save on a graph this
+            # small (depth's analysis is a few microseconds): plan by depth.
+            self.choices['depth'] = self.choices.get('depth', 0) + 1
+            self.last = {'choice': 'depth'}
+            return STRATEGIES['depth'].plan(nodes)
         summary = summary or summarize(nodes)
         self._flushes += 1
         fingerprint = summary['fingerprint']
@@ -298,6 +307,8 @@ class Auto(Strategy):
 
     def observe(self, plan, step_seconds, analyse_s, nodes):
         self.model.observe_steps(plan, step_seconds)
+        if 'predicted_ms' not in self.last:
+            return
         if self.last.get('choice') == 'agenda':
             self._observe_agenda(len(plan.steps), self.last['depth_steps'])
 

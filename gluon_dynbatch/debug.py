@@ -56,8 +56,9 @@ def record_flush(plan, record_ms, analyse_ms, run_ms, extra=None):
         if 'choice' in extra:
             choices = _TOTALS.setdefault('choices', {})
             choices[extra['choice']] = choices.get(extra['choice'], 0) + 1
-            _TOTALS['predicted_ms'] = _TOTALS.get('predicted_ms', 0.0) + extra['predicted_ms']
-            _TOTALS['actual_ms'] = _TOTALS.get('actual_ms', 0.0) + analyse_ms + run_ms
+            if 'predicted_ms' in extra:
+                _TOTALS['predicted_ms'] = _TOTALS.get('predicted_ms', 0.0) + extra['predicted_ms']
+                _TOTALS['actual_ms'] = _TOTALS.get('actual_ms', 0.0) + analyse_ms + run_ms
     level = debug_level()
     if level:
         _print_flush(plan, sizes, level)

@@ -159,9 +159,13 @@ def test_debug_output(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert '[dynbatch] flush: 2 nodes -> 2 steps' in err and 'Plan(depth' in err
     with dyb.batching('auto'):
-        block(block(mx.nd.ones((1, 3))))
+        [block(block(mx.nd.ones((1, 3)))) for _ in range(40)]
     err = capsys.readouterr().err
     assert 'auto chose' in err and 'predicted' in err and 'actual' in err
+    with dyb.batching('auto'):              # tiny graphs are planned by depth, no decision
+        block(block(mx.nd.ones((1, 3))))
+    assert 'auto chose' not in capsys.readouterr().err
+    assert dyb.stats()['last']['choice'] == 'depth'
 
 
 # --- errors ----------------------------------------------------------------
