@@ -632,7 +632,9 @@ def measure(mx, dyb, workload, cfg, tol):
                 for k, v in (row['predictions_ms'] or {}).items():
                     preds.setdefault(k, []).append(v)
             cell['predictions_ms'] = {k: median(v) for k, v in preds.items()}
-            cell['predicted_ms'] = median([row['predicted_ms'] for row in rows])
+            # tiny flushes are planned by depth without a prediction (None)
+            cell['predicted_ms'] = median([row['predicted_ms'] for row in rows
+                                           if row['predicted_ms'] is not None])
         summary[name] = cell
     for name, why in skipped.items():
         summary[name] = {'skipped': why}

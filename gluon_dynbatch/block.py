@@ -28,7 +28,6 @@ __all__ = ['DynBatchBlock', 'batching', 'current_scope', 'private_scope']
 NDArray = mx.nd.NDArray
 _LOCAL = threading.local()
 _SIG_IDS = itertools.count()
-_FAMILY_IDS = {}
 
 
 def current_scope():
@@ -366,7 +365,10 @@ class DynBatchBlock(Block):
             if parts is not None:
                 family = (tuple(0 if item == 0 else 'list' for item in fmt),) + tuple(parts) \
                     + key[-2:]
-        return _FAMILY_IDS.setdefault((id(self), family), len(_FAMILY_IDS))
+        family_id = self._families.get(family)
+        if family_id is None:   # ids unique across blocks: one counter for all
+            family_id = self._families[family] = next(_SIG_IDS)
+        return family_id
 
     def padded_signature(self, sigs):
         """The signature that runs calls of ``sigs`` (one family) together:

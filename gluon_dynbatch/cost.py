@@ -54,7 +54,8 @@ class CostModel:
         self.calibrated = False
 
     # --- prediction --------------------------------------------------------
-    def predict(self, n_nodes, n_steps_by_depth, cached_steps=None, groups=None):
+    def predict(self, n_nodes, n_steps_by_depth, cached_steps=None, groups=None,
+                agenda_ratio=None):
         """``{strategy: (analyse_ms, run_ms)}`` for a flush of ``n_nodes``
         calls that depth grouping would run in ``n_steps_by_depth`` steps;
         ``cached_steps`` is the step count of a reusable cached plan.
@@ -75,7 +76,7 @@ class CostModel:
             sample_us = n_nodes * self.step_us
         per_step = depth_us / max(1, n_steps_by_depth)
         steps_us = {'per-sample': sample_us, 'depth': depth_us,
-                    'agenda': max(per_step, depth_us * self.agenda_ratio)}
+                    'agenda': max(per_step, depth_us * (agenda_ratio or self.agenda_ratio))}
         if cached_steps is not None:
             steps_us['cached'] = cached_steps * per_step
         return {name: (n_nodes * self.analyse_us[name] / 1e3, cost / 1e3 + rows_ms)
@@ -212,9 +213,11 @@ class Auto(Strategy):
     time, and learn from what the flush then measured.
 
     * Every strategy's analysis is timed by itself (not with this class's own
-      bookkeeping), and every ``probe_every``-th flush also plans with the
+      bookkeeping).  The first flush of each kind of graph (its set of block
+      families), and every ``probe_every``-th flush, also plans with the
       strategy not chosen among depth/agenda, without running it, so both
-      per-node costs and agenda's step saving stay measured.
+      per-node costs and agenda's step saving (per kind of graph) stay
+      measured.
     * Flushes of fewer than ``small`` calls are planned by depth without
       deciding: the decision itself would cost more than it could save.
     * A cached plan is considered only for a graph whose summary (calls per
@@ -234,6 +237,7 @@ class Auto(Strategy):
         self.choices = {}
         self.last = {}
         self._seen = {}      # summary fingerprint -> steps of its stored plan (None: seen once)
+        self._ratios = {}    # set of families -> agenda steps / depth steps
         self._flushes = 0
 
     @property
@@ -255,8 +259,11 @@ class Auto(Strategy):
         summary = summary or summarize(nodes)
         self._flushes += 1
         fingerprint = summary['fingerprint']
+        groups = dict(fingerprint[0])
+        kind = frozenset(family for _, family in groups)    # which blocks are in play
         predictions = self.model.predict(len(nodes), summary['depth_steps'],
-                                         self._seen.get(fingerprint), dict(fingerprint[0]))
+                                         self._seen.get(fingerprint), groups,
+                                         self._ratios.get(kind))
         ranked = sorted(predictions, key=lambda k: sum(predictions[k]))
         plan = None
         if ranked[0] == 'cached':
@@ -271,10 +278,10 @@ class Auto(Strategy):
             plan = STRATEGIES[name].plan(nodes)
             self.model.observe_analysis(name, time.perf_counter() - start, len(nodes))
             self._remember(fingerprint, nodes, plan, name)
-        self._probe(nodes, summary, name)
+        self._probe(nodes, summary, name, kind)
         self.choices[name] = self.choices.get(name, 0) + 1
         self.last = {'choice': name, 'predicted_ms': sum(predictions[name]),
-                     'depth_steps': summary['depth_steps'],
+                     'depth_steps': summary['depth_steps'], 'kind': kind,
                      'predictions_ms': {k: round(sum(v), 3) for k, v in predictions.items()}}
         return plan
 
@@ -290,27 +297,31 @@ class Auto(Strategy):
         elif len(self._seen) < self.memory:
             self._seen[fingerprint] = None
 
-    def _probe(self, nodes, summary, chosen):
-        """Now and then, time the other of depth/agenda (not run)."""
-        if self._flushes % self.probe_every != 1 or len(nodes) < 2:
+    def _probe(self, nodes, summary, chosen, kind):
+        """Time the other of depth/agenda (planned, not run) on the first
+        flush of each kind of graph (set of block families) and now and then
+        after, so agenda's step saving is known per kind of graph."""
+        if kind in self._ratios and self._flushes % self.probe_every != 1:
             return
         other = 'agenda' if chosen != 'agenda' else 'depth'
         start = time.perf_counter()
         plan = STRATEGIES[other].plan(nodes)
         self.model.observe_analysis(other, time.perf_counter() - start, len(nodes))
         if other == 'agenda':
-            self._observe_agenda(len(plan.steps), summary['depth_steps'])
+            self._observe_agenda(len(plan.steps), summary['depth_steps'], kind)
 
-    def _observe_agenda(self, agenda_steps, depth_steps):
+    def _observe_agenda(self, agenda_steps, depth_steps, kind):
         ratio = agenda_steps / max(1, depth_steps)
         self.model.agenda_ratio += 0.3 * (ratio - self.model.agenda_ratio)
+        old = self._ratios.get(kind, ratio)
+        self._ratios[kind] = old + 0.3 * (ratio - old)
 
     def observe(self, plan, step_seconds, analyse_s, nodes):
         self.model.observe_steps(plan, step_seconds)
         if 'predicted_ms' not in self.last:
             return
         if self.last.get('choice') == 'agenda':
-            self._observe_agenda(len(plan.steps), self.last['depth_steps'])
+            self._observe_agenda(len(plan.steps), self.last['depth_steps'], self.last['kind'])
 
 
 def summarize(nodes):
