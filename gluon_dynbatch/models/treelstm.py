@@ -11,6 +11,7 @@ Gate activations use ``Activation(act_type=...)``, and gates are cut with
 ``slice_axis``: both measured ~10x faster in MXNet 1.9.1 than ``sigmoid`` /
 ``tanh`` and ``split`` at large batch.
 """
+from mxnet import symbol
 from mxnet.gluon import HybridBlock, nn
 
 __all__ = ['ChildSumTreeLSTMCell', 'TreeLSTMNode', 'Similarity', 'sick_target', 'sick_score']
@@ -48,8 +49,12 @@ class ChildSumTreeLSTMCell(HybridBlock):
 
     def hybrid_forward(self, F, x, child_h, child_c):
         H = self.hidden_size
-        gates_x = self.i2h(x)
-        iou = F.slice_axis(gates_x, axis=1, begin=0, end=3 * H)
+        if child_h:
+            gates_x = self.i2h(x)
+            iou = F.slice_axis(gates_x, axis=1, begin=0, end=3 * H)
+        else:   # a leaf has no forget gate: multiply by the [i, o, u] rows only
+            iou = F.FullyConnected(x, _rows(F, self.i2h.weight, x, 3 * H),
+                                   _rows(F, self.i2h.bias, x, 3 * H), num_hidden=3 * H)
         if child_h:
             iou = iou + self.h2h_iou(_add_all(F, child_h))
         i = F.Activation(F.slice_axis(iou, axis=1, begin=0, end=H), act_type='sigmoid')
@@ -63,6 +68,13 @@ class ChildSumTreeLSTMCell(HybridBlock):
             c = c + _add_all(F, kept)
         h = o * F.Activation(c, act_type='tanh')
         return h, c
+
+
+def _rows(F, param, like, count):
+    """The first ``count`` rows of a child block's parameter, as a symbol
+    when tracing and as an NDArray when running imperatively."""
+    value = param.var() if F is symbol else param.data(like.context)
+    return F.slice_axis(value, axis=0, begin=0, end=count)
 
 
 class TreeLSTMNode(HybridBlock):
