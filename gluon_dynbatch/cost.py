@@ -5,16 +5,17 @@ Analysing a recorded graph costs time that grows with the graph; what it buys
 flush, each strategy's analysis time and the run time of the plan it would
 make, from a few constants measured on this machine:
 
-* ``step_us`` - fixed cost of one batched step (a CachedOp call, index uploads);
-* ``row_us`` - cost per row (per recorded call) inside a step;
+* ``step_us`` - fixed cost of one batched step (a CachedOp call, index
+  uploads), and ``family_step_us`` the same per signature family, learned;
+* ``row_us`` - cost per input element inside a step;
 * ``analyse_us[name]`` - analysis cost per node of each strategy (for the
   cached plan: hashing the structure).
 
-The number of steps each strategy makes is known before analysing: recording
-already counts the distinct (depth, signature family) pairs, which is exactly
-what depth grouping produces; per-sample makes one step per call; agenda makes
-at most as many as depth (the observed ratio is learned); a cached plan has
-the count of the plan it reuses.
+The steps each strategy makes are known before analysing: recording already
+counts the calls per (depth, signature family), which is exactly what depth
+grouping produces; per-sample makes one step per call; agenda makes at most
+as many as depth (the observed ratio is learned per kind of graph); a cached
+plan has the count of the plan it reuses.
 
 :class:`Auto` (the strategy behind ``batching('auto')``) asks the model,
 runs the cheapest, and feeds what it measured back into the model, so the
@@ -49,7 +50,8 @@ class CostModel:
                                               'cached': 2.0})
         self.agenda_ratio = agenda_ratio
         # fixed cost of one step per signature family: a Tree-LSTM step runs
-        # dozens of ops, a Dense step one, so splitting padded groups asks here
+        # dozens of ops, a Dense step one.  Shared with the planner, which
+        # asks it when splitting padded groups (so shared by all models too).
         self.family_step_us = PADDING_COST['family_step_us']
         self.calibrated = False
 
