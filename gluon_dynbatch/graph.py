@@ -30,9 +30,9 @@ class Node:
         self.row = 0         # this node's row in them
 
     def producers(self):
-        """Pending nodes whose outputs this node reads."""
-        return [leaf._node for leaf in self.leaves
-                if type(leaf) is LazyValue and leaf._node.state == PENDING]
+        """Pending nodes whose outputs this node reads, each once."""
+        return list({id(leaf._node): leaf._node for leaf in self.leaves
+                     if type(leaf) is LazyValue and leaf._node.state == PENDING}.values())
 
     def __repr__(self):
         return 'Node(%s, depth=%d)' % (self.sig.block.name, self.depth)

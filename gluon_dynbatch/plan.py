@@ -21,7 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Tuple
 
-from .graph import LazyValue, PENDING
+from .graph import LazyValue
 
 __all__ = ['BatchStep', 'Plan', 'Strategy', 'PerSample', 'ByDepth', 'Agenda', 'CachedPlan',
            'structure_key', 'STRATEGIES']
@@ -185,10 +185,9 @@ class Agenda(Strategy):
     def _dependencies(nodes):
         waiting, users = {}, defaultdict(list)
         for node in nodes:
-            producers = {id(leaf._node): leaf._node for leaf in node.leaves
-                         if type(leaf) is LazyValue and leaf._node.state == PENDING}
+            producers = node.producers()
             waiting[node] = len(producers)
-            for producer in producers.values():
+            for producer in producers:
                 users[producer].append(node)
         return waiting, users
 
