@@ -20,7 +20,7 @@ from . import debug
 from .errors import InputError, ScopeError
 from .execute import pad_leaves, run_plan
 from .graph import DONE, FAILED, PENDING, LazyValue, Node
-from .plan import STRATEGIES
+from .plan import STRATEGIES, merge_sinks
 from .trace import flatten, regroup, trace_signature
 
 __all__ = ['DynBatchBlock', 'batching', 'current_scope', 'private_scope']
@@ -42,7 +42,8 @@ class BatchingScope:
         self.strategy = strategy
         self.pending = []
         self.record_s = 0.0
-        self.groups = {}     # (depth, family) -> calls: what depth grouping will make
+        self.groups = {}     # (depth, family) -> calls
+        self.used = {}       # (depth, family) -> calls read by later calls of the flush
         self.unsafe = 0      # calls that must run alone
 
     def record(self, dblock, args):
@@ -50,7 +51,7 @@ class BatchingScope:
         start = time.perf_counter()
         leaves = []
         fmt = flatten(args, leaves)
-        key, ctx, depth = _signature_key(dblock, fmt, leaves, self)
+        key, ctx, depth = _signature_key(dblock, fmt, leaves)
         sig = dblock._signatures.get(key)
         if sig is None:
             sig = dblock._trace(key, fmt, ctx)
@@ -73,9 +74,10 @@ class BatchingScope:
         if not self.pending:
             return
         nodes, self.pending = self.pending, []
-        summary = {'depth_steps': len(self.groups) + self.unsafe,
-                   'fingerprint': (frozenset(self.groups.items()), self.unsafe)}
-        self.groups, self.unsafe = {}, 0
+        groups = merge_sinks(self.groups, self.used)    # what depth grouping will make
+        summary = {'depth_steps': len(groups) + self.unsafe,
+                   'fingerprint': (frozenset(groups.items()), self.unsafe)}
+        self.groups, self.used, self.unsafe = {}, {}, 0
         record_ms, self.record_s = self.record_s * 1e3, 0.0
         try:
             start = time.perf_counter()
@@ -94,7 +96,7 @@ class BatchingScope:
         """Drop what was recorded: its lazy values will raise when read."""
         _fail(self.pending)
         self.pending = []
-        self.groups, self.unsafe = {}, 0
+        self.groups, self.used, self.unsafe = {}, {}, 0
 
 
 def _fail(nodes):
@@ -166,8 +168,9 @@ def private_scope(strategy):
         _LOCAL.scope = outer
 
 
-def _signature_key(dblock, fmt, leaves, scope):
-    """(signature key, context, depth) of a call; checks the leaves.
+def _signature_key(dblock, fmt, leaves):
+    """(signature key, context, depth) of a call; checks the leaves and
+    marks the pending nodes they come from as used.
 
     This runs once per recorded call, so it compares contexts and dtypes by
     identity first and reads NDArray properties (C calls) only for NDArrays.
@@ -184,6 +187,12 @@ def _signature_key(dblock, fmt, leaves, scope):
                     leaf.data  # raises LazyValueError with the details
                 if node.depth >= depth:
                     depth = node.depth + 1
+                if not node.used:
+                    node.used = True
+                    if node.sig.batch_safe:
+                        group = (node.depth, node.sig.group_key)
+                        used = node.scope.used
+                        used[group] = used.get(group, 0) + 1
             shape, leaf_dtype, leaf_ctx = leaf.shape, leaf.dtype, leaf.context
         elif kind is np.ndarray:
             shape, leaf_dtype, leaf_ctx = leaf.shape, leaf.dtype.type, None

@@ -12,8 +12,8 @@ make, from a few constants measured on this machine:
   cached plan: hashing the structure).
 
 The steps each strategy makes are known before analysing: recording already
-counts the calls per (depth, signature family), which is exactly what depth
-grouping produces; per-sample makes one step per call; agenda makes at most
+counts the calls per (depth, signature family) and which of them later calls
+read, which is exactly what depth grouping produces (:func:`~.plan.merge_sinks`); per-sample makes one step per call; agenda makes at most
 as many as depth (the observed ratio is learned per kind of graph); a cached
 plan has the count of the plan it reuses.
 
@@ -27,7 +27,8 @@ import time
 import mxnet as mx
 
 from .execute import run_plan
-from .plan import PADDING_COST, STRATEGIES, Agenda, ByDepth, CachedPlan, PerSample, Strategy
+from .plan import (PADDING_COST, STRATEGIES, Agenda, ByDepth, CachedPlan, PerSample, Strategy,
+                   merge_sinks)
 
 __all__ = ['CostModel', 'Auto', 'default_cost_model']
 
@@ -329,14 +330,17 @@ class Auto(Strategy):
 def summarize(nodes):
     """What recording knows of a flush, computed from the nodes (the scope
     keeps it up to date while recording instead)."""
-    groups = {}
+    groups, used = {}, {}
     unsafe = 0
     for node in nodes:
         if node.sig.batch_safe:
             key = (node.depth, node.sig.group_key)
             groups[key] = groups.get(key, 0) + 1
+            if node.used:
+                used[key] = used.get(key, 0) + 1
         else:
             unsafe += 1
+    groups = merge_sinks(groups, used)
     return {'depth_steps': len(groups) + unsafe,
             'fingerprint': (frozenset(groups.items()), unsafe)}
 

@@ -2,8 +2,9 @@
 :class:`LazyValue` results handed back to user code.
 
 Nodes hold the call's traced signature, its flat argument leaves (lazy
-values, NDArrays or host numpy arrays) and its depth (1 + deepest pending
-producer), computed while recording so that depth grouping is one pass.
+values, NDArrays or host numpy arrays), its depth (1 + deepest pending
+producer) and whether a later call of the flush reads it, all known while
+recording so that depth grouping is one pass.
 After execution a node knows the batched output arrays it landed in and its
 row there; a lazy value reads its row from them.
 """
@@ -18,7 +19,7 @@ PENDING, DONE, FAILED = 0, 1, 2
 
 class Node:
     """One recorded block call."""
-    __slots__ = ('sig', 'leaves', 'depth', 'scope', 'state', 'arrays', 'row')
+    __slots__ = ('sig', 'leaves', 'depth', 'scope', 'state', 'used', 'arrays', 'row')
 
     def __init__(self, sig, leaves, depth, scope):
         self.sig = sig
@@ -26,6 +27,7 @@ class Node:
         self.depth = depth
         self.scope = scope
         self.state = PENDING
+        self.used = False    # read by a later call recorded while this one was pending
         self.arrays = None   # batched output NDArrays of the step that ran this node
         self.row = 0         # this node's row in them
 

@@ -5,6 +5,8 @@ only iterates over it.  Strategies turn a list of pending nodes into a plan:
 
 * :class:`PerSample` - one step per call (no analysis at all);
 * :class:`ByDepth` - calls of equal signature and equal depth (linear time);
+  calls that nothing in the flush reads (sinks, e.g. a loss head per
+  sample) wait for the deepest sink of their family, so they run as one step;
 * :class:`Agenda` - DyNet's heuristic: repeatedly run every ready call of the
   signature whose calls have the lowest average depth.  It merges work that
   depth misaligns, e.g. chains of different lengths feeding a common head;
@@ -24,7 +26,7 @@ from typing import Tuple
 from .graph import LazyValue
 
 __all__ = ['BatchStep', 'Plan', 'Strategy', 'PerSample', 'ByDepth', 'Agenda', 'CachedPlan',
-           'structure_key', 'STRATEGIES']
+           'structure_key', 'merge_sinks', 'STRATEGIES']
 
 
 @dataclass(frozen=True)
@@ -130,20 +132,52 @@ class PerSample(Strategy):
 
 
 class ByDepth(Strategy):
-    """Group by (depth, signature); depth was computed while recording."""
+    """Group by (depth, family); depth was computed while recording.
+
+    A call that no other call of the flush reads (a sink) may run as late as
+    its family's deepest sink without delaying anything, so sinks of one
+    family run together: per-sample heads over trees of different depths
+    make one step, not one per depth."""
     name = 'depth'
 
     def plan(self, nodes, summary=None):
+        last_sink = {}
+        for node in nodes:
+            if not node.used and node.sig.batch_safe:
+                key = node.sig.group_key
+                if node.depth > last_sink.get(key, -1):
+                    last_sink[key] = node.depth
         groups = defaultdict(list)
         steps = []
         for node in nodes:
+            key = node.sig.group_key
             if node.sig.batch_safe:
-                groups[(node.depth, node.sig.group_key)].append(node)
+                groups[(node.depth if node.used else last_sink[key], key)].append(node)
             else:
-                steps.append((node.depth, node.sig.group_key, (node,)))
+                steps.append((node.depth, key, (node,)))
         steps += [(depth, key, tuple(group)) for (depth, key), group in groups.items()]
         steps.sort(key=lambda item: (item[0], item[1]))
         return Plan(self.name, tuple(step for _, _, group in steps for step in make_steps(group)))
+
+
+def merge_sinks(groups, used):
+    """Calls per (depth, family) as :class:`ByDepth` groups them, from
+    recording's counts: ``groups`` (calls per (depth, family)) and ``used``
+    (those of them read by a later call of the flush).  The unread calls of
+    a family move to its deepest depth that has any."""
+    last_sink = {}
+    for (depth, family), count in groups.items():
+        if count > used.get((depth, family), 0) and depth > last_sink.get(family, -1):
+            last_sink[family] = depth
+    merged = {}
+    for (depth, family), count in groups.items():
+        read = used.get((depth, family), 0)
+        if read:
+            merged[(depth, family)] = merged.get((depth, family), 0) + read
+        if count > read:
+            sink = (last_sink[family], family)
+            merged[sink] = merged.get(sink, 0) + count - read
+    return merged
 
 
 class Agenda(Strategy):

@@ -7,6 +7,7 @@ from mxnet import autograd, gluon
 from mxnet.gluon import nn
 
 import gluon_dynbatch as dyb
+from gluon_dynbatch.cost import summarize
 from gluon_dynbatch.models import ChildSumTreeLSTMCell
 
 from helpers import random_tree
@@ -97,9 +98,10 @@ def test_trainer_step_after_batched_backward():
 
 
 def test_steps_per_flush_at_most_depth_times_signatures():
-    """Depth grouping: one batched call per (depth, family) present, more only
-    where a padded group is split by list length; never more than one per
-    (depth, signature)."""
+    """Depth grouping: one batched call per (depth, family) present (the
+    roots, read by nothing, all at the deepest root's depth), more only where
+    a padded group is split by list length; never more than one per (depth,
+    signature)."""
     cell = dyb.DynBatchBlock(ChildSumTreeLSTMCell(4, 3))
     cell.initialize()
     rng = np.random.RandomState(5)
@@ -114,7 +116,7 @@ def test_steps_per_flush_at_most_depth_times_signatures():
             enc(t)
         pending = list(scope.pending)
         plan = dyb.ByDepth().plan(pending)
-    families = len({(n.depth, n.sig.group_key) for n in pending})
+    families = summarize(pending)['depth_steps']   # (depth, family) groups, sinks merged
     signatures = len({(n.depth, n.sig.sig_id) for n in pending})
     last = dyb.stats()['last']
     assert last['steps'] == len(plan.steps)
@@ -123,6 +125,32 @@ def test_steps_per_flush_at_most_depth_times_signatures():
     depth = 1 + max(n.depth for n in pending)
     assert last['steps'] <= depth * len(cell.signatures())
     assert max(last['batch_sizes']) > 1
+
+
+def test_depth_runs_the_sinks_of_a_family_as_one_step():
+    """A head per tree, over trees of different depths: depth grouping runs
+    every head in one step at the deepest head's depth, and results match."""
+    cell = dyb.DynBatchBlock(ChildSumTreeLSTMCell(4, 3))
+    head = dense(2, 4)
+    cell.initialize()
+    rng = np.random.RandomState(8)
+    trees = [random_tree(rng, n, max_arity=3) for n in (1, 3, 7, 15, 30)]
+
+    def enc(t):
+        ch = [enc(c) for c in t.children]
+        return cell(mx.nd.ones((1, 3)), [h for h, _ in ch], [c for _, c in ch])
+    with dyb.batching('depth') as scope:
+        outs = [head(enc(t)[0]) for t in trees]
+        pending = list(scope.pending)
+        plan = dyb.ByDepth().plan(pending)
+        heads = [n for n in pending if n.sig.dblock is head]
+        assert len({n.depth for n in heads}) > 1 and not any(n.used for n in heads)
+        head_steps = [s for s in plan.steps if s.sig.dblock is head]
+        assert len(head_steps) == 1 and len(head_steps[0].nodes) == len(trees)
+        assert plan.steps[-1] is head_steps[0]
+    reference = [head(enc(t)[0]).asnumpy() for t in trees]
+    for got, want in zip(outs, reference):
+        np.testing.assert_allclose(got.asnumpy(), want, rtol=1e-5, atol=1e-6)
 
 
 def test_plan_orders_every_producer_before_its_users():

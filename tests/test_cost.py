@@ -7,6 +7,7 @@ from mxnet.gluon import nn
 
 import gluon_dynbatch as dyb
 from gluon_dynbatch.cost import summarize
+from gluon_dynbatch.plan import merge_sinks
 from gluon_dynbatch.models import ChildSumTreeLSTMCell
 
 from helpers import random_tree
@@ -57,8 +58,14 @@ def test_recording_counts_what_depth_grouping_makes():
     with dyb.batching('depth') as scope:
         record_trees(cell, [random_tree(rng, rng.randint(1, 15), 4) for _ in range(6)])
         nodes = list(scope.pending)
-        recorded = len(scope.groups) + scope.unsafe
-        families = len({(n.depth, n.sig.group_key) for n in nodes})
+        recorded = len(merge_sinks(scope.groups, scope.used)) + scope.unsafe
+        last_root = {}      # roots are read by nothing: they wait for the deepest root
+        for n in nodes:
+            if not n.used:
+                key = n.sig.group_key
+                last_root[key] = max(last_root.get(key, 0), n.depth)
+        families = len({(n.depth if n.used else last_root[n.sig.group_key], n.sig.group_key)
+                        for n in nodes})
         assert recorded == summarize(nodes)['depth_steps'] == families
         assert len(dyb.ByDepth().plan(nodes).steps) >= families   # splits only add steps
 
