@@ -61,7 +61,7 @@ def main():
         with autograd.record() if train else autograd.pause():
             with dyb.batching('depth'):
                 preds = [head(encode(a, ia)[0], encode(b, ib)[0]) for ia, a, ib, b in batch]
-            out = mx.nd.concat(*[p.data for p in preds], dim=0)
+            out = dyb.concat_rows(preds)
             loss = out.sum()
         if train:
             loss.backward()

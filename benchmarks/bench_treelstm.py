@@ -346,9 +346,7 @@ class DynBatchForm:
         with self.dyb.batching(self.strategy):
             preds = [self.dhead(self.encode(a_tree, a_ids)[0], self.encode(b_tree, b_ids)[0])
                      for a_ids, a_tree, b_ids, b_tree in pairs]
-        if len(preds) == 1:
-            return preds[0].data
-        return mx.nd.concat(*[p.data for p in preds], dim=0)
+        return self.dyb.concat_rows(preds)
 
 
 # ==========================================================================

@@ -177,7 +177,7 @@ class TreeLSTMModel:
                      for a_ids, a_tree, b_ids, b_tree in pairs]
         if len(preds) == 1:
             return preds[0].asnumpy()
-        return self.mx.nd.concat(*[p.data for p in preds], dim=0).asnumpy()
+        return self.dyb.concat_rows(preds).asnumpy()
 
     # plain Gluon: the same recursion outside any scope, ids on the device
     # once per sentence (as benchmarks/bench_treelstm.py's per-sample form)
@@ -307,7 +307,7 @@ class ChainsWorkload(Workload):
             return mx.nd.concat(*outs, dim=0).asnumpy()
         with self.dyb.batching(strategy):
             outs = self._forward(self.dcell, self.dhead, batch)
-        return mx.nd.concat(*[o.data for o in outs], dim=0).asnumpy()
+        return self.dyb.concat_rows(outs).asnumpy()
 
 
 class BushyWorkload(Workload):
@@ -364,7 +364,7 @@ class BushyWorkload(Workload):
             return mx.nd.concat(*outs, dim=0).asnumpy()
         with self.dyb.batching(strategy):
             outs = self._forward(self.dblock, batch['host'], batch)
-        return mx.nd.concat(*[o.data for o in outs], dim=0).asnumpy()
+        return self.dyb.concat_rows(outs).asnumpy()
 
 
 class DagWorkload(Workload):
@@ -416,7 +416,7 @@ class DagWorkload(Workload):
             return mx.nd.concat(*outs, dim=0).asnumpy()
         with self.dyb.batching(strategy):
             outs = self._forward(self.dsrc, self.dblock, batch['host'], batch)
-        return mx.nd.concat(*[o.data for o in outs], dim=0).asnumpy()
+        return self.dyb.concat_rows(outs).asnumpy()
 
 
 def load_sick(args):

@@ -6,7 +6,7 @@ CachedOp calls, forward and backward.
 """
 __version__ = '0.1.0'
 
-from .block import DynBatchBlock, batching, current_scope
+from .block import DynBatchBlock, batching, concat_rows, current_scope
 from .debug import reset_stats, stats
 from .errors import DynBatchError, InputError, LazyValueError, ScopeError
 from .graph import LazyValue
@@ -14,7 +14,7 @@ from .plan import STRATEGIES, Agenda, BatchStep, ByDepth, CachedPlan, Plan, PerS
 from .cost import Auto, CostModel, default_cost_model
 from .rules import register_batching_rule
 
-__all__ = ['DynBatchBlock', 'batching', 'current_scope', 'stats', 'reset_stats',
+__all__ = ['DynBatchBlock', 'batching', 'concat_rows', 'current_scope', 'stats', 'reset_stats',
            'DynBatchError', 'InputError', 'LazyValueError', 'ScopeError', 'LazyValue',
            'Plan', 'BatchStep', 'Strategy', 'PerSample', 'ByDepth', 'Agenda', 'CachedPlan',
            'Auto', 'CostModel', 'default_cost_model', 'STRATEGIES',

@@ -9,6 +9,7 @@ per argument.  Every op here is an ordinary recorded NDArray op or CachedOp
 call, so ``autograd`` sees the batched execution and ``backward()`` reaches
 the parameters and any user NDArrays fed in.
 """
+import operator
 import time
 
 import mxnet as mx
@@ -17,7 +18,8 @@ import numpy as np
 from .graph import DONE, LazyValue
 from .lower import step_program
 
-__all__ = ['run_plan', 'run_step', 'collect', 'pad_leaves', 'to_device', 'ZERO']
+__all__ = ['run_plan', 'run_step', 'collect', 'gather_rows', 'pad_leaves', 'to_device',
+           'ZeroRow']
 
 NDArray = mx.nd.NDArray
 
@@ -36,11 +38,17 @@ def run_plan(plan):
 
 def run_step(step, ctx):
     """One batched call of ``step.sig`` over ``step.nodes``.  Nodes of a
-    shorter signature of the same family get their lists padded with
-    :data:`ZERO` rows (see ``DynBatchBlock(pad_lists=True)``)."""
+    shorter signature of the same family get their lists padded with zero
+    rows (see ``DynBatchBlock(pad_lists=True)``)."""
     sig, nodes = step.sig, step.nodes
+    zeros = {}
+
+    def zero_row(item):
+        if item not in zeros:
+            zeros[item] = ZeroRow(sig.item_shape(item), sig.key[-2], ctx)
+        return zeros[item]
     rows = [node.leaves if node.sig is sig else
-            pad_leaves(node.sig.fmt, node.leaves, sig.fmt, lambda item: ZERO)
+            pad_leaves(node.sig.fmt, node.leaves, sig.fmt, zero_row)
             for node in nodes]
     pattern, sources, indices = [], {}, {}
     pos = 0
@@ -53,7 +61,7 @@ def run_step(step, ctx):
             leaves = [leaves[pos] for leaves in rows]
         else:
             leaves = [leaf for leaves in rows for leaf in leaves[pos:pos + width]]
-        source, index = collect(leaves, ctx, sig.in_shapes[pos])
+        source, index = collect(leaves, ctx)
         pos += width
         sources[item] = source
         if index is None and fmt == 0:
@@ -77,8 +85,14 @@ def run_step(step, ctx):
         node.leaves = None  # drop references to inputs as soon as possible
 
 
-ZERO = object()
-"""Stands for a zero row in a padded list argument."""
+class ZeroRow:
+    """A padding element of a list argument: reads like a lazy value whose
+    producer holds a single zero row (made once per padded argument)."""
+    __slots__ = ('_node', '_index', 'arrays', 'row')
+
+    def __init__(self, shape, dtype, ctx):
+        self._node, self._index, self.row = self, 0, 0
+        self.arrays = [mx.nd.zeros(shape, ctx=ctx, dtype=dtype)]
 
 
 def pad_leaves(fmt, leaves, padded_fmt, filler):
@@ -95,44 +109,52 @@ def pad_leaves(fmt, leaves, padded_fmt, filler):
     return out
 
 
-def collect(leaves, ctx, shape):
+def collect(leaves, ctx):
     """``(source, index)`` such that row ``i`` of ``source[index]`` is
     ``leaves[i]``; ``index`` is None when ``source`` already is that.  The
     source is the one array the rows live in, or the concatenation of the
-    several (earlier steps' outputs, user NDArrays, a zero row for padding)."""
+    several (earlier steps' outputs, user NDArrays, zero rows for padding).
+
+    This runs over every argument row of a flush, so the common case (every
+    leaf a computed lazy value or a padding row) is a few comprehensions."""
     first = leaves[0]
     if isinstance(first, np.ndarray) and all(isinstance(x, np.ndarray) for x in leaves):
         return to_device(np.concatenate(leaves), ctx), None
-    sources, positions, index = [], {}, []
-    offset = 0
-    zero = None
-    for leaf in leaves:
-        if type(leaf) is LazyValue:
-            array, row = leaf._node.arrays[leaf._index], leaf._node.row
-        elif leaf is ZERO:
-            if zero is None:
-                zero = mx.nd.zeros(shape, ctx=ctx, dtype=first_dtype(leaves))
-            array, row = zero, 0
-        elif isinstance(leaf, np.ndarray):
-            array, row = to_device(leaf, ctx), 0
-        else:
-            array, row = leaf, 0
-        start = positions.get(id(array))
-        if start is None:
-            start = positions[id(array)] = offset
-            sources.append(array)
+    try:
+        arrays = [leaf._node.arrays[leaf._index] for leaf in leaves]
+        rows = [leaf._node.row for leaf in leaves]
+    except AttributeError:      # user NDArrays or host rows among the lazy values
+        arrays, rows = [], []
+        for leaf in leaves:
+            if type(leaf) is LazyValue or type(leaf) is ZeroRow:
+                arrays.append(leaf._node.arrays[leaf._index])
+                rows.append(leaf._node.row)
+            else:
+                arrays.append(to_device(leaf, ctx) if isinstance(leaf, np.ndarray) else leaf)
+                rows.append(0)
+    return gather_rows(arrays, rows)
+
+
+def gather_rows(arrays, rows):
+    """``(source, index)`` for the rows ``rows[i]`` of ``arrays[i]``: the
+    distinct arrays concatenated (in order of first use) and each row's
+    position there; ``index`` is None when that is ``0, 1, 2, ...``."""
+    keys = list(map(id, arrays))
+    distinct = dict(zip(keys, arrays))
+    if len(distinct) == 1:
+        source = arrays[0]
+        index = rows
+    else:
+        offsets, offset = {}, 0
+        for key, array in distinct.items():
+            offsets[key] = offset
             offset += array.shape[0]
-        index.append(start + row)
-    source = sources[0] if len(sources) == 1 else mx.nd.concat(*sources, dim=0)
-    identity = offset == len(leaves) and index == list(range(offset))
-    return source, None if identity else index
-
-
-def first_dtype(leaves):
-    for leaf in leaves:
-        if leaf is not ZERO:
-            return leaf.dtype
-    return np.float32
+        source = mx.nd.concat(*distinct.values(), dim=0)
+        index = list(map(operator.add, map(offsets.__getitem__, keys), rows))
+    if index[0] == 0 and index[-1] == len(index) - 1 and source.shape[0] == len(index) \
+            and index == list(range(len(index))):
+        index = None
+    return source, index
 
 
 def to_device(host, ctx):

@@ -71,6 +71,13 @@ class TracedSignature:
         # symbols accept any batch size, so one program serves every N
         self.programs = {}
 
+    def item_shape(self, item, elem=0):
+        """Per-sample shape of top-level argument ``item`` (element ``elem``
+        of it, for a list).  Needs ``fmt`` and ``in_shapes``, which
+        :class:`~.block.DynBatchBlock` sets after tracing."""
+        pos = sum(1 if x == 0 else len(x) for x in self.fmt[:item])
+        return self.in_shapes[pos + elem]
+
     def describe(self):
         shapes = ', '.join(str(s) for s in self.out_shapes)
         return '%s#%d(%d in) -> (%s)%s' % (self.block.name, self.sig_id, len(self.data_names),

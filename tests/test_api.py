@@ -292,3 +292,46 @@ def test_garbage_collector_paused_inside_scope_and_restored():
         with dyb.batching():
             raise ValueError
     assert gc.isenabled()
+
+
+def test_concat_rows_equals_concat_of_data_values_and_grads():
+    block = dense(3, 3)
+    xs = [mx.nd.array(np.random.RandomState(i).uniform(-1, 1, (1, 3))) for i in range(6)]
+    extra = mx.nd.array([[5.0, -5.0, 1.0]])
+
+    def run(fetch):
+        with autograd.record():
+            with dyb.batching('depth'):
+                outs = [block(block(x) if i % 2 else x) for i, x in enumerate(xs)]
+            order = [outs[i] for i in (3, 0, 5, 1)] + [extra]
+            rows = fetch(order)
+            loss = (rows * mx.nd.arange(rows.size).reshape(rows.shape)).sum()
+        loss.backward()
+        grads = {k: p.grad().asnumpy().copy() for k, p in block.collect_params().items()}
+        return rows.asnumpy(), grads
+    want, want_grads = run(lambda vs: mx.nd.concat(*[getattr(v, 'data', v) for v in vs], dim=0))
+    got, got_grads = run(dyb.concat_rows)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for name in want_grads:
+        np.testing.assert_allclose(got_grads[name], want_grads[name], rtol=1e-5, atol=1e-6)
+
+
+def test_concat_rows_of_one_whole_step_is_that_step_output():
+    block = dense(2, 3)
+    with dyb.batching('depth'):
+        outs = [block(mx.nd.ones((1, 3)) * i) for i in range(5)]
+    rows = dyb.concat_rows(outs)
+    assert rows is outs[0]._node.arrays[0]
+    np.testing.assert_allclose(rows.asnumpy(), np.concatenate([o.asnumpy() for o in outs]))
+
+
+def test_concat_rows_errors():
+    block = dense(2, 3)
+    with pytest.raises(dyb.InputError, match='at least one'):
+        dyb.concat_rows([])
+    with dyb.batching():
+        a = block(mx.nd.ones((1, 3)))
+    with pytest.raises(dyb.InputError, match=r'value 1 has shape \(2, 2\)'):
+        dyb.concat_rows([a, mx.nd.ones((2, 2))])
+    with pytest.raises(dyb.InputError, match='value 1 is a list'):
+        dyb.concat_rows([a, [a]])

@@ -217,15 +217,11 @@ def _scope(mode, strategy):
     return contextlib.nullcontext()
 
 
-def _value(x):
-    return x.data if isinstance(x, dyb.LazyValue) else x
-
-
 def forward_batch(model, batch, mode, strategy):
     """Log-probabilities (n, 5) of a minibatch of examples."""
     with _scope(mode, strategy):
         preds = [model.predict(ex) for ex in batch]
-    return mx.nd.concat(*[_value(p) for p in preds], dim=0)
+    return dyb.concat_rows(preds)
 
 
 def kl_loss(logp, target):
