@@ -107,6 +107,9 @@ def build_parser():
                    help='equivalence tolerance: log-probs absolute, gradients relative to '
                         'the largest gradient entry of the parameter')
     p.add_argument('--seed', type=int, default=0, help='weights and pair order')
+    p.add_argument('--sparse-grad', action='store_true',
+                   help='row-sparse embedding gradients in every form (as the SICK example '
+                        'trains); default dense')
     p.add_argument('--gc-freeze', action='store_true',
                    help='gc.freeze() after loading the data, so that Python\'s full '
                         'collections do not walk the ~0.3M objects of the data set')
@@ -187,14 +190,15 @@ class Forms:
     """Builds every form over one set of parameters (imported lazily so that
     the environment is configured before MXNet loads)."""
 
-    def __init__(self, vocab_size, embedding, seed, wanted=None):
+    def __init__(self, vocab_size, embedding, seed, wanted=None, sparse_grad=False):
         import mxnet as mx
         import gluon_dynbatch as dyb
         from gluon_dynbatch.models import Similarity, TreeLSTMNode
 
         self.mx, self.dyb = mx, dyb
         mx.random.seed(seed)
-        self.node = TreeLSTMNode(vocab_size, EMBED, HIDDEN, prefix='treelstm_')
+        self.node = TreeLSTMNode(vocab_size, EMBED, HIDDEN, sparse_grad=sparse_grad,
+                                 prefix='treelstm_')
         self.head = Similarity(SIM_HIDDEN, CLASSES, in_units=HIDDEN, prefix='sim_')
         self.node.initialize(mx.init.Xavier())
         self.head.initialize(mx.init.Xavier())
@@ -311,6 +315,7 @@ class HybridPerSampleForm(PerSampleForm):
         block = self.by_arity.get(key)
         if block is None:
             block = self.TreeLSTMNode(self.vocab_size, EMBED, HIDDEN, prefix=self.base.prefix,
+                                      sparse_grad=self.base.embedding._kwargs['sparse_grad'],
                                       params=self.base.collect_params())
             block.hybridize(**self.FLAGS[self.training])
             self.by_arity[key] = block
@@ -922,7 +927,7 @@ def main(argv=None):
         import gc  # pylint: disable=import-outside-toplevel
         gc.collect()
         gc.freeze()
-    ctx = Forms(vocab_size, embedding, args.seed, args.forms)
+    ctx = Forms(vocab_size, embedding, args.seed, args.forms, args.sparse_grad)
     ctx.mx = mx
     print('forms: %s | dynbatch strategies: %s' % (', '.join(ctx.order), list(dyb.STRATEGIES)),
           flush=True)
@@ -941,6 +946,7 @@ def main(argv=None):
                  'nodes_per_pair': nodes / len(items), 'child_counts': sorted(arities),
                  'vocab': vocab_size},
         'model': {'embed': EMBED, 'hidden': HIDDEN, 'sim_hidden': SIM_HIDDEN,
+                  'embedding_grad': 'row_sparse' if args.sparse_grad else 'dense',
                   'classes': CLASSES, 'optimizer': 'adagrad lr 0.05',
                   'loss': '-sum(target * logp) (KL up to a constant)'},
         'timing': {'repeats': repeats, 'budget_s': budget, 'max_batch_s': args.max_batch_s,

@@ -319,8 +319,11 @@ class HandBatchedTreeLSTM:
         b_wp = _data(head.wp.bias, (self.num_classes,))
         levels = prep.levels
 
+        sparse_grad = self.node.embedding._kwargs['sparse_grad']
+
         def embed(tokens):
-            return nd.Embedding(tokens, w_emb, input_dim=V, output_dim=E)
+            return nd.Embedding(tokens, w_emb, input_dim=V, output_dim=E,
+                                sparse_grad=sparse_grad)
 
         def peel(rest, n, last):
             """(first ``n`` rows, remaining rows) of ``rest``.  Peeling level

@@ -28,6 +28,8 @@ __all__ = ['DynBatchBlock', 'batching', 'concat_rows', 'current_scope', 'private
 NDArray = mx.nd.NDArray
 _LOCAL = threading.local()
 _SIG_IDS = itertools.count()
+_PAIR = (0, 0)
+perf_counter = time.perf_counter
 
 
 def current_scope():
@@ -48,7 +50,7 @@ class BatchingScope:
 
     def record(self, dblock, args):
         """Record one call of ``dblock``; return its lazy result(s)."""
-        start = time.perf_counter()
+        start = perf_counter()
         leaves = []
         fmt = flatten(args, leaves)
         key, ctx, depth = _signature_key(dblock, fmt, leaves)
@@ -58,16 +60,21 @@ class BatchingScope:
         node = Node(sig, leaves, depth, self)
         if sig.batch_safe:
             group = (depth, sig.group_key)
-            self.groups[group] = self.groups.get(group, 0) + 1
+            groups = self.groups
+            groups[group] = groups.get(group, 0) + 1
         else:
             self.unsafe += 1
-        outputs = [LazyValue(node, i, shape, dtype, ctx)
-                   for i, (shape, dtype) in enumerate(zip(sig.out_shapes, sig.out_dtypes))]
         self.pending.append(node)
-        self.record_s += time.perf_counter() - start
-        if sig.out_fmt == 0:
-            return outputs[0]
-        return tuple(regroup(sig.out_fmt, outputs)[0])
+        out_fmt = sig.out_fmt
+        if out_fmt == 0:
+            result = LazyValue(node, 0)
+        elif out_fmt == _PAIR:
+            result = (LazyValue(node, 0), LazyValue(node, 1))
+        else:
+            outputs = [LazyValue(node, i) for i in range(len(sig.out_shapes))]
+            result = tuple(regroup(out_fmt, outputs)[0])
+        self.record_s += perf_counter() - start
+        return result
 
     def flush(self):
         """Plan and run every pending call."""
@@ -215,6 +222,10 @@ def _signature_key(dblock, fmt, leaves):
         kind = type(leaf)
         if kind is LazyValue:
             node = leaf._node
+            producer = node.sig
+            shape = producer.out_shapes[leaf._index]
+            leaf_dtype = producer.out_dtypes[leaf._index]
+            leaf_ctx = producer.ctx
             if node.state != DONE:
                 if node.state == FAILED:
                     leaf.data  # raises LazyValueError with the details
@@ -222,11 +233,10 @@ def _signature_key(dblock, fmt, leaves):
                     depth = node.depth + 1
                 if not node.used:
                     node.used = True
-                    if node.sig.batch_safe:
-                        group = (node.depth, node.sig.group_key)
+                    if producer.batch_safe:
+                        group = (node.depth, producer.group_key)
                         used = node.scope.used
                         used[group] = used.get(group, 0) + 1
-            shape, leaf_dtype, leaf_ctx = leaf.shape, leaf.dtype, leaf.context
         elif kind is np.ndarray:
             shape, leaf_dtype, leaf_ctx = leaf.shape, leaf.dtype.type, None
         elif isinstance(leaf, NDArray):
@@ -254,7 +264,7 @@ def _signature_key(dblock, fmt, leaves):
     key.append(dtype)
     if ctx is None:
         ctx = mx.current_context()
-    key.append(ctx)
+    key.append((ctx.device_typeid, ctx.device_id))   # hashed in C, unlike a Context
     return tuple(key), ctx, depth
 
 
@@ -358,7 +368,7 @@ class DynBatchBlock(Block):
         self._pad_checked = set()
 
     def __call__(self, *args):
-        scope = current_scope()
+        scope = getattr(_LOCAL, 'scope', None)     # current_scope(), inlined: hot path
         if scope is None:
             return self.block(*_materialize(args))
         return scope.record(self, args)

@@ -44,18 +44,29 @@ class LazyValue:
     """A block call's output that may not be computed yet.
 
     Its ``shape`` (per sample, leading axis 1), ``dtype`` and ``context`` are
-    known at once.  Reading ``.data`` or ``.asnumpy()`` inside a scope runs the
-    pending calls first (batched) and recording then goes on.
+    known at once (they are its signature's).  Reading ``.data`` or
+    ``.asnumpy()`` inside a scope runs the pending calls first (batched) and
+    recording then goes on.  Only the node and the output index are stored:
+    one is made per output of every recorded call.
     """
-    __slots__ = ('_node', '_index', 'shape', 'dtype', 'context', '_data')
+    __slots__ = ('_node', '_index', '_data')
 
-    def __init__(self, node, index, shape, dtype, context):
+    def __init__(self, node, index):
         self._node = node
         self._index = index
-        self.shape = shape
-        self.dtype = dtype
-        self.context = context
         self._data = None
+
+    @property
+    def shape(self):
+        return self._node.sig.out_shapes[self._index]
+
+    @property
+    def dtype(self):
+        return self._node.sig.out_dtypes[self._index]
+
+    @property
+    def context(self):
+        return self._node.sig.ctx
 
     @property
     def ready(self):

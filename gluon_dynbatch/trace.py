@@ -19,17 +19,33 @@ from .rules import OpView, batching_rule
 __all__ = ['flatten', 'regroup', 'TracedSignature', 'trace_signature']
 
 
+_LISTS = (list, tuple)
+
+
 def flatten(args, leaves):
     """Append the leaves of nested lists/tuples ``args`` to ``leaves`` and
-    return the nesting format: ``0`` per leaf, a tuple per list."""
+    return the nesting format: ``0`` per leaf, a tuple per list.  Runs for
+    every recorded call: flat lists (a node's children) take a loop without
+    recursion."""
     fmt = []
     for arg in args:
-        if isinstance(arg, (list, tuple)):
-            fmt.append(flatten(arg, leaves))
+        if isinstance(arg, _LISTS):
+            mark = len(leaves)
+            for x in arg:
+                if isinstance(x, _LISTS):
+                    del leaves[mark:]
+                    fmt.append(flatten(arg, leaves))
+                    break
+                leaves.append(x)
+            else:
+                fmt.append(_ZEROS[len(arg)] if len(arg) < len(_ZEROS) else (0,) * len(arg))
         else:
             leaves.append(arg)
             fmt.append(0)
     return tuple(fmt)
+
+
+_ZEROS = tuple((0,) * n for n in range(64))
 
 
 def regroup(fmt, leaves, start=0):
