@@ -57,7 +57,7 @@ class BatchingScope:
         sig = dblock._signatures.get(key)
         if sig is None:
             sig = dblock._trace(key, fmt, ctx)
-        node = Node(sig, leaves, depth, self)
+        node = Node(sig, leaves, depth, self, len(self.pending))
         if sig.batch_safe:
             group = (depth, sig.group_key)
             groups = self.groups
@@ -202,7 +202,7 @@ def concat_rows(values):
                              'value must be one sample (leading axis 1) of one shape.'
                              % (i, value.shape, shape))
     ctx = values[0].context
-    source, index = collect(values, ctx)
+    source, index, _ = collect(values, ctx)
     if index is None:
         return source
     return mx.nd.take(source, to_device(np.asarray(index, dtype='int32'), ctx))

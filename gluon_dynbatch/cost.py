@@ -27,8 +27,8 @@ import time
 import mxnet as mx
 
 from .execute import run_plan
-from .plan import (PADDING_COST, STRATEGIES, Agenda, ByDepth, CachedPlan, PerSample, Strategy,
-                   merge_sinks)
+from .plan import (PADDING_COST, STRATEGIES, Agenda, ByDepth, CachedPlan, PerSample, Plan,
+                   Strategy, merge_sinks)
 
 __all__ = ['CostModel', 'Auto', 'default_cost_model']
 
@@ -224,10 +224,14 @@ class Auto(Strategy):
     * Flushes of fewer than ``small`` calls are planned by depth without
       deciding: the decision itself would cost more than it could save.
     * A cached plan is considered only for a graph whose summary (calls per
-      depth and family) matches one whose plan was stored, and only when its
-      prediction, hashing included, beats the others: the structure is
-      hashed only then.  Plans are stored for summaries seen twice, so graphs
-      that never repeat pay nothing for the cache.
+      depth and family) matches one whose plan was stored: plans are stored
+      for summaries seen twice, so graphs that never repeat pay nothing for
+      the cache.  A cached plan runs faster than its prediction says (its
+      gathers come from recipes), so for a repeating summary the measured
+      totals decide: the cached plan is tried once, then kept while its
+      measured total (hashing included) beats the best measured other.
+      Otherwise the prediction decides, and the structure is hashed only when
+      the cached plan's prediction wins.
     """
     name = 'auto'
 
@@ -241,6 +245,7 @@ class Auto(Strategy):
         self.last = {}
         self._seen = {}      # summary fingerprint -> steps of its stored plan (None: seen once)
         self._ratios = {}    # set of families -> agenda steps / depth steps
+        self._measured = {}  # fingerprint -> {strategy: measured ms}, repeating summaries
         self._flushes = 0
 
     @property
@@ -268,12 +273,16 @@ class Auto(Strategy):
                                          self._seen.get(fingerprint), groups,
                                          self._ratios.get(kind))
         ranked = sorted(predictions, key=lambda k: sum(predictions[k]))
+        if 'cached' in predictions and self._cached_measured_best(fingerprint):
+            ranked.remove('cached')
+            ranked.insert(0, 'cached')
         plan = None
         if ranked[0] == 'cached':
             key, entry = self.cached.lookup(nodes)
             if entry is not None:
                 plan = self.cached.plan(nodes, key=key)
-            else:
+            else:   # same summary, other structure: trust the predictions from now on
+                self._measured.setdefault(fingerprint, {})['cached'] = float('inf')
                 ranked.pop(0)
         name = ranked[0]
         if plan is None:
@@ -285,20 +294,35 @@ class Auto(Strategy):
         self.choices[name] = self.choices.get(name, 0) + 1
         self.last = {'choice': name, 'predicted_ms': sum(predictions[name]),
                      'depth_steps': summary['depth_steps'], 'kind': kind,
+                     'fingerprint': fingerprint,
                      'predictions_ms': {k: round(sum(v), 3) for k, v in predictions.items()}}
         return plan
 
+    def _cached_measured_best(self, fingerprint):
+        """True when the stored plan of this summary should run: not yet
+        measured, or measured faster than every other strategy was."""
+        measured = self._measured.get(fingerprint, {})
+        if 'cached' not in measured:
+            return True
+        others = [ms for name, ms in measured.items() if name != 'cached']
+        return not others or measured['cached'] <= min(others)
+
     def _remember(self, fingerprint, nodes, plan, name):
+        """Store ``plan`` in the cache when its summary is seen the second
+        time; returns the plan to run (carrying the cache entry's recipes,
+        so this very run fills them in)."""
         if name == 'per-sample':
-            return
+            return plan
         if fingerprint in self._seen:
             if self._seen[fingerprint] is not None:
-                return                      # stored already
+                return plan                 # stored already
             key, _ = self.cached.lookup(nodes)
-            self.cached.store(key, nodes, plan)
+            recipes = self.cached.store(key, plan)
             self._seen[fingerprint] = len(plan.steps)
-        elif len(self._seen) < self.memory:
+            return Plan(plan.strategy, plan.steps, recipes)
+        if len(self._seen) < self.memory:
             self._seen[fingerprint] = None
+        return plan
 
     def _probe(self, nodes, summary, chosen, kind):
         """Time the other of depth/agenda (planned, not run) on the first
@@ -323,6 +347,13 @@ class Auto(Strategy):
         self.model.observe_steps(plan, step_seconds)
         if 'predicted_ms' not in self.last:
             return
+        fingerprint = self.last['fingerprint']
+        if self._seen.get(fingerprint) is not None:     # a repeating summary
+            measured = self._measured.setdefault(fingerprint, {})
+            total = (analyse_s + sum(step_seconds)) * 1e3
+            name = self.last['choice']
+            measured[name] = total if name not in measured else \
+                measured[name] + 0.3 * (total - measured[name])
         if self.last.get('choice') == 'agenda':
             self._observe_agenda(len(plan.steps), self.last['depth_steps'], self.last['kind'])
 

@@ -26,63 +26,148 @@ NDArray = mx.nd.NDArray
 
 def run_plan(plan):
     """Execute every step of ``plan`` in order; return each step's seconds
-    (exact under NaiveEngine; with a threaded engine only launch time)."""
+    (exact under NaiveEngine; with a threaded engine only launch time).
+
+    A plan that carries ``recipes`` (a cached plan: same structure as an
+    earlier flush) runs each step from its recipe where one is known, with
+    no per-row Python work, and fills in the recipes of steps run the long
+    way."""
     seconds = []
     clock = time.perf_counter
-    for step in plan.steps:
+    recipes = plan.recipes
+    outputs = []                                  # per step, its output arrays
+    where = {} if recipes is not None else None   # id(output) -> (step, output index)
+    for number, step in enumerate(plan.steps):
         start = clock()
-        run_step(step, step.sig.ctx)
+        recipe = recipes[number] if recipes is not None else None
+        outs, learned = run_step(step, step.sig.ctx, recipe, outputs, where)
+        if recipes is not None:
+            recipes[number] = learned
+            outputs.append(outs)
+            for index, array in enumerate(outs):
+                where[id(array)] = (number, index)
         seconds.append(clock() - start)
     return seconds
 
 
-def run_step(step, ctx):
-    """One batched call of ``step.sig`` over ``step.nodes``.  Nodes of a
-    shorter signature of the same family get their lists padded with zero
-    rows (see ``DynBatchBlock(pad_lists=True)``)."""
-    sig, nodes = step.sig, step.nodes
-    zeros = {}
+def run_step(step, ctx, recipe=None, outputs=None, where=None):
+    """One batched call of ``step.sig`` over ``step.nodes``; returns its
+    output arrays and a recipe for running it again in a flush of the same
+    structure (None unless ``where`` maps earlier steps' outputs).
 
-    def zero_row(item):
-        if item not in zeros:
-            zeros[item] = ZeroRow(sig.item_shape(item), sig.key[-2], ctx)
-        return zeros[item]
-    rows = [node.leaves if node.sig is sig else
-            pad_leaves(node.sig.fmt, node.leaves, sig.fmt, zero_row)
-            for node in nodes]
+    Nodes of a shorter signature of the same family get their lists padded
+    with zero rows (see ``DynBatchBlock(pad_lists=True)``).  A recipe holds,
+    per argument, either ``'host'`` (host rows: concatenated anew, since their
+    values change) or the earlier steps (and zero rows) whose outputs hold
+    the rows, with the gather index already on the device; arguments that
+    read user NDArrays or earlier flushes have no recipe and are gathered the
+    long way every time."""
+    sig, nodes = step.sig, step.nodes
+    rows = None
+    learned = [] if where is not None else None
     pattern, sources, indices = [], {}, {}
     pos = 0
     for item, fmt in enumerate(sig.fmt):
         width = 1 if fmt == 0 else len(fmt)
+        how = recipe[item] if recipe is not None else None
         if width == 0:
             pattern.append('direct')
+            if learned is not None:
+                learned.append(None)
             continue
-        if width == 1:
-            leaves = [leaves[pos] for leaves in rows]
+        if learned is not None and how is not None:
+            learned.append(how)
+        if how is not None and how != 'host':
+            parts, index = how
+            arrays = [outputs[number][out] if number >= 0 else _zero_row(sig, item, ctx).arrays[0]
+                      for number, out in parts]
+            sources[item] = arrays[0] if len(arrays) == 1 else mx.nd.concat(*arrays, dim=0)
+        elif how == 'host':
+            sources[item] = to_device(np.concatenate(_host_rows(nodes, sig, item)), ctx)
+            index = None
         else:
-            leaves = [leaf for leaves in rows for leaf in leaves[pos:pos + width]]
-        source, index = collect(leaves, ctx)
+            if rows is None:
+                rows, zeros = _padded_leaves(sig, nodes, ctx)
+            if width == 1:
+                leaves = [leaves[pos] for leaves in rows]
+            else:
+                leaves = [leaf for leaves in rows for leaf in leaves[pos:pos + width]]
+            source, index, distinct = collect(leaves, ctx)
+            sources[item] = source
+            if index is not None or fmt != 0:
+                index = to_device(np.asarray(range(len(leaves)) if index is None else index,
+                                             dtype='int32').reshape(
+                    (len(nodes), -1) if fmt != 0 else (-1,)), ctx)
+            if learned is not None:
+                learned.append(_recipe_part(distinct, index, where, zeros))
         pos += width
-        sources[item] = source
-        if index is None and fmt == 0:
+        if index is None:
             pattern.append('direct')
         else:
             pattern.append('take')
-            if index is None:
-                index = range(len(leaves))
-            indices[item] = to_device(np.asarray(index, dtype='int32').reshape(
-                (len(nodes), -1) if fmt != 0 else (-1,)), ctx)
+            indices[item] = index
     program = step_program(sig, tuple(pattern))
     inputs = [sources[item] if kind == 'src' else indices[item] if kind == 'idx'
               else item.data(ctx) for kind, item in program.feeds]
-    outputs = program.cached_op(*inputs)
-    if isinstance(outputs, NDArray):
-        outputs = [outputs]
+    outs = program.cached_op(*inputs)
+    if isinstance(outs, NDArray):
+        outs = [outs]
     for row, node in enumerate(nodes):
-        node.arrays = outputs
+        node.arrays = outs
         node.row = row
         node.state = DONE
         node.leaves = None  # drop references to inputs as soon as possible
+    return outs, learned
+
+
+def _padded_leaves(sig, nodes, ctx):
+    """Each node's leaves laid out for ``sig`` (lists padded with zero
+    rows), and the ids of the zero arrays used."""
+    zeros = {}
+
+    def zero_row(item):
+        if item not in zeros:
+            zeros[item] = _zero_row(sig, item, ctx)
+        return zeros[item]
+    rows = [node.leaves if node.sig is sig else
+            pad_leaves(node.sig.fmt, node.leaves, sig.fmt, zero_row)
+            for node in nodes]
+    return rows, {id(zero.arrays[0]) for zero in zeros.values()}
+
+
+def _zero_row(sig, item, ctx):
+    return ZeroRow(sig.item_shape(item), sig.key[-2], ctx)
+
+
+def _host_rows(nodes, sig, item):
+    """Leaf ``item`` (not a list) of every node, read from each node's own
+    layout (padding moves it only when a list comes before it)."""
+    positions = {}
+    for node in nodes:
+        if node.sig not in positions:
+            positions[node.sig] = node.sig.item_pos(item)
+    if len(set(positions.values())) == 1:
+        pos = positions[nodes[0].sig]
+        return [node.leaves[pos] for node in nodes]
+    return [node.leaves[positions[node.sig]] for node in nodes]
+
+
+def _recipe_part(distinct, index, where, zeros):
+    """How to find one argument's rows again: ``'host'``, ``(sources,
+    index)`` with sources as (step, output) pairs (step -1: a zero row), or
+    None when a source is not an output of this flush's steps."""
+    if distinct is None:
+        return 'host'
+    parts = []
+    for array in distinct:
+        if id(array) in zeros:
+            parts.append((-1, 0))
+        else:
+            found = where.get(id(array))
+            if found is None:
+                return None
+            parts.append(found)
+    return tuple(parts), index
 
 
 class ZeroRow:
@@ -110,16 +195,17 @@ def pad_leaves(fmt, leaves, padded_fmt, filler):
 
 
 def collect(leaves, ctx):
-    """``(source, index)`` such that row ``i`` of ``source[index]`` is
-    ``leaves[i]``; ``index`` is None when ``source`` already is that.  The
+    """``(source, index, distinct)`` such that row ``i`` of ``source[index]``
+    is ``leaves[i]``; ``index`` is None when ``source`` already is that.  The
     source is the one array the rows live in, or the concatenation of the
-    several (earlier steps' outputs, user NDArrays, zero rows for padding).
+    ``distinct`` ones (earlier steps' outputs, user NDArrays, the zero rows
+    of padding); ``distinct`` is None for host rows.
 
     This runs over every argument row of a flush, so the common case (every
     leaf a computed lazy value or a padding row) is a few comprehensions."""
     first = leaves[0]
     if isinstance(first, np.ndarray) and all(isinstance(x, np.ndarray) for x in leaves):
-        return to_device(np.concatenate(leaves), ctx), None
+        return to_device(np.concatenate(leaves), ctx), None, None
     try:
         arrays = [leaf._node.arrays[leaf._index] for leaf in leaves]
         rows = [leaf._node.row for leaf in leaves]
@@ -136,9 +222,10 @@ def collect(leaves, ctx):
 
 
 def gather_rows(arrays, rows):
-    """``(source, index)`` for the rows ``rows[i]`` of ``arrays[i]``: the
-    distinct arrays concatenated (in order of first use) and each row's
-    position there; ``index`` is None when that is ``0, 1, 2, ...``."""
+    """``(source, index, distinct)`` for the rows ``rows[i]`` of
+    ``arrays[i]``: the ``distinct`` arrays concatenated (in order of first
+    use) and each row's position there; ``index`` is None when that is
+    ``0, 1, 2, ...``."""
     keys = list(map(id, arrays))
     distinct = dict(zip(keys, arrays))
     if len(distinct) == 1:
@@ -154,7 +241,7 @@ def gather_rows(arrays, rows):
     if index[0] == 0 and index[-1] == len(index) - 1 and source.shape[0] == len(index) \
             and index == list(range(len(index))):
         index = None
-    return source, index
+    return source, index, list(distinct.values())
 
 
 def to_device(host, ctx):

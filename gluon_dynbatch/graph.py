@@ -19,10 +19,11 @@ PENDING, DONE, FAILED = 0, 1, 2
 
 class Node:
     """One recorded block call."""
-    __slots__ = ('sig', 'leaves', 'depth', 'scope', 'state', 'used', 'arrays', 'row')
+    __slots__ = ('sig', 'leaves', 'depth', 'scope', 'pos', 'state', 'used', 'arrays', 'row')
 
-    def __init__(self, sig, leaves, depth, scope):
+    def __init__(self, sig, leaves, depth, scope, pos=0):
         self.sig = sig
+        self.pos = pos       # position among the calls of its flush
         self.leaves = leaves
         self.depth = depth
         self.scope = scope

@@ -20,10 +20,12 @@ grouped by their signature's ``group_key``: the signature itself, or its
 family when the block allows zero-padded lists (``pad_lists``).
 """
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Tuple
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
 
-from .graph import LazyValue
+import numpy as np
+
+from .graph import PENDING, LazyValue
 
 __all__ = ['BatchStep', 'Plan', 'Strategy', 'PerSample', 'ByDepth', 'Agenda', 'CachedPlan',
            'structure_key', 'merge_sinks', 'STRATEGIES']
@@ -41,9 +43,12 @@ class BatchStep:
 
 @dataclass(frozen=True)
 class Plan:
-    """Steps in an order that respects every dependency."""
+    """Steps in an order that respects every dependency.  ``recipes`` (one
+    per step, filled in as steps run) lets a cached plan's later runs skip
+    finding each row's source; see :func:`~.execute.run_plan`."""
     strategy: str
     steps: Tuple[BatchStep, ...]
+    recipes: Optional[List] = field(default=None, compare=False, repr=False)
 
     def batch_sizes(self):
         return [len(step.nodes) for step in self.steps]
@@ -228,21 +233,32 @@ class Agenda(Strategy):
 
 def structure_key(nodes):
     """Hashable structure of a recorded graph: per node its signature and,
-    per lazy input, which earlier node and output it reads.  Two flushes with
-    equal keys can run the same plan."""
-    position = {id(node): i for i, node in enumerate(nodes)}
+    per leaf, the position of the node of this flush it reads (and which
+    output), or whether it is host data or another array.  Two flushes with
+    equal keys can run the same plan, gathering rows the same way.  One flat
+    tuple (a signature fixes its number of leaves; a lazy leaf adds two
+    entries, any other leaf one), built without per-node tuples."""
     key = []
+    append = key.append
     for node in nodes:
-        reads = tuple((position.get(id(leaf._node), -1), leaf._index)
-                      if type(leaf) is LazyValue else None for leaf in node.leaves)
-        key.append((node.sig.sig_id, reads))
+        append(node.sig.sig_id)
+        for leaf in node.leaves:
+            kind = type(leaf)
+            if kind is LazyValue:
+                producer = leaf._node
+                append(producer.pos if producer.state == PENDING else -1)
+                append(leaf._index)
+            else:
+                append(kind is np.ndarray)
     return tuple(key)
 
 
 class CachedPlan(Strategy):
     """Reuse the plan of an earlier flush with the same structure: no
-    analysis beyond hashing the structure.  On a miss, plan with ``fallback``
-    and remember the result (at most ``capacity`` structures)."""
+    analysis beyond hashing the structure, and each step's rows are found
+    from a recipe (earlier steps' outputs and a gather index already on the
+    device) instead of per row.  On a miss, plan with ``fallback`` and
+    remember the result (at most ``capacity`` structures)."""
     name = 'cached'
 
     def __init__(self, fallback=None, capacity=4096):
@@ -252,7 +268,7 @@ class CachedPlan(Strategy):
         self.hits = self.misses = 0
 
     def lookup(self, nodes):
-        """``(key, cached steps or None)``."""
+        """``(key, cached entry or None)``."""
         key = structure_key(nodes)
         return key, self.cache.get(key)
 
@@ -263,20 +279,23 @@ class CachedPlan(Strategy):
             entry = self.cache.get(key)
         if entry is not None:
             self.hits += 1
-            return Plan(self.name, tuple(BatchStep(sig, tuple(nodes[i] for i in rows))
-                                         for sig, rows in entry))
+            steps, recipes = entry
+            return Plan(self.name, tuple(BatchStep(sig, tuple([nodes[i] for i in rows]))
+                                         for sig, rows in steps), recipes)
         self.misses += 1
         plan = self.fallback.plan(nodes)
-        self.store(key, nodes, plan)
-        return Plan(self.name + '-miss:' + plan.strategy, plan.steps)
+        recipes = self.store(key, plan)
+        return Plan(self.name + '-miss:' + plan.strategy, plan.steps, recipes)
 
-    def store(self, key, nodes, plan):
-        """Remember ``plan`` (made for ``nodes``) under structure ``key``."""
-        position = {id(node): i for i, node in enumerate(nodes)}
+    def store(self, key, plan):
+        """Remember ``plan`` under structure ``key``; returns the entry's
+        recipes list, filled in by the first run of a plan that carries it."""
         if len(self.cache) >= self.capacity:
             self.cache.pop(next(iter(self.cache)))
-        self.cache[key] = [(step.sig, [position[id(n)] for n in step.nodes])
-                           for step in plan.steps]
+        recipes = [None] * len(plan.steps)
+        self.cache[key] = ([(step.sig, [n.pos for n in step.nodes]) for step in plan.steps],
+                           recipes)
+        return recipes
 
 
 STRATEGIES = {strategy.name: strategy for strategy in (PerSample(), ByDepth(), Agenda(),

@@ -87,12 +87,16 @@ class TracedSignature:
         # symbols accept any batch size, so one program serves every N
         self.programs = {}
 
+    def item_pos(self, item):
+        """Position among the flat leaves of top-level argument ``item``'s
+        first leaf.  Needs ``fmt``, which :class:`~.block.DynBatchBlock`
+        sets after tracing."""
+        return sum(1 if x == 0 else len(x) for x in self.fmt[:item])
+
     def item_shape(self, item, elem=0):
         """Per-sample shape of top-level argument ``item`` (element ``elem``
-        of it, for a list).  Needs ``fmt`` and ``in_shapes``, which
-        :class:`~.block.DynBatchBlock` sets after tracing."""
-        pos = sum(1 if x == 0 else len(x) for x in self.fmt[:item])
-        return self.in_shapes[pos + elem]
+        of it, for a list)."""
+        return self.in_shapes[self.item_pos(item) + elem]
 
     def describe(self):
         shapes = ', '.join(str(s) for s in self.out_shapes)
