@@ -223,8 +223,11 @@ class Forms:
         self.dnode = dyb.DynBatchBlock(self.node)
         self.dhead = dyb.DynBatchBlock(self.head)
         for strategy in dyb.STRATEGIES:
-            self.forms[DYB_PREFIX + strategy] = DynBatchForm(dyb, self.dnode, self.dhead,
-                                                             strategy)
+            # the cached form gets a cache of its own: auto must not reuse plans
+            # that another form stored for the same minibatches
+            self.forms[DYB_PREFIX + strategy] = DynBatchForm(
+                dyb, self.dnode, self.dhead,
+                dyb.CachedPlan() if strategy == 'cached' else strategy)
         if wanted:
             for name in list(self.forms):
                 if name != PER_SAMPLE and name not in wanted:

@@ -63,10 +63,8 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None):
     read user NDArrays or earlier flushes have no recipe and are gathered the
     long way every time."""
     sig, nodes = step.sig, step.nodes
-    rows = None
     learned = [] if where is not None else None
     pattern, sources, indices = [], {}, {}
-    pos = 0
     for item, fmt in enumerate(sig.fmt):
         width = 1 if fmt == 0 else len(fmt)
         how = recipe[item] if recipe is not None else None
@@ -83,24 +81,15 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None):
                       for number, out in parts]
             sources[item] = arrays[0] if len(arrays) == 1 else mx.nd.concat(*arrays, dim=0)
         elif how == 'host':
-            sources[item] = to_device(np.concatenate(_host_rows(nodes, sig, item)), ctx)
+            sources[item] = to_device(np.concatenate(_item_rows(nodes, item)), ctx)
             index = None
         else:
-            if rows is None:
-                rows, zeros = _padded_leaves(sig, nodes, ctx)
-            if width == 1:
-                leaves = [leaves[pos] for leaves in rows]
-            else:
-                leaves = [leaf for leaves in rows for leaf in leaves[pos:pos + width]]
-            source, index, distinct = collect(leaves, ctx)
+            source, index, distinct, zero = _gather_item(nodes, sig, item, ctx)
             sources[item] = source
-            if index is not None or fmt != 0:
-                index = to_device(np.asarray(range(len(leaves)) if index is None else index,
-                                             dtype='int32').reshape(
-                    (len(nodes), -1) if fmt != 0 else (-1,)), ctx)
+            if index is not None:
+                index = to_device(index, ctx)
             if learned is not None:
-                learned.append(_recipe_part(distinct, index, where, zeros))
-        pos += width
+                learned.append(_recipe_part(distinct, index, where, zero))
         if index is None:
             pattern.append('direct')
         else:
@@ -120,39 +109,60 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None):
     return outs, learned
 
 
-def _padded_leaves(sig, nodes, ctx):
-    """Each node's leaves laid out for ``sig`` (lists padded with zero
-    rows), and the ids of the zero arrays used."""
-    zeros = {}
+def _item_rows(nodes, item):
+    """Leaf ``item`` (not a list) of every node, read from each node's own
+    layout (in a padded step a longer list before it moves it)."""
+    positions = {sig: sig.item_pos(item) for sig in {node.sig for node in nodes}}
+    if len(positions) == 1:
+        pos = positions[nodes[0].sig]
+        return [node.leaves[pos] for node in nodes]
+    return [node.leaves[positions[node.sig]] for node in nodes]
 
-    def zero_row(item):
-        if item not in zeros:
-            zeros[item] = _zero_row(sig, item, ctx)
-        return zeros[item]
-    rows = [node.leaves if node.sig is sig else
-            pad_leaves(node.sig.fmt, node.leaves, sig.fmt, zero_row)
-            for node in nodes]
-    return rows, {id(zero.arrays[0]) for zero in zeros.values()}
+
+def _gather_item(nodes, sig, item, ctx):
+    """Where argument ``item`` of every node lives: ``(source, index,
+    distinct, zero)`` with ``index`` an int32 array, ``(N, K)`` for a list
+    that ``sig`` makes K long and ``(N,)`` otherwise, or None when the source
+    already is the rows in order; ``distinct``, the arrays concatenated into
+    the source (None for host rows); ``zero``, the :class:`ZeroRow` that
+    pads shorter lists (None when none is shorter).  Shorter lists are
+    padded in the index, not per node."""
+    fmt = sig.fmt[item]
+    if fmt == 0:
+        source, index, distinct = collect(_item_rows(nodes, item), ctx)
+        return (source, None if index is None else np.asarray(index, dtype=np.int32),
+                distinct, None)
+    width = len(fmt)
+    spans = {s: (s.item_pos(item), len(s.fmt[item])) for s in {node.sig for node in nodes}}
+    counts = None
+    if len(spans) == 1 and next(iter(spans.values()))[1] == width:
+        pos = next(iter(spans.values()))[0]
+        leaves = [leaf for node in nodes for leaf in node.leaves[pos:pos + width]]
+    else:
+        leaves, counts = [], []
+        for node in nodes:
+            pos, length = spans[node.sig]
+            leaves += node.leaves[pos:pos + length]
+            counts.append(length)
+    zero = None
+    if counts is not None and min(counts) < width:
+        zero = _zero_row(sig, item, ctx)
+        leaves.append(zero)
+    source, index, distinct = collect(leaves, ctx)
+    index = np.arange(len(leaves), dtype=np.int32) if index is None else \
+        np.asarray(index, dtype=np.int32)
+    if zero is None:
+        return source, index.reshape(len(nodes), width), distinct, None
+    matrix = np.full((len(nodes), width), index[-1], dtype=np.int32)
+    matrix[np.arange(width) < np.asarray(counts)[:, None]] = index[:-1]
+    return source, matrix, distinct, zero
 
 
 def _zero_row(sig, item, ctx):
     return ZeroRow(sig.item_shape(item), sig.key[-2], ctx)
 
 
-def _host_rows(nodes, sig, item):
-    """Leaf ``item`` (not a list) of every node, read from each node's own
-    layout (padding moves it only when a list comes before it)."""
-    positions = {}
-    for node in nodes:
-        if node.sig not in positions:
-            positions[node.sig] = node.sig.item_pos(item)
-    if len(set(positions.values())) == 1:
-        pos = positions[nodes[0].sig]
-        return [node.leaves[pos] for node in nodes]
-    return [node.leaves[positions[node.sig]] for node in nodes]
-
-
-def _recipe_part(distinct, index, where, zeros):
+def _recipe_part(distinct, index, where, zero):
     """How to find one argument's rows again: ``'host'``, ``(sources,
     index)`` with sources as (step, output) pairs (step -1: a zero row), or
     None when a source is not an output of this flush's steps."""
@@ -160,7 +170,7 @@ def _recipe_part(distinct, index, where, zeros):
         return 'host'
     parts = []
     for array in distinct:
-        if id(array) in zeros:
+        if zero is not None and array is zero.arrays[0]:
             parts.append((-1, 0))
         else:
             found = where.get(id(array))
