@@ -213,30 +213,25 @@ def _signature_key(dblock, fmt, leaves):
     marks the pending nodes they come from as used.
 
     This runs once per recorded call, so it compares contexts and dtypes by
-    identity first and reads NDArray properties (C calls) only for NDArrays.
+    identity first, reads a lazy value's (shape, dtype, context) as one
+    tuple of its signature, and reads NDArray properties (C calls) only for
+    NDArrays.
     """
     key = [fmt]
     ctx = dtype = None
     depth = 0
-    for pos, leaf in enumerate(leaves):
+    for leaf in leaves:
         kind = type(leaf)
         if kind is LazyValue:
             node = leaf._node
-            producer = node.sig
-            shape = producer.out_shapes[leaf._index]
-            leaf_dtype = producer.out_dtypes[leaf._index]
-            leaf_ctx = producer.ctx
+            shape, leaf_dtype, leaf_ctx = node.sig.out_info[leaf._index]
             if node.state != DONE:
                 if node.state == FAILED:
                     leaf.data  # raises LazyValueError with the details
                 if node.depth >= depth:
                     depth = node.depth + 1
                 if not node.used:
-                    node.used = True
-                    if producer.batch_safe:
-                        group = (node.depth, producer.group_key)
-                        used = node.scope.used
-                        used[group] = used.get(group, 0) + 1
+                    _mark_used(node)
         elif kind is np.ndarray:
             shape, leaf_dtype, leaf_ctx = leaf.shape, leaf.dtype.type, None
         elif isinstance(leaf, NDArray):
@@ -244,21 +239,23 @@ def _signature_key(dblock, fmt, leaves):
         else:
             raise InputError('block %s, argument %s: got %s, expected an NDArray, a lazy '
                              'value or a numpy array (per-sample, leading axis of 1).'
-                             % (dblock.block.name, _leaf_path(fmt, pos), type(leaf).__name__))
+                             % (dblock.block.name, _leaf_path(fmt, _position(leaves, leaf)),
+                                type(leaf).__name__))
         if leaf_ctx is not ctx and leaf_ctx is not None:
             if ctx is None:
                 ctx = leaf_ctx
             elif leaf_ctx != ctx:
                 raise InputError('block %s, argument %s is on %s but earlier arguments are on '
                                  '%s; move all arguments of a call to one context.'
-                                 % (dblock.block.name, _leaf_path(fmt, pos), leaf_ctx, ctx))
+                                 % (dblock.block.name, _leaf_path(fmt, _position(leaves, leaf)),
+                                    leaf_ctx, ctx))
         if leaf_dtype is not dtype:
             if dtype is not None:
                 raise InputError('block %s, argument %s has dtype %s but earlier arguments have '
                                  '%s; cast them to one dtype (token ids as float32, as MXNet\'s '
-                                 'Embedding expects).' % (dblock.block.name, _leaf_path(fmt, pos),
-                                                          np.dtype(leaf_dtype).name,
-                                                          np.dtype(dtype).name))
+                                 'Embedding expects).'
+                                 % (dblock.block.name, _leaf_path(fmt, _position(leaves, leaf)),
+                                    np.dtype(leaf_dtype).name, np.dtype(dtype).name))
             dtype = leaf_dtype
         key.append(shape)
     key.append(dtype)
@@ -266,6 +263,21 @@ def _signature_key(dblock, fmt, leaves):
         ctx = mx.current_context()
     key.append((ctx.device_typeid, ctx.device_id))   # hashed in C, unlike a Context
     return tuple(key), ctx, depth
+
+
+def _mark_used(node):
+    """``node`` (pending) is read by a later call of its flush: depth
+    grouping must not delay it (see :func:`~.plan.merge_sinks`)."""
+    node.used = True
+    if node.sig.batch_safe:
+        group = (node.depth, node.sig.group_key)
+        used = node.scope.used
+        used[group] = used.get(group, 0) + 1
+
+
+def _position(leaves, leaf):
+    """Index of ``leaf`` (by identity) in ``leaves``, for error messages."""
+    return next(i for i, x in enumerate(leaves) if x is leaf)
 
 
 def _leaf_path(fmt, index):
@@ -388,6 +400,7 @@ class DynBatchBlock(Block):
         with ctx:
             sig = trace_signature(next(_SIG_IDS), self.block, fmt, shapes, dtypes)
         sig.ctx, sig.fmt, sig.dblock, sig.in_shapes, sig.key = ctx, fmt, self, shapes, key
+        sig.out_info = [(shape, dtype, ctx) for shape, dtype in zip(sig.out_shapes, sig.out_dtypes)]
         sig.group_key = self._family_id(key, fmt) if sig.batch_safe else -1 - sig.sig_id
         self._signatures[key] = sig
         return sig
