@@ -229,7 +229,9 @@ class Auto(Strategy):
       the cache.  A cached plan runs faster than its prediction says (its
       gathers come from recipes), so for a repeating summary the measured
       totals decide: the cached plan is tried once, then kept while its
-      measured total (hashing included) beats the best measured other.
+      measured total (hashing included) is within 5% of the best measured
+      other, and tried again every ``probe_every``-th time the summary
+      comes back.
       Otherwise the prediction decides, and the structure is hashed only when
       the cached plan's prediction wins.
     """
@@ -300,12 +302,16 @@ class Auto(Strategy):
 
     def _cached_measured_best(self, fingerprint):
         """True when the stored plan of this summary should run: not yet
-        measured, or measured faster than every other strategy was."""
-        measured = self._measured.get(fingerprint, {})
+        measured, measured within 5% of the fastest other strategy (one
+        noisy flush must not lock it out), or on every ``probe_every``-th
+        sighting of the summary, to measure it again."""
+        measured = self._measured.setdefault(fingerprint, {})
+        measured['sightings'] = sightings = measured.get('sightings', 0) + 1
         if 'cached' not in measured:
             return True
-        others = [ms for name, ms in measured.items() if name != 'cached']
-        return not others or measured['cached'] <= min(others)
+        others = [ms for name, ms in measured.items() if name not in ('cached', 'sightings')]
+        return (not others or measured['cached'] <= 1.05 * min(others)
+                or sightings % self.probe_every == 0)
 
     def _remember(self, fingerprint, nodes, plan, name):
         """Store ``plan`` in the cache when its summary is seen the second
