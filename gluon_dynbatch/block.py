@@ -96,8 +96,10 @@ class BatchingScope:
             _fail(nodes)
             raise
         self.strategy.observe(plan, step_seconds, planned - start, nodes)
-        debug.record_flush(plan, record_ms, (planned - start) * 1e3, (done - planned) * 1e3,
-                           getattr(self.strategy, 'last', None))
+        compile_s = self.strategy.last_compile_s
+        debug.record_flush(plan, record_ms, (planned - start - compile_s) * 1e3,
+                           (done - planned) * 1e3, getattr(self.strategy, 'last', None),
+                           compile_ms=compile_s * 1e3)
 
     def abandon(self):
         """Drop what was recorded: its lazy values will raise when read."""

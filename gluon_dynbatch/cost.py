@@ -260,6 +260,7 @@ class Auto(Strategy):
         self.model  # calibrate now, outside any timed flush
 
     def plan(self, nodes, summary=None):
+        self.last_compile_s = 0.0
         if len(nodes) < self.small:
             # Deciding costs more than any choice could save on a graph this
             # small (depth's analysis is a few microseconds): plan by depth.
@@ -283,6 +284,7 @@ class Auto(Strategy):
             key, entry = self.cached.lookup(nodes)
             if entry is not None:
                 plan = self.cached.plan(nodes, key=key)
+                self.last_compile_s = self.cached.last_compile_s
             else:   # same summary, other structure: trust the predictions from now on
                 self._measured.setdefault(fingerprint, {})['cached'] = float('inf')
                 ranked.pop(0)
@@ -350,16 +352,19 @@ class Auto(Strategy):
         self._ratios[kind] = old + 0.3 * (ratio - old)
 
     def observe(self, plan, step_seconds, analyse_s, nodes):
-        self.model.observe_steps(plan, step_seconds)
+        if plan.program is None:      # a compiled plan has no per-step times
+            self.model.observe_steps(plan, step_seconds)
         if 'predicted_ms' not in self.last:
             return
         fingerprint = self.last['fingerprint']
         if self._seen.get(fingerprint) is not None:     # a repeating summary
+            # the best time seen: a structure costs the same every time, and
+            # what varies (a one-off compile, a first call, a busy machine)
+            # only adds
             measured = self._measured.setdefault(fingerprint, {})
-            total = (analyse_s + sum(step_seconds)) * 1e3
+            total = (analyse_s - self.last_compile_s + sum(step_seconds)) * 1e3
             name = self.last['choice']
-            measured[name] = total if name not in measured else \
-                measured[name] + 0.3 * (total - measured[name])
+            measured[name] = min(total, measured.get(name, total))
         if self.last.get('choice') == 'agenda':
             self._observe_agenda(len(plan.steps), self.last['depth_steps'], self.last['kind'])
 

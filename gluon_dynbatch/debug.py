@@ -24,8 +24,8 @@ def debug_level():
 def reset_stats():
     """Zero every counter."""
     _TOTALS.clear()
-    _TOTALS.update(flushes=0, nodes=0, steps=0, record_ms=0.0, analyse_ms=0.0, run_ms=0.0,
-                   per_sample_nodes=0)
+    _TOTALS.update(flushes=0, nodes=0, steps=0, record_ms=0.0, analyse_ms=0.0, compile_ms=0.0,
+                   run_ms=0.0, per_sample_nodes=0)
     _LAST.clear()
 
 
@@ -37,7 +37,7 @@ def stats():
     return out
 
 
-def record_flush(plan, record_ms, analyse_ms, run_ms, extra=None):
+def record_flush(plan, record_ms, analyse_ms, run_ms, extra=None, compile_ms=0.0):
     sizes = plan.batch_sizes()
     per_sample = sum(n for n, step in zip(sizes, plan.steps) if not step.sig.batch_safe)
     _TOTALS['flushes'] += 1
@@ -45,12 +45,13 @@ def record_flush(plan, record_ms, analyse_ms, run_ms, extra=None):
     _TOTALS['steps'] += len(sizes)
     _TOTALS['record_ms'] += record_ms
     _TOTALS['analyse_ms'] += analyse_ms
+    _TOTALS['compile_ms'] += compile_ms
     _TOTALS['run_ms'] += run_ms
     _TOTALS['per_sample_nodes'] += per_sample
     _LAST.clear()
     _LAST.update(nodes=sum(sizes), steps=len(sizes), batch_sizes=sizes, record_ms=record_ms,
-                 analyse_ms=analyse_ms, run_ms=run_ms, strategy=plan.strategy,
-                 per_sample_nodes=per_sample)
+                 analyse_ms=analyse_ms, compile_ms=compile_ms, run_ms=run_ms,
+                 strategy=plan.strategy, per_sample_nodes=per_sample)
     if extra:
         _LAST.update(extra)
         if 'choice' in extra:
@@ -68,10 +69,11 @@ def _print_flush(plan, sizes, level):
     last = _LAST
     ordered = sorted(sizes)
     line = ('[dynbatch] flush: %d nodes -> %d steps (batch min/median/max %d/%d/%d), '
-            'record %.2f ms, analyse %.2f ms, run %.2f ms, strategy %s'
+            'record %.2f ms, analyse %.2f ms, %srun %.2f ms, strategy %s'
             % (last['nodes'], last['steps'], ordered[0], ordered[len(ordered) // 2],
-               ordered[-1], last['record_ms'], last['analyse_ms'], last['run_ms'],
-               last['strategy']))
+               ordered[-1], last['record_ms'], last['analyse_ms'],
+               'compile %.2f ms, ' % last['compile_ms'] if last['compile_ms'] else '',
+               last['run_ms'], last['strategy']))
     if 'predicted_ms' in last:
         line += ' (auto chose %s: predicted %.2f ms, actual %.2f ms)' % (
             last['choice'], last['predicted_ms'], last['analyse_ms'] + last['run_ms'])

@@ -31,7 +31,10 @@ def run_plan(plan):
     A plan that carries ``recipes`` (a cached plan: same structure as an
     earlier flush) runs each step from its recipe where one is known, with
     no per-row Python work, and fills in the recipes of steps run the long
-    way."""
+    way.  A plan that carries a compiled ``program`` runs as one call
+    (:func:`run_compiled`)."""
+    if plan.program is not None:
+        return run_compiled(plan)
     seconds = []
     clock = time.perf_counter
     recipes = plan.recipes
@@ -50,6 +53,38 @@ def run_plan(plan):
     return seconds
 
 
+def run_compiled(plan):
+    """Run a plan compiled into one :class:`~.lower.FlushProgram`: read the
+    host rows of this flush, call it once, hand each step's outputs to its
+    nodes.  Returns the total seconds spread evenly over the steps (there is
+    no per-step time to measure)."""
+    start = time.perf_counter()
+    program, steps = plan.program, plan.steps
+    ctx = program.ctx
+    inputs = []
+    for kind, what in program.feeds:
+        if kind == 'param':
+            inputs.append(what.data(ctx))
+        elif kind == 'const':
+            inputs.append(what)
+        else:
+            number, item = what
+            inputs.append(to_device(np.concatenate(_item_rows(steps[number].nodes, item)), ctx))
+    outs = program.cached_op(*inputs)
+    if isinstance(outs, NDArray):
+        outs = [outs]
+    pos = 0
+    for step, count in zip(steps, program.out_counts):
+        arrays = outs[pos:pos + count]
+        pos += count
+        for row, node in enumerate(step.nodes):
+            node.arrays = arrays
+            node.row = row
+            node.state = DONE
+            node.leaves = None
+    return [(time.perf_counter() - start) / len(steps)] * len(steps)
+
+
 def run_step(step, ctx, recipe=None, outputs=None, where=None):
     """One batched call of ``step.sig`` over ``step.nodes``; returns its
     output arrays and a recipe for running it again in a flush of the same
@@ -57,11 +92,12 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None):
 
     Nodes of a shorter signature of the same family get their lists padded
     with zero rows (see ``DynBatchBlock(pad_lists=True)``).  A recipe holds,
-    per argument, either ``'host'`` (host rows: concatenated anew, since their
-    values change) or the earlier steps (and zero rows) whose outputs hold
-    the rows, with the gather index already on the device; arguments that
-    read user NDArrays or earlier flushes have no recipe and are gathered the
-    long way every time."""
+    per argument, ``'empty'`` (an empty list), ``'host'`` (host rows:
+    concatenated anew, since their values change) or the earlier steps (and
+    zero rows) whose outputs hold the rows, with the gather index already
+    on the device (or None when the rows are the source in order);
+    arguments that read user NDArrays or earlier flushes have no recipe
+    (None) and are gathered the long way every time."""
     sig, nodes = step.sig, step.nodes
     learned = [] if where is not None else None
     pattern, sources, indices = [], {}, {}
@@ -71,7 +107,7 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None):
         if width == 0:
             pattern.append('direct')
             if learned is not None:
-                learned.append(None)
+                learned.append('empty')
             continue
         if learned is not None and how is not None:
             learned.append(how)

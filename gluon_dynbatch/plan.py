@@ -19,7 +19,8 @@ Calls whose signature is not batch-safe always run one per step.  Calls are
 grouped by their signature's ``group_key``: the signature itself, or its
 family when the block allows zero-padded lists (``pad_lists``).
 """
-from collections import defaultdict
+import time
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
@@ -45,10 +46,13 @@ class BatchStep:
 class Plan:
     """Steps in an order that respects every dependency.  ``recipes`` (one
     per step, filled in as steps run) lets a cached plan's later runs skip
-    finding each row's source; see :func:`~.execute.run_plan`."""
+    finding each row's source, and ``program`` (a whole cached plan compiled
+    into one call, :func:`~.lower.flush_program`) replaces the steps' own
+    calls; see :func:`~.execute.run_plan`."""
     strategy: str
     steps: Tuple[BatchStep, ...]
     recipes: Optional[List] = field(default=None, compare=False, repr=False)
+    program: Optional[object] = field(default=None, compare=False, repr=False)
 
     def batch_sizes(self):
         return [len(step.nodes) for step in self.steps]
@@ -117,6 +121,7 @@ class Strategy:
     order (``summary``: what recording counted, see ``cost.summarize``), and
     ``observe(...)``, told what the plan then cost."""
     name = 'strategy'
+    last_compile_s = 0.0   # of the last plan(): compiling a whole plan (cached plans)
 
     def plan(self, nodes, summary=None):
         raise NotImplementedError
@@ -258,14 +263,23 @@ class CachedPlan(Strategy):
     analysis beyond hashing the structure, and each step's rows are found
     from a recipe (earlier steps' outputs and a gather index already on the
     device) instead of per row.  On a miss, plan with ``fallback`` and
-    remember the result (at most ``capacity`` structures)."""
+    remember the result (at most ``capacity`` structures).
+
+    A structure that comes back ``compile_after`` times is compiled into one
+    CachedOp for the whole plan (:func:`~.lower.flush_program`; the time it
+    takes is reported as ``compile_ms``); at most ``max_compiled`` such
+    programs are kept, the least recently used dropped first."""
     name = 'cached'
 
-    def __init__(self, fallback=None, capacity=4096):
+    def __init__(self, fallback=None, capacity=4096, compile_after=2, max_compiled=64):
         self.fallback = fallback or ByDepth()
         self.capacity = capacity
+        self.compile_after = compile_after
+        self.max_compiled = max_compiled
         self.cache = {}
+        self.compiled = OrderedDict()      # key -> entry holding a program, in use order
         self.hits = self.misses = 0
+        self.last_compile_s = 0.0
 
     def lookup(self, nodes):
         """``(key, cached entry or None)``."""
@@ -273,29 +287,62 @@ class CachedPlan(Strategy):
         return key, self.cache.get(key)
 
     def plan(self, nodes, summary=None, key=None):
+        self.last_compile_s = 0.0
         if key is None:
             key, entry = self.lookup(nodes)
         else:
             entry = self.cache.get(key)
-        if entry is not None:
-            self.hits += 1
-            steps, recipes = entry
-            return Plan(self.name, tuple(BatchStep(sig, tuple([nodes[i] for i in rows]))
-                                         for sig, rows in steps), recipes)
-        self.misses += 1
-        plan = self.fallback.plan(nodes)
-        recipes = self.store(key, plan)
-        return Plan(self.name + '-miss:' + plan.strategy, plan.steps, recipes)
+        if entry is None:
+            self.misses += 1
+            plan = self.fallback.plan(nodes)
+            recipes = self.store(key, plan)
+            return Plan(self.name + '-miss:' + plan.strategy, plan.steps, recipes)
+        self.hits += 1
+        entry.hits += 1
+        steps = tuple(BatchStep(sig, tuple([nodes[i] for i in rows])) for sig, rows in entry.steps)
+        if entry.program is None and entry.hits >= self.compile_after and not entry.uncompilable:
+            self._compile(key, entry, steps)
+        if entry.program is not None:
+            self.compiled.move_to_end(key)
+            return Plan(self.name + '-compiled', steps, entry.recipes, entry.program)
+        return Plan(self.name, steps, entry.recipes)
+
+    def _compile(self, key, entry, steps):
+        from .lower import flush_program   # lower imports mxnet; plans stay plain data
+        start = time.perf_counter()
+        entry.program = flush_program(steps, entry.recipes)
+        self.last_compile_s = time.perf_counter() - start
+        if entry.program is None:
+            entry.uncompilable = True
+            return
+        self.compiled[key] = entry
+        if len(self.compiled) > self.max_compiled:
+            _, oldest = self.compiled.popitem(last=False)
+            oldest.program = None
 
     def store(self, key, plan):
         """Remember ``plan`` under structure ``key``; returns the entry's
         recipes list, filled in by the first run of a plan that carries it."""
         if len(self.cache) >= self.capacity:
-            self.cache.pop(next(iter(self.cache)))
-        recipes = [None] * len(plan.steps)
-        self.cache[key] = ([(step.sig, [n.pos for n in step.nodes]) for step in plan.steps],
-                           recipes)
-        return recipes
+            old_key = next(iter(self.cache))
+            self.cache.pop(old_key)
+            self.compiled.pop(old_key, None)
+        entry = _Entry([(step.sig, [n.pos for n in step.nodes]) for step in plan.steps],
+                       [None] * len(plan.steps))
+        self.cache[key] = entry
+        return entry.recipes
+
+
+class _Entry:
+    """A cached plan: steps as (signature, node positions), recipes, how
+    often it was reused, and its compiled program once there is one."""
+    __slots__ = ('steps', 'recipes', 'hits', 'program', 'uncompilable')
+
+    def __init__(self, steps, recipes):
+        self.steps, self.recipes = steps, recipes
+        self.hits = 0
+        self.program = None
+        self.uncompilable = False
 
 
 STRATEGIES = {strategy.name: strategy for strategy in (PerSample(), ByDepth(), Agenda(),

@@ -178,8 +178,11 @@ def test_cached_plan_recipes_follow_new_data_and_gradients():
         for k in want_grads:
             np.testing.assert_allclose(got_grads[k], want_grads[k], rtol=1e-4, atol=1e-6)
     assert cached.misses == 1 and cached.hits == 2
-    (_, recipes), = cached.cache.values()
+    entry, = cached.cache.values()
+    recipes = entry.recipes
     assert all(r is not None for r in recipes)
+    assert entry.program is not None          # the third flush ran compiled
+    assert dyb.stats()['last']['strategy'] == 'cached-compiled'
     assert any(part not in (None, 'host') for r in recipes for part in r)  # gathers reused
 
 
@@ -203,3 +206,39 @@ def test_cached_plan_reads_new_user_arrays():
         for a, b in zip(got, want):
             np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-5, atol=1e-6)
     assert cached.hits == 2
+
+
+def test_compiled_plan_outputs_stay_valid_across_flushes():
+    """A compiled plan (static memory) gives every flush fresh outputs:
+    values read after later flushes of the same structure, and gradients of
+    several flushes recorded before one backward, match per-sample."""
+    from gluon_dynbatch.models import TreeLSTMNode
+    node = TreeLSTMNode(30, 5, 4)
+    node.initialize(mx.init.Xavier())
+    dnode = dyb.DynBatchBlock(node)
+    rng = np.random.RandomState(9)
+    trees = [random_tree(rng, n, 3) for n in (2, 6, 11)]
+    cached = dyb.CachedPlan(compile_after=1)
+
+    def enc(t, ids):
+        ch = [enc(c, ids) for c in t.children]
+        return dnode(ids[t.idx:t.idx + 1], [h for h, _ in ch], [c for _, c in ch])
+    all_ids = [rng.randint(0, 30, 12).astype(np.float32) for _ in range(4)]
+    kept = []
+    with autograd.record():
+        for ids in all_ids:
+            with dyb.batching(cached):
+                kept.append([enc(t, ids)[0] for t in trees])
+        loss = sum((v.data * v.data).sum() for roots in kept for v in roots)
+    loss.backward()
+    got_grads = {k: p.grad().asnumpy().copy() for k, p in node.collect_params().items()}
+    assert cached.hits == 3 and dyb.stats()['last']['strategy'] == 'cached-compiled'
+    with autograd.record():
+        want = [[enc(t, ids)[0] for t in trees] for ids in all_ids]
+        loss = sum((v * v).sum() for roots in want for v in roots)
+    loss.backward()
+    for roots, refs in zip(kept, want):
+        for a, b in zip(roots, refs):
+            np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-5, atol=1e-6)
+    for k, p in node.collect_params().items():
+        np.testing.assert_allclose(got_grads[k], p.grad().asnumpy(), rtol=1e-4, atol=1e-6)
