@@ -23,7 +23,10 @@ the run stops with an error; (b) a GEMM roofline ("physical limit") from the
 model's real matrix products on the real trees and the GEMM speed measured
 here; (c) inference (log-probs to host) and training (forward, backward,
 Adagrad step) throughput in pairs/s, median of repeats, forms interleaved in
-every repeat.  Output: a table on stdout, ``results.json`` and
+every repeat.  The ``... same`` settings run one minibatch again and again:
+a repeated structure, where a cached plan replays its gathers and, reused
+twice, runs compiled as one call (the other settings walk the split, so
+structures rarely repeat).  Output: a table on stdout, ``results.json`` and
 ``throughput.png`` in ``--out`` (default ``benchmarks/results/``).
 
 MXNet's threads and engine are set from the command line *before* MXNet is
@@ -52,7 +55,10 @@ DYB_PREFIX = 'dynbatch-'
 # (name, mode, minibatch size)
 FULL_SETTINGS = [('infer B=1', 'infer', 1), ('infer B=25', 'infer', 25),
                  ('infer B=256', 'infer', 256), ('infer B=1024', 'infer', 1024),
-                 ('train B=25', 'train', 25), ('train B=256', 'train', 256)]
+                 ('train B=25', 'train', 25), ('train B=256', 'train', 256),
+                 ('infer B=25 same', 'infer', 25), ('train B=25 same', 'train', 25)]
+SAME_SUFFIX = ' same'    # settings that run one minibatch again and again (a repeated
+                         # structure: where cached plans pay), not the split in order
 QUICK_SETTINGS = [('infer B=1', 'infer', 1), ('infer B=25', 'infer', 25),
                   ('train B=25', 'train', 25)]
 SWEEP_SETTINGS = [('infer B=25', 'infer', 25), ('infer B=256', 'infer', 256),
@@ -533,9 +539,10 @@ def gemm_limit(mx, items, rows=2048, seconds=0.25):
 # Timing
 # ==========================================================================
 
-def time_cell(ctx, name, mode, batch, items, targets, start, budget):
+def time_cell(ctx, name, mode, batch, items, targets, start, budget, same=False):
     """Run minibatches of ``name`` from position ``start`` until ``budget``
-    seconds have passed (at least one); returns (pairs, seconds, cut)."""
+    seconds have passed (at least one); returns (pairs, seconds, cut).  With
+    ``same`` the minibatch at ``start`` runs every time."""
     form = ctx.forms[name]
     cut = name in ctx.can_cut
     n_items = len(items)
@@ -551,7 +558,8 @@ def time_cell(ctx, name, mode, batch, items, targets, start, budget):
         n = run_minibatch(ctx, form, mode, pairs, targets[idx], cut_at if cut else None)
         partial |= n < batch
         done += n
-        pos = (pos + n) % n_items
+        if not same:
+            pos = (pos + n) % n_items
         if time.perf_counter() >= deadline:
             break
     wall = time.perf_counter() - tic
@@ -565,6 +573,7 @@ def measure(ctx, items, targets, settings, repeats, budget, max_batch_s):
     rates = {}   # (form, mode) -> last pairs/s, for the skip estimate
     n_items = len(items)
     for sname, mode, batch in settings:
+        same = sname.endswith(SAME_SUFFIX)
         active = []
         for name in ctx.measured:
             est = rates.get((name, mode))
@@ -576,17 +585,17 @@ def measure(ctx, items, targets, settings, repeats, budget, max_batch_s):
             active.append(name)
         # warm-up: one (time-boxed) minibatch per form at this setting
         for name in active:
-            time_cell(ctx, name, mode, batch, items, targets, 0, min(budget, 0.3))
+            time_cell(ctx, name, mode, batch, items, targets, 0, min(budget, 0.3), same)
         cells = {name: {'pairs': [], 'seconds': [], 'cpu_per_wall': [], 'partial': False,
                         'dyb': []}
                  for name in active}
         for rep in range(repeats):
-            start = (rep * 997) % n_items
+            start = 0 if same else (rep * 997) % n_items
             shift = rep % max(1, len(active))
             for name in active[shift:] + active[:shift]:
                 dyb.reset_stats()
                 pairs, secs, partial, cpu = time_cell(ctx, name, mode, batch, items, targets,
-                                                      start, budget)
+                                                      start, budget, same)
                 cell = cells[name]
                 cell['cpu_per_wall'].append(cpu)
                 cell['pairs'].append(pairs)

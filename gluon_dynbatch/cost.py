@@ -228,17 +228,19 @@ class Auto(Strategy):
       for summaries seen twice, so graphs that never repeat pay nothing for
       the cache.  A cached plan runs faster than its prediction says (its
       gathers come from recipes), so for a repeating summary the measured
-      totals decide: the cached plan is tried once, then kept while its
-      measured total (hashing included) is within 5% of the best measured
-      other, and tried again every ``probe_every``-th time the summary
-      comes back.
+      totals decide: the cached plan runs its first ``cached_trials`` times
+      (it speeds up as it is reused: recipes, then a compiled flush), then
+      is kept while its best measured total (hashing included) is within 5%
+      of the best measured other, and tried again every ``probe_every``-th
+      time the summary comes back.
       Otherwise the prediction decides, and the structure is hashed only when
       the cached plan's prediction wins.
     """
     name = 'auto'
 
-    def __init__(self, model=None, probe_every=16, memory=4096, small=32):
+    def __init__(self, model=None, probe_every=16, memory=4096, small=32, cached_trials=4):
         self._model = model
+        self.cached_trials = cached_trials
         self.small = small
         self.cached = STRATEGIES['cached']
         self.probe_every = probe_every
@@ -303,15 +305,17 @@ class Auto(Strategy):
         return plan
 
     def _cached_measured_best(self, fingerprint):
-        """True when the stored plan of this summary should run: not yet
-        measured, measured within 5% of the fastest other strategy (one
-        noisy flush must not lock it out), or on every ``probe_every``-th
-        sighting of the summary, to measure it again."""
+        """True when the stored plan of this summary should run: while it
+        has run fewer than ``cached_trials`` times (it gets faster as it is
+        reused: recipes, then compiled, whose first call is slow), then while
+        its best time is within 5% of the best other strategy's, and on every
+        ``probe_every``-th sighting of the summary, to measure it again."""
         measured = self._measured.setdefault(fingerprint, {})
         measured['sightings'] = sightings = measured.get('sightings', 0) + 1
-        if 'cached' not in measured:
+        if measured.get('cached_runs', 0) < self.cached_trials:
             return True
-        others = [ms for name, ms in measured.items() if name not in ('cached', 'sightings')]
+        others = [ms for name, ms in measured.items()
+                  if name not in ('cached', 'sightings', 'cached_runs')]
         return (not others or measured['cached'] <= 1.05 * min(others)
                 or sightings % self.probe_every == 0)
 
@@ -365,6 +369,8 @@ class Auto(Strategy):
             total = (analyse_s - self.last_compile_s + sum(step_seconds)) * 1e3
             name = self.last['choice']
             measured[name] = min(total, measured.get(name, total))
+            if name == 'cached':
+                measured['cached_runs'] = measured.get('cached_runs', 0) + 1
         if self.last.get('choice') == 'agenda':
             self._observe_agenda(len(plan.steps), self.last['depth_steps'], self.last['kind'])
 
