@@ -285,8 +285,13 @@ class Auto(Strategy):
         if ranked[0] == 'cached':
             key, entry = self.cached.lookup(nodes)
             if entry is not None:
-                plan = self.cached.plan(nodes, key=key)
-                self.last_compile_s = self.cached.last_compile_s
+                plan = self._refreshed(fingerprint, key, entry, nodes)
+                if plan is not None:
+                    ranked.remove('depth')
+                    ranked.insert(0, 'depth')
+                else:
+                    plan = self.cached.plan(nodes, key=key)
+                    self.last_compile_s = self.cached.last_compile_s
             else:   # same summary, other structure: trust the predictions from now on
                 self._measured.setdefault(fingerprint, {})['cached'] = float('inf')
                 ranked.pop(0)
@@ -295,7 +300,7 @@ class Auto(Strategy):
             start = time.perf_counter()
             plan = STRATEGIES[name].plan(nodes)
             self.model.observe_analysis(name, time.perf_counter() - start, len(nodes))
-            self._remember(fingerprint, nodes, plan, name)
+            plan = self._remember(fingerprint, nodes, plan, name)
         self._probe(nodes, summary, name, kind)
         self.choices[name] = self.choices.get(name, 0) + 1
         self.last = {'choice': name, 'predicted_ms': sum(predictions[name]),
@@ -318,6 +323,24 @@ class Auto(Strategy):
                   if name not in ('cached', 'sightings', 'cached_runs')]
         return (not others or measured['cached'] <= 1.05 * min(others)
                 or sightings % self.probe_every == 0)
+
+    def _refreshed(self, fingerprint, key, entry, nodes):
+        """On every ``probe_every``-th sighting of a repeating summary,
+        plan it afresh by depth: a stored plan was made with the cost model
+        of its time (e.g. padded groups split with step costs not yet
+        learned).  If the fresh plan has fewer steps it replaces the stored
+        one (whose measurements are forgotten) and is returned, to run now;
+        otherwise None."""
+        measured = self._measured.get(fingerprint, {})
+        if measured.get('sightings', 0) % self.probe_every:
+            return None
+        fresh = STRATEGIES['depth'].plan(nodes)
+        if len(fresh.steps) >= len(entry.steps):
+            return None
+        for name in ('cached', 'cached_runs'):
+            measured.pop(name, None)
+        self._seen[fingerprint] = len(fresh.steps)
+        return Plan(fresh.strategy, fresh.steps, self.cached.store(key, fresh))
 
     def _remember(self, fingerprint, nodes, plan, name):
         """Store ``plan`` in the cache when its summary is seen the second

@@ -323,7 +323,9 @@ class CachedPlan(Strategy):
     def store(self, key, plan):
         """Remember ``plan`` under structure ``key``; returns the entry's
         recipes list, filled in by the first run of a plan that carries it."""
-        if len(self.cache) >= self.capacity:
+        if key in self.cache:                  # replacing a stale plan
+            self.compiled.pop(key, None)
+        elif len(self.cache) >= self.capacity:
             old_key = next(iter(self.cache))
             self.cache.pop(old_key)
             self.compiled.pop(old_key, None)

@@ -242,3 +242,36 @@ def test_compiled_plan_outputs_stay_valid_across_flushes():
             np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-5, atol=1e-6)
     for k, p in node.collect_params().items():
         np.testing.assert_allclose(got_grads[k], p.grad().asnumpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_auto_replaces_a_stale_cached_plan():
+    """A plan stored while padded groups were split with a too-small step
+    cost is re-planned on a probe sighting and replaced by the fresh plan
+    when that has fewer steps; results stay right throughout."""
+    from gluon_dynbatch.plan import PADDING_COST
+    cell = dyb.DynBatchBlock(ChildSumTreeLSTMCell(4, 3))
+    cell.initialize()
+    rng = np.random.RandomState(11)
+    trees = [random_tree(rng, n, 6) for n in (30, 40, 50, 60)]
+    want = [o.asnumpy() for o in record_trees(cell, trees)]
+    model = dyb.CostModel()
+    model.observe_steps = lambda plan, seconds: None     # keep the step costs fixed
+    auto = dyb.Auto(model=model, probe_every=4, small=1)
+    auto.cached = dyb.CachedPlan()
+    PADDING_COST['family_step_us'].clear()
+
+    def flush():
+        with dyb.batching(auto):
+            got = record_trees(cell, trees)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a.asnumpy(), b, rtol=1e-5, atol=1e-6)
+    PADDING_COST['step_us'] = 0.001          # split every list length apart
+    for _ in range(3):
+        flush()
+    (entry,) = auto.cached.cache.values()
+    split_steps = len(entry.steps)
+    PADDING_COST['step_us'] = 1e9            # now one step per depth is best
+    for _ in range(4):
+        flush()
+    (entry,) = auto.cached.cache.values()
+    assert len(entry.steps) < split_steps
