@@ -217,10 +217,10 @@ class Auto(Strategy):
 
     * Every strategy's analysis is timed by itself (not with this class's own
       bookkeeping).  The first flush of each kind of graph (its set of block
-      families), and every ``probe_every``-th flush, also plans with the
-      strategy not chosen among depth/agenda, without running it, so both
-      per-node costs and agenda's step saving (per kind of graph) stay
-      measured.
+      families), and every ``probe_every``-th flush after (less often where
+      agenda saves nothing, see ``_probe``), also plans with the strategy
+      not chosen among depth/agenda, without running it, so both per-node
+      costs and agenda's step saving (per kind of graph) stay measured.
     * Flushes of fewer than ``small`` calls are planned by depth without
       deciding: the decision itself would cost more than it could save.
     * A cached plan is considered only for a graph whose summary (calls per
@@ -250,6 +250,8 @@ class Auto(Strategy):
         self._seen = {}      # summary fingerprint -> steps of its stored plan (None: seen once)
         self._ratios = {}    # set of families -> agenda steps / depth steps
         self._measured = {}  # fingerprint -> {strategy: measured ms}, repeating summaries
+        self._next_probe = {}   # kind of graph -> flush number of its next probe
+        self._probe_gap = {}    # kind of graph -> flushes between its probes
         self._flushes = 0
 
     @property
@@ -362,15 +364,25 @@ class Auto(Strategy):
     def _probe(self, nodes, summary, chosen, kind):
         """Time the other of depth/agenda (planned, not run) on the first
         flush of each kind of graph (set of block families) and now and then
-        after, so agenda's step saving is known per kind of graph."""
-        if kind in self._ratios and self._flushes % self.probe_every != 1:
+        after, so agenda's step saving is known per kind of graph.  A kind
+        where agenda saved under 5% of depth's steps is probed half as often
+        each time (every ``probe_every`` flushes at first, at most every
+        ``16 * probe_every``): on a large graph the probe costs as much as
+        agenda's whole analysis."""
+        if self._flushes < self._next_probe.get(kind, 0):
             return
         other = 'agenda' if chosen != 'agenda' else 'depth'
         start = time.perf_counter()
         plan = STRATEGIES[other].plan(nodes)
         self.model.observe_analysis(other, time.perf_counter() - start, len(nodes))
+        gap = self.probe_every
         if other == 'agenda':
             self._observe_agenda(len(plan.steps), summary['depth_steps'], kind)
+            if len(plan.steps) > 0.95 * summary['depth_steps']:
+                gap = min(2 * self._probe_gap.get(kind, self.probe_every // 2),
+                          16 * self.probe_every)
+        self._probe_gap[kind] = gap
+        self._next_probe[kind] = self._flushes + gap
 
     def _observe_agenda(self, agenda_steps, depth_steps, kind):
         ratio = agenda_steps / max(1, depth_steps)

@@ -275,3 +275,24 @@ def test_auto_replaces_a_stale_cached_plan():
         flush()
     (entry,) = auto.cached.cache.values()
     assert len(entry.steps) < split_steps
+
+
+def test_auto_probes_agenda_less_often_where_it_saves_nothing(monkeypatch):
+    """Equal chains: agenda makes as many steps as depth, so after each probe
+    the gap to the next doubles (16 probes at a fixed gap of 2 become 5)."""
+    block = dyb.DynBatchBlock(nn.Dense(3, in_units=3))
+    block.initialize()
+    agenda = dyb.STRATEGIES['agenda']
+    calls = []
+    original = agenda.plan
+    monkeypatch.setattr(agenda, 'plan', lambda nodes, summary=None:
+                        calls.append(len(nodes)) or original(nodes, summary))
+    auto = dyb.Auto(model=dyb.CostModel(), probe_every=2, small=1)
+    for _ in range(32):
+        with dyb.batching(auto):
+            for _ in range(8):
+                x = mx.nd.ones((1, 3))
+                for _ in range(5):
+                    x = block(x)
+    assert 'agenda' not in auto.choices
+    assert len(calls) == 5
