@@ -21,7 +21,7 @@ from .errors import InputError, ScopeError
 from .execute import collect, pad_leaves, run_plan, to_device
 from .graph import DONE, FAILED, PENDING, LazyValue, Node
 from .plan import STRATEGIES, merge_sinks
-from .trace import flatten, regroup, trace_signature
+from .trace import flatten, leaf_count, regroup, trace_signature
 
 __all__ = ['DynBatchBlock', 'batching', 'concat_rows', 'current_scope', 'private_scope']
 
@@ -399,6 +399,16 @@ class DynBatchBlock(Block):
                     'block %s, argument %s has shape %s: per-sample inputs need a leading batch '
                     'axis of 1 (use x[i:i+1] or x.reshape((1,) + x.shape)).'
                     % (self.block.name, _leaf_path(fmt, pos), shape))
+        pos = 0
+        for item, nesting in enumerate(fmt):   # a list is gathered as one (N, K, ...) block
+            width = leaf_count(nesting)
+            if nesting != 0 and len(set(shapes[pos:pos + width])) > 1:
+                raise InputError(
+                    'block %s, argument #%d is a list of arrays of different shapes %s; the '
+                    'arrays of one list argument must share a shape. Pass arrays of other '
+                    'shapes as separate arguments.'
+                    % (self.block.name, item, sorted(set(shapes[pos:pos + width]))))
+            pos += width
         with ctx:
             sig = trace_signature(next(_SIG_IDS), self.block, fmt, shapes, dtypes)
         sig.ctx, sig.fmt, sig.dblock, sig.in_shapes, sig.key = ctx, fmt, self, shapes, key

@@ -17,6 +17,7 @@ import numpy as np
 
 from .graph import DONE, LazyValue
 from .lower import step_program
+from .trace import leaf_count
 
 __all__ = ['run_plan', 'run_step', 'collect', 'gather_rows', 'pad_leaves', 'to_device',
            'ZeroRow']
@@ -102,7 +103,7 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None):
     learned = [] if where is not None else None
     pattern, sources, indices = [], {}, {}
     for item, fmt in enumerate(sig.fmt):
-        width = 1 if fmt == 0 else len(fmt)
+        width = leaf_count(fmt)
         how = recipe[item] if recipe is not None else None
         if width == 0:
             pattern.append('direct')
@@ -168,8 +169,9 @@ def _gather_item(nodes, sig, item, ctx):
         source, index, distinct = collect(_item_rows(nodes, item), ctx)
         return (source, None if index is None else np.asarray(index, dtype=np.int32),
                 distinct, None)
-    width = len(fmt)
-    spans = {s: (s.item_pos(item), len(s.fmt[item])) for s in {node.sig for node in nodes}}
+    width = leaf_count(fmt)      # a nested list is gathered as its flat leaves
+    spans = {s: (s.item_pos(item), leaf_count(s.fmt[item]))
+             for s in {node.sig for node in nodes}}
     counts = None
     if len(spans) == 1 and next(iter(spans.values()))[1] == width:
         pos = next(iter(spans.values()))[0]

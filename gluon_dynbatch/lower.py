@@ -20,6 +20,8 @@ summed inside the graph instead of once per step.
 """
 import mxnet as mx
 
+from .trace import leaf_count
+
 __all__ = ['StepProgram', 'step_program', 'FlushProgram', 'flush_program']
 
 
@@ -48,7 +50,7 @@ def _build(sig, pattern):
     replace = {}
     names = iter(sig.data_names)
     for item, (fmt, how) in enumerate(zip(sig.fmt, pattern)):
-        width = 1 if fmt == 0 else len(fmt)
+        width = leaf_count(fmt)     # a nested list is cut into its flat leaves
         if width == 0:
             continue
         rows = mx.sym.var('src%d' % item)

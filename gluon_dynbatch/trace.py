@@ -16,7 +16,7 @@ import numpy as np
 from .errors import InputError
 from .rules import OpView, batching_rule
 
-__all__ = ['flatten', 'regroup', 'TracedSignature', 'trace_signature']
+__all__ = ['flatten', 'regroup', 'leaf_count', 'TracedSignature', 'trace_signature']
 
 
 _LISTS = (list, tuple)
@@ -46,6 +46,11 @@ def flatten(args, leaves):
 
 
 _ZEROS = tuple((0,) * n for n in range(64))
+
+
+def leaf_count(fmt):
+    """Number of leaves in nesting ``fmt`` (``0`` for one leaf)."""
+    return 1 if fmt == 0 else sum(leaf_count(item) for item in fmt)
 
 
 def regroup(fmt, leaves, start=0):
@@ -91,7 +96,7 @@ class TracedSignature:
         """Position among the flat leaves of top-level argument ``item``'s
         first leaf.  Needs ``fmt``, which :class:`~.block.DynBatchBlock`
         sets after tracing."""
-        return sum(1 if x == 0 else len(x) for x in self.fmt[:item])
+        return sum(leaf_count(x) for x in self.fmt[:item])
 
     def item_shape(self, item, elem=0):
         """Per-sample shape of top-level argument ``item`` (element ``elem``

@@ -335,3 +335,55 @@ def test_concat_rows_errors():
         dyb.concat_rows([a, mx.nd.ones((2, 2))])
     with pytest.raises(dyb.InputError, match='value 1 is a list'):
         dyb.concat_rows([a, [a]])
+
+
+class _Nested(gluon.HybridBlock):
+    """x plus every array of a list of lists (groups of different lengths)."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.dense = nn.Dense(3, in_units=3)
+
+    def hybrid_forward(self, F, x, groups):
+        out = self.dense(x)
+        for group in groups:
+            for y in group:
+                out = out + y * 0.5
+        return out
+
+
+def test_nested_list_arguments_run_batched_and_match():
+    block = dyb.DynBatchBlock(_Nested())
+    block.initialize(mx.init.Uniform(0.5))
+    xs = [mx.nd.array(np.random.RandomState(i).uniform(-1, 1, (1, 3))) for i in range(4)]
+
+    def run(strategy):
+        with autograd.record():
+            if strategy is None:
+                first = [block(x, [[x, x], [x]]) for x in xs]
+                out = [block(v, [[v], [v, x]]) for v, x in zip(first, xs)]
+            else:
+                with dyb.batching(strategy):
+                    first = [block(x, [[x, x], [x]]) for x in xs]
+                    out = [block(v, [[v], [v, x]]) for v, x in zip(first, xs)]
+                out = [dyb.concat_rows(out)]
+            loss = sum((o * o).sum() for o in out)
+        loss.backward()
+        values = np.concatenate([o.asnumpy() for o in out])
+        return values, block.collect_params()['%sdense0_weight' % block.block.prefix] \
+            .grad().asnumpy().copy()
+    want, want_grad = run(None)
+    for strategy in ('depth', 'agenda', dyb.CachedPlan(compile_after=1)):
+        for _ in range(3 if not isinstance(strategy, str) else 1):
+            got, got_grad = run(strategy)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(got_grad, want_grad, rtol=1e-5, atol=1e-6)
+
+
+def test_error_list_of_different_shapes_names_the_argument():
+    block = dyb.DynBatchBlock(_Nested())
+    block.initialize()
+    with pytest.raises(dyb.InputError, match=r'argument #1 is a list of arrays of different'):
+        with dyb.batching():
+            block(mx.nd.ones((1, 3)), [[mx.nd.ones((1, 3))], [mx.nd.ones((1, 2))]])
