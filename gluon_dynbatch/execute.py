@@ -126,7 +126,7 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None):
             if index is not None:
                 index = to_device(index, ctx)
             if learned is not None:
-                learned.append(_recipe_part(distinct, index, where, zero))
+                learned.append(_recipe_part(fmt, distinct, index, where, zero))
         if index is None:
             pattern.append('direct')
         else:
@@ -200,12 +200,14 @@ def _zero_row(sig, item, ctx):
     return ZeroRow(sig.item_shape(item), sig.key[-2], ctx)
 
 
-def _recipe_part(distinct, index, where, zero):
-    """How to find one argument's rows again: ``'host'``, ``(sources,
-    index)`` with sources as (step, output) pairs (step -1: a zero row), or
-    None when a source is not an output of this flush's steps."""
+def _recipe_part(fmt, distinct, index, where, zero):
+    """How to find one argument's rows again: ``'host'`` (a single host
+    array per call), ``(sources, index)`` with sources as (step, output)
+    pairs (step -1: a zero row), or None when the rows must be found anew
+    (a source that is not an output of this flush's steps, or a list of
+    host arrays)."""
     if distinct is None:
-        return 'host'
+        return 'host' if fmt == 0 else None
     parts = []
     for array in distinct:
         if zero is not None and array is zero.arrays[0]:

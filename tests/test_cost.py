@@ -296,3 +296,38 @@ def test_auto_probes_agenda_less_often_where_it_saves_nothing(monkeypatch):
                     x = block(x)
     assert 'agenda' not in auto.choices
     assert len(calls) == 5
+
+
+class _SumList(mx.gluon.HybridBlock):
+    """dense(x) plus the sum of a list of host rows."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.dense = nn.Dense(3, in_units=3)
+
+    def hybrid_forward(self, F, x, rows):
+        out = self.dense(x)
+        for row in rows:
+            out = out + row
+        return out
+
+
+def test_cached_plan_reads_new_host_lists():
+    """A list argument of host numpy rows is read from every new flush of a
+    cached (and compiled) structure, not replayed."""
+    block = dyb.DynBatchBlock(_SumList())
+    block.initialize()
+    rng = np.random.RandomState(12)
+    cached = dyb.CachedPlan(compile_after=1)
+    for _ in range(4):
+        xs = [rng.uniform(-1, 1, (1, 3)).astype(np.float32) for _ in range(5)]
+        lists = [[rng.uniform(-1, 1, (1, 3)).astype(np.float32) for _ in range(2)]
+                 for _ in range(5)]
+        with dyb.batching(cached):
+            got = [block(block(x, r), r) for x, r in zip(xs, lists)]
+        want = [block.block(block.block(mx.nd.array(x), [mx.nd.array(v) for v in r]),
+                            [mx.nd.array(v) for v in r]) for x, r in zip(xs, lists)]
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-5, atol=1e-6)
+    assert cached.hits == 3
