@@ -29,7 +29,7 @@ NDArray = mx.nd.NDArray
 _LOCAL = threading.local()
 _SIG_IDS = itertools.count()
 _PAIR = (0, 0)
-perf_counter = time.perf_counter
+_clock = time.perf_counter     # bound once: record() runs per call
 
 
 def current_scope():
@@ -50,7 +50,7 @@ class BatchingScope:
 
     def record(self, dblock, args):
         """Record one call of ``dblock``; return its lazy result(s)."""
-        start = perf_counter()
+        start = _clock()
         leaves = []
         fmt = flatten(args, leaves)
         key, ctx, depth = _signature_key(dblock, fmt, leaves)
@@ -73,7 +73,7 @@ class BatchingScope:
         else:
             outputs = [LazyValue(node, i) for i in range(len(sig.out_shapes))]
             result = tuple(regroup(out_fmt, outputs)[0])
-        self.record_s += perf_counter() - start
+        self.record_s += _clock() - start
         return result
 
     def flush(self):
@@ -199,10 +199,12 @@ def concat_rows(values):
         elif not isinstance(value, NDArray):
             raise InputError('concat_rows(): value %d is a %s; expected lazy values or NDArrays.'
                              % (i, type(value).__name__))
-        if value.shape != shape or shape[0] != 1:
-            raise InputError('concat_rows(): value %d has shape %s but value 0 has %s; every '
-                             'value must be one sample (leading axis 1) of one shape.'
-                             % (i, value.shape, shape))
+        if value.shape[:1] != (1,):
+            raise InputError('concat_rows(): value %d has shape %s; each value must be one '
+                             'sample (leading axis 1).' % (i, value.shape))
+        if value.shape != shape:
+            raise InputError('concat_rows(): value %d has shape %s but value 0 has %s; the '
+                             'values must share one shape.' % (i, value.shape, shape))
     ctx = values[0].context
     source, index, _ = collect(values, ctx)
     if index is None:

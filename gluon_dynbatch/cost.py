@@ -13,9 +13,10 @@ make, from a few constants measured on this machine:
 
 The steps each strategy makes are known before analysing: recording already
 counts the calls per (depth, signature family) and which of them later calls
-read, which is exactly what depth grouping produces (:func:`~.plan.merge_sinks`); per-sample makes one step per call; agenda makes at most
-as many as depth (the observed ratio is learned per kind of graph); a cached
-plan has the count of the plan it reuses.
+read, which is exactly what depth grouping produces (see
+:func:`~.plan.merge_sinks`); per-sample makes one step per call; agenda makes
+at most as many as depth (the observed ratio is learned per kind of graph); a
+cached plan has the count of the plan it reuses.
 
 :class:`Auto` (the strategy behind ``batching('auto')``) asks the model,
 runs the cheapest, and feeds what it measured back into the model, so the
@@ -249,7 +250,7 @@ class Auto(Strategy):
         self.last = {}
         self._seen = {}      # summary fingerprint -> steps of its stored plan (None: seen once)
         self._ratios = {}    # set of families -> agenda steps / depth steps
-        self._measured = {}  # fingerprint -> {strategy: measured ms}, repeating summaries
+        self._repeating = {}    # fingerprint -> _Repeating, for summaries with a stored plan
         self._next_probe = {}   # kind of graph -> flush number of its next probe
         self._probe_gap = {}    # kind of graph -> flushes between its probes
         self._flushes = 0
@@ -295,7 +296,7 @@ class Auto(Strategy):
                     plan = self.cached.plan(nodes, key=key)
                     self.last_compile_s = self.cached.last_compile_s
             else:   # same summary, other structure: trust the predictions from now on
-                self._measured.setdefault(fingerprint, {})['cached'] = float('inf')
+                self._repeat(fingerprint).best_ms['cached'] = float('inf')
                 ranked.pop(0)
         name = ranked[0]
         if plan is None:
@@ -311,20 +312,25 @@ class Auto(Strategy):
                      'predictions_ms': {k: round(sum(v), 3) for k, v in predictions.items()}}
         return plan
 
+    def _repeat(self, fingerprint):
+        record = self._repeating.get(fingerprint)
+        if record is None:
+            record = self._repeating[fingerprint] = _Repeating()
+        return record
+
     def _cached_measured_best(self, fingerprint):
         """True when the stored plan of this summary should run: while it
         has run fewer than ``cached_trials`` times (it gets faster as it is
         reused: recipes, then compiled, whose first call is slow), then while
         its best time is within 5% of the best other strategy's, and on every
         ``probe_every``-th sighting of the summary, to measure it again."""
-        measured = self._measured.setdefault(fingerprint, {})
-        measured['sightings'] = sightings = measured.get('sightings', 0) + 1
-        if measured.get('cached_runs', 0) < self.cached_trials:
+        record = self._repeat(fingerprint)
+        record.sightings += 1
+        if record.cached_runs < self.cached_trials:
             return True
-        others = [ms for name, ms in measured.items()
-                  if name not in ('cached', 'sightings', 'cached_runs')]
-        return (not others or measured['cached'] <= 1.05 * min(others)
-                or sightings % self.probe_every == 0)
+        others = [ms for name, ms in record.best_ms.items() if name != 'cached']
+        return (not others or record.best_ms['cached'] <= 1.05 * min(others)
+                or record.sightings % self.probe_every == 0)
 
     def _refreshed(self, fingerprint, key, entry, nodes):
         """On every ``probe_every``-th sighting of a repeating summary,
@@ -333,14 +339,14 @@ class Auto(Strategy):
         learned).  If the fresh plan has fewer steps it replaces the stored
         one (whose measurements are forgotten) and is returned, to run now;
         otherwise None."""
-        measured = self._measured.get(fingerprint, {})
-        if measured.get('sightings', 0) % self.probe_every:
+        record = self._repeat(fingerprint)
+        if record.sightings % self.probe_every:
             return None
         fresh = STRATEGIES['depth'].plan(nodes)
         if len(fresh.steps) >= len(entry.steps):
             return None
-        for name in ('cached', 'cached_runs'):
-            measured.pop(name, None)
+        record.best_ms.pop('cached', None)
+        record.cached_runs = 0
         self._seen[fingerprint] = len(fresh.steps)
         return Plan(fresh.strategy, fresh.steps, self.cached.store(key, fresh))
 
@@ -400,14 +406,26 @@ class Auto(Strategy):
             # the best time seen: a structure costs the same every time, and
             # what varies (a one-off compile, a first call, a busy machine)
             # only adds
-            measured = self._measured.setdefault(fingerprint, {})
+            record = self._repeat(fingerprint)
             total = (analyse_s - self.last_compile_s + sum(step_seconds)) * 1e3
             name = self.last['choice']
-            measured[name] = min(total, measured.get(name, total))
+            record.best_ms[name] = min(total, record.best_ms.get(name, total))
             if name == 'cached':
-                measured['cached_runs'] = measured.get('cached_runs', 0) + 1
+                record.cached_runs += 1
         if self.last.get('choice') == 'agenda':
             self._observe_agenda(len(plan.steps), self.last['depth_steps'], self.last['kind'])
+
+
+class _Repeating:
+    """What :class:`Auto` measured on one repeating summary: how often it
+    came back, how often its cached plan ran, and each strategy's best
+    total (analysis + run, ms)."""
+    __slots__ = ('sightings', 'cached_runs', 'best_ms')
+
+    def __init__(self):
+        self.sightings = 0
+        self.cached_runs = 0
+        self.best_ms = {}
 
 
 def summarize(nodes):

@@ -331,8 +331,10 @@ def test_concat_rows_errors():
         dyb.concat_rows([])
     with dyb.batching():
         a = block(mx.nd.ones((1, 3)))
-    with pytest.raises(dyb.InputError, match=r'value 1 has shape \(2, 2\)'):
+    with pytest.raises(dyb.InputError, match=r'value 1 has shape \(2, 2\); each value must be'):
         dyb.concat_rows([a, mx.nd.ones((2, 2))])
+    with pytest.raises(dyb.InputError, match=r'value 1 has shape \(1, 4\) but value 0 has'):
+        dyb.concat_rows([a, mx.nd.ones((1, 4))])
     with pytest.raises(dyb.InputError, match='value 1 is a list'):
         dyb.concat_rows([a, [a]])
 
