@@ -253,8 +253,8 @@ def structure_key(nodes):
                 producer = leaf._node
                 append(producer.pos if producer.state == PENDING else -1)
                 append(leaf._index)
-            else:
-                append(kind is np.ndarray)
+            else:   # strings: never equal to a position (False == 0 would be)
+                append('host' if kind is np.ndarray else 'array')
     return tuple(key)
 
 

@@ -331,3 +331,21 @@ def test_cached_plan_reads_new_host_lists():
         for a, b in zip(got, want):
             np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-5, atol=1e-6)
     assert cached.hits == 3
+
+
+def test_structure_keys_tell_array_leaves_from_lazy_ones():
+    """(array, output 0 of call 0) and (output 0 of call 0, array) are
+    different structures: a cached plan for one must not run the other."""
+    from gluon_dynbatch.plan import structure_key
+    widen = dyb.DynBatchBlock(nn.Dense(3, in_units=2))
+    add = dyb.DynBatchBlock(_SumList())
+    widen.initialize()
+    add.initialize()
+    keys = []
+    for swap in (False, True):
+        with dyb.batching('depth') as scope:
+            wide = widen(mx.nd.ones((1, 2)))          # call 0
+            row = mx.nd.ones((1, 3))
+            add(mx.nd.ones((1, 3)), [wide, row] if swap else [row, wide])
+            keys.append(structure_key(scope.pending))
+    assert keys[0] != keys[1]
