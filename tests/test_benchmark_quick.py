@@ -55,3 +55,18 @@ def test_quick_benchmark(tmp_path):
         assert key in res['config']
     assert res['limit']['pairs_per_s']['infer'] > 0
     assert (tmp_path / 'throughput.png').stat().st_size > 0
+
+
+@pytest.mark.skipif(not _sick_available(), reason='SICK data not found (see '
+                    'gluon_dynbatch.data.sick.find_sick_dir)')
+def test_ab_revision_runs_against_head():
+    """The in-process A/B tool loads a git revision beside the working tree
+    and reports a speed-up per setting (HEAD against itself here)."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, 'benchmarks', 'ab_revision.py'),
+                           '--rev', 'HEAD', '--settings', 'infer 4', 'train 4',
+                           '--repeats', '1', '--pairs', '8'],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [line for line in proc.stdout.splitlines() if 'speed-up' in line]
+    assert [line.split()[:2] for line in lines] == [['infer', '4'], ['train', '4']]
+    assert all(float(line.split()[-1]) > 0 for line in lines)

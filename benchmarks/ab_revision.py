@@ -1,0 +1,111 @@
+#!/usr/bin/env python
+"""Is the working tree faster than an earlier revision?  Loads
+``gluon_dynbatch`` from the working tree and from a git revision *in one
+process* and times both on the same SICK minibatches, interleaved, so that
+the machine's drift (about 10% between runs on a 2-core VM) hits both alike.
+Comparing two separate benchmark runs cannot resolve changes that small.
+
+::
+
+    python benchmarks/ab_revision.py --rev 298e024
+    python benchmarks/ab_revision.py --rev HEAD~3 --settings 'infer 25' 'train 256'
+
+Both sides run the same model (this tree's ``TreeLSTMNode`` and
+``Similarity``, one set of weights) through the plain per-sample recursion
+of ``bench_treelstm.py``, with one strategy (``--strategy``, default
+``auto``); each repeat uses new minibatches.  Output: per setting, ms per
+minibatch for each side (median over repeats) and the speed-up.
+"""
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p.add_argument('--rev', required=True, help='git revision to compare against')
+    p.add_argument('--settings', nargs='+', default=['infer 25', 'infer 256', 'train 25',
+                                                     'train 256'],
+                   help="'<infer|train> <minibatch size>' pairs")
+    p.add_argument('--strategy', default='auto')
+    p.add_argument('--repeats', type=int, default=5)
+    p.add_argument('--pairs', type=int, default=1500, help='pairs timed per repeat and side')
+    p.add_argument('--data', default=None)
+    return p.parse_args(argv)
+
+
+def load_revision(rev):
+    """Import ``gluon_dynbatch`` as of ``rev`` under the name ``gdb_rev``."""
+    folder = tempfile.mkdtemp(prefix='dynbatch_ab_')
+    archive = subprocess.run(['git', '-C', ROOT, 'archive', rev, 'gluon_dynbatch'],
+                             check=True, capture_output=True).stdout
+    subprocess.run(['tar', '-x', '-C', folder], input=archive, check=True)
+    os.rename(os.path.join(folder, 'gluon_dynbatch'), os.path.join(folder, 'gdb_rev'))
+    sys.path.insert(0, folder)
+    import gdb_rev  # pylint: disable=import-outside-toplevel,import-error
+    return gdb_rev
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.environ['MXNET_ENGINE_TYPE'] = 'NaiveEngine'
+    os.environ['OMP_NUM_THREADS'] = os.environ['MKL_NUM_THREADS'] = '1'
+    sys.path.insert(0, HERE)
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import mxnet as mx  # pylint: disable=import-outside-toplevel
+    import bench_treelstm as bt  # pylint: disable=import-outside-toplevel
+    import gluon_dynbatch as dyb  # pylint: disable=import-outside-toplevel
+    old = load_revision(args.rev)
+
+    class OldForm(bt.DynBatchForm):
+        """Reads results the way the revision allows (``concat_rows`` is
+        newer than some revisions)."""
+
+        def __call__(self, pairs, deadline=None):
+            if hasattr(self.dyb, 'concat_rows'):
+                return super().__call__(pairs, deadline)
+            with self.dyb.batching(self.strategy):
+                preds = [self.dhead(self.encode(a, ai)[0], self.encode(b, bi)[0])
+                         for ai, a, bi, b in pairs]
+            return mx.nd.concat(*[p.data for p in preds], dim=0)
+
+    _, items, targets, vocab_size, embedding = bt.load_data(bt.build_parser().parse_args(
+        ['--data', args.data] if args.data else []))
+    ctx = bt.Forms(vocab_size, embedding, 0, wanted=['dynbatch-depth'])
+    sides = {'revision': OldForm(old, old.DynBatchBlock(ctx.node), old.DynBatchBlock(ctx.head),
+                                 args.strategy),
+             'working tree': bt.DynBatchForm(dyb, ctx.dnode, ctx.dhead, args.strategy)}
+    print('MXNET_ENGINE_TYPE=NaiveEngine OMP_NUM_THREADS=1; revision %s vs working tree, '
+          'strategy %s' % (args.rev, args.strategy), flush=True)
+    for setting in args.settings:
+        mode, batch = setting.split()
+        batch = int(batch)
+        count = max(4, args.pairs // batch)
+        offset = 0
+        times = {name: [] for name in sides}
+        for form in sides.values():          # warm-up: trace, build programs, calibrate
+            for start in range(0, 4 * batch, batch):
+                bt.run_minibatch(ctx, form, mode, items[start:start + batch], targets)
+        for rep in range(args.repeats):
+            starts = [(offset + i * batch) % (len(items) - batch) for i in range(count)]
+            offset += count * batch
+            order = list(sides) if rep % 2 else list(sides)[::-1]
+            for name in order:
+                tic = time.perf_counter()
+                for start in starts:
+                    bt.run_minibatch(ctx, sides[name], mode, items[start:start + batch],
+                                     targets[start:start + batch])
+                times[name].append((time.perf_counter() - tic) / count)
+        old_ms, new_ms = (1e3 * float(np.median(times[n])) for n in sides)
+        print('%-10s revision %8.2f ms  working tree %8.2f ms  speed-up %.3f'
+              % (setting, old_ms, new_ms, old_ms / new_ms), flush=True)
+
+
+if __name__ == '__main__':
+    main()
