@@ -6,6 +6,23 @@ from mxnet import autograd
 import gluon_dynbatch as dyb
 
 
+class DenseAddLists(mx.gluon.HybridBlock):
+    """``dense(x)`` plus half of every array of its list argument, whose
+    elements may be arrays or lists of arrays (a list of lists)."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.dense = mx.gluon.nn.Dense(3, in_units=3)
+
+    def hybrid_forward(self, F, x, items):
+        out = self.dense(x)
+        for item in items:
+            for y in (item if isinstance(item, (list, tuple)) else [item]):
+                out = out + y * 0.5
+        return out
+
+
 class Tree:
     __slots__ = ('idx', 'children')
 

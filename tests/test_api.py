@@ -10,7 +10,7 @@ import gluon_dynbatch as dyb
 from gluon_dynbatch.cost import summarize
 from gluon_dynbatch.models import ChildSumTreeLSTMCell
 
-from helpers import random_tree
+from helpers import DenseAddLists, random_tree
 
 
 def dense(units=3, in_units=3):
@@ -339,24 +339,8 @@ def test_concat_rows_errors():
         dyb.concat_rows([a, [a]])
 
 
-class _Nested(gluon.HybridBlock):
-    """x plus every array of a list of lists (groups of different lengths)."""
-
-    def __init__(self):
-        super().__init__()
-        with self.name_scope():
-            self.dense = nn.Dense(3, in_units=3)
-
-    def hybrid_forward(self, F, x, groups):
-        out = self.dense(x)
-        for group in groups:
-            for y in group:
-                out = out + y * 0.5
-        return out
-
-
 def test_nested_list_arguments_run_batched_and_match():
-    block = dyb.DynBatchBlock(_Nested())
+    block = dyb.DynBatchBlock(DenseAddLists())
     block.initialize(mx.init.Uniform(0.5))
     xs = [mx.nd.array(np.random.RandomState(i).uniform(-1, 1, (1, 3))) for i in range(4)]
 
@@ -384,7 +368,7 @@ def test_nested_list_arguments_run_batched_and_match():
 
 
 def test_error_list_of_different_shapes_names_the_argument():
-    block = dyb.DynBatchBlock(_Nested())
+    block = dyb.DynBatchBlock(DenseAddLists())
     block.initialize()
     with pytest.raises(dyb.InputError, match=r'argument #1 is a list of arrays of different'):
         with dyb.batching():

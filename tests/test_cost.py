@@ -11,7 +11,7 @@ from gluon_dynbatch.cost import summarize
 from gluon_dynbatch.plan import merge_sinks
 from gluon_dynbatch.models import ChildSumTreeLSTMCell
 
-from helpers import random_tree
+from helpers import DenseAddLists, random_tree
 
 
 def record_trees(cell, trees):
@@ -298,25 +298,10 @@ def test_auto_probes_agenda_less_often_where_it_saves_nothing(monkeypatch):
     assert len(calls) == 5
 
 
-class _SumList(mx.gluon.HybridBlock):
-    """dense(x) plus the sum of a list of host rows."""
-
-    def __init__(self):
-        super().__init__()
-        with self.name_scope():
-            self.dense = nn.Dense(3, in_units=3)
-
-    def hybrid_forward(self, F, x, rows):
-        out = self.dense(x)
-        for row in rows:
-            out = out + row
-        return out
-
-
 def test_cached_plan_reads_new_host_lists():
     """A list argument of host numpy rows is read from every new flush of a
     cached (and compiled) structure, not replayed."""
-    block = dyb.DynBatchBlock(_SumList())
+    block = dyb.DynBatchBlock(DenseAddLists())
     block.initialize()
     rng = np.random.RandomState(12)
     cached = dyb.CachedPlan(compile_after=1)
@@ -338,7 +323,7 @@ def test_structure_keys_tell_array_leaves_from_lazy_ones():
     different structures: a cached plan for one must not run the other."""
     from gluon_dynbatch.plan import structure_key
     widen = dyb.DynBatchBlock(nn.Dense(3, in_units=2))
-    add = dyb.DynBatchBlock(_SumList())
+    add = dyb.DynBatchBlock(DenseAddLists())
     widen.initialize()
     add.initialize()
     keys = []
