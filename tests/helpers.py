@@ -1,6 +1,11 @@
 """Shared test helpers: random trees, and the batched-vs-per-sample check."""
+import os
+import subprocess
+import sys
+
 import mxnet as mx
 import numpy as np
+import pytest
 from mxnet import autograd
 
 import gluon_dynbatch as dyb
@@ -102,6 +107,21 @@ def assert_same(results, rtol=1e-4, atol=1e-5):
         np.testing.assert_allclose(b, a, rtol=rtol, atol=atol)
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_benchmark(script, *args):
+    """Run ``benchmarks/<script>`` with ``args`` in a fresh interpreter (so it
+    sets MXNet's engine and threads itself); assert it succeeded and return
+    the finished process."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, 'benchmarks', script)]
+                          + [str(a) for a in args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, '%s failed:\n%s\n%s' % (script, proc.stdout[-4000:],
+                                                        proc.stderr[-4000:])
+    return proc
+
+
 def sick_available():
     """True when the SICK data can be found (for skipif marks)."""
     from gluon_dynbatch.data.sick import find_sick_dir
@@ -110,3 +130,8 @@ def sick_available():
     except FileNotFoundError:
         return False
     return True
+
+
+needs_sick = pytest.mark.skipif(not sick_available(), reason='SICK data not found (see '
+                                'gluon_dynbatch.data.sick.find_sick_dir)')
+"""Mark for tests that read the SICK data."""

@@ -7,25 +7,13 @@ positive, finite throughput in every setting of the quick run.
 import json
 import math
 import os
-import subprocess
-import sys
 
-import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, 'benchmarks', 'bench_treelstm.py')
+from helpers import ROOT, needs_sick, run_benchmark
 
 
-from helpers import sick_available as _sick_available
-
-
-@pytest.mark.skipif(not _sick_available(), reason='SICK data not found (see '
-                    'gluon_dynbatch.data.sick.find_sick_dir)')
+@needs_sick
 def test_quick_benchmark(tmp_path):
-    proc = subprocess.run([sys.executable, SCRIPT, '--quick', '--out', str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, 'benchmark failed:\n%s\n%s' % (proc.stdout[-4000:],
-                                                                 proc.stderr[-4000:])
+    run_benchmark('bench_treelstm.py', '--quick', '--out', tmp_path)
 
     with open(tmp_path / 'results.json') as f:
         res = json.load(f)
@@ -57,16 +45,12 @@ def test_quick_benchmark(tmp_path):
     assert (tmp_path / 'throughput.png').stat().st_size > 0
 
 
-@pytest.mark.skipif(not _sick_available(), reason='SICK data not found (see '
-                    'gluon_dynbatch.data.sick.find_sick_dir)')
+@needs_sick
 def test_ab_revision_runs_against_head():
     """The in-process A/B tool loads a git revision beside the working tree
     and reports a speed-up per setting (HEAD against itself here)."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, 'benchmarks', 'ab_revision.py'),
-                           '--rev', 'HEAD', '--settings', 'infer 4', 'train 4',
-                           '--repeats', '1', '--pairs', '8'],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = run_benchmark('ab_revision.py', '--rev', 'HEAD', '--settings', 'infer 4', 'train 4',
+                         '--repeats', '1', '--pairs', '8')
     lines = [line for line in proc.stdout.splitlines() if 'speed-up' in line]
     assert [line.split()[:2] for line in lines] == [['infer', '4'], ['train', '4']]
     assert all(float(line.split()[-1]) > 0 for line in lines)

@@ -154,26 +154,26 @@ def test_load_split_limit_and_bad_split(sick_dir):
         load_split(sick_dir, 'valid')
 
 
+def _write_split(root, **files):
+    """A ``dev`` split under ``root`` with the given files (``a_toks`` ->
+    ``a.toks``, ``sim`` -> ``sim.txt``), one line per list item."""
+    folder = root / 'dev'
+    folder.mkdir()
+    for key, lines in files.items():
+        name = 'sim.txt' if key == 'sim' else key.replace('_', '.')
+        (folder / name).write_text(''.join(line + '\n' for line in lines))
+
+
 def test_load_split_line_mismatch(tmp_path):
-    d = tmp_path / 'dev'
-    d.mkdir()
-    (d / 'a.toks').write_text('A dog\nA cat\n')
-    (d / 'b.toks').write_text('A dog\nA cat\n')
-    (d / 'a.parents').write_text('2 0\n2 0\n')
-    (d / 'b.parents').write_text('2 0\n')
-    (d / 'sim.txt').write_text('3.5\n4.0\n')
+    _write_split(tmp_path, a_toks=['A dog', 'A cat'], b_toks=['A dog', 'A cat'],
+                 a_parents=['2 0', '2 0'], b_parents=['2 0'], sim=['3.5', '4.0'])
     with pytest.raises(ValueError, match='b.parents'):
         load_split(tmp_path, 'dev')
 
 
 def test_load_split_small_fake(tmp_path):
-    d = tmp_path / 'dev'
-    d.mkdir()
-    (d / 'a.toks').write_text('A dog runs\n')
-    (d / 'b.toks').write_text('Dogs\n')
-    (d / 'a.parents').write_text('2 3 0\n')
-    (d / 'b.parents').write_text('0\n')
-    (d / 'sim.txt').write_text('4.5\n')
+    _write_split(tmp_path, a_toks=['A dog runs'], b_toks=['Dogs'], a_parents=['2 3 0'],
+                 b_parents=['0'], sim=['4.5'])
     (pair,) = load_split(tmp_path, 'dev')
     assert pair.a_tokens == ['A', 'dog', 'runs'] and pair.b_tokens == ['Dogs']
     assert _structure(pair.a_tree) == (2, [(1, [(0, [])])])

@@ -4,27 +4,16 @@ every workload with positive times, and all strategies computed the same
 outputs.  Speeds are not asserted (CI machines vary)."""
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, 'benchmarks', 'tradeoff.py')
-
-
-from helpers import sick_available as _sick_available
+from helpers import needs_sick, run_benchmark
 
 
 @pytest.mark.integration
-@pytest.mark.skipif(not _sick_available(), reason='SICK data not found (see '
-                    'gluon_dynbatch.data.sick.find_sick_dir)')
+@needs_sick
 def test_tradeoff_quick(tmp_path):
-    proc = subprocess.run([sys.executable, SCRIPT, '--quick', '--out', str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, 'tradeoff.py failed:\n%s\n%s' % (proc.stdout[-4000:],
-                                                                  proc.stderr[-4000:])
+    proc = run_benchmark('tradeoff.py', '--quick', '--out', tmp_path)
     assert 'MXNET_ENGINE_TYPE=NaiveEngine' in proc.stdout
     assert 'OMP_NUM_THREADS=1' in proc.stdout
 
