@@ -2,7 +2,7 @@
 import re
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 HERE = Path(__file__).parent
 VERSION = re.search(r"__version__ = '([^']+)'",
@@ -15,6 +15,10 @@ setup(
     long_description=(HERE / 'README.md').read_text() if (HERE / 'README.md').exists() else '',
     long_description_content_type='text/markdown',
     packages=find_packages(include=['gluon_dynbatch', 'gluon_dynbatch.*']),
+    # C fast paths for recording (gluon_dynbatch/accel.py).  Optional: without
+    # a compiler the install goes on and everything runs in pure Python.
+    ext_modules=[Extension('gluon_dynbatch._speedups', ['gluon_dynbatch/_speedups.c'],
+                           extra_compile_args=['-O2'], optional=True)],
     python_requires='>=3.8',
     install_requires=[
         'mxnet==1.9.1',

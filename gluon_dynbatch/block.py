@@ -16,7 +16,7 @@ import mxnet as mx
 import numpy as np
 from mxnet.gluon import Block
 
-from . import debug
+from . import accel, debug
 from .errors import InputError, ScopeError
 from .execute import collect, pad_leaves, run_plan, to_device
 from .graph import DONE, FAILED, PENDING, LazyValue, Node
@@ -49,7 +49,11 @@ class BatchingScope:
         self.unsafe = 0      # calls that must run alone
 
     def record(self, dblock, args):
-        """Record one call of ``dblock``; return its lazy result(s)."""
+        """Record one call of ``dblock``; return its lazy result(s).
+
+        This is the reference version; :func:`gluon_dynbatch.accel.record`
+        does the same in C for the common case, and defers to this one for
+        everything else (including every error)."""
         start = _clock()
         leaves = []
         fmt = flatten(args, leaves)
@@ -387,6 +391,11 @@ class DynBatchBlock(Block):
         scope = getattr(_LOCAL, 'scope', None)     # current_scope(), inlined: hot path
         if scope is None:
             return self.block(*_materialize(args))
+        fast = accel.record          # the C version of scope.record, common case only
+        if fast is not None:
+            result = fast(scope, self, args)
+            if result is not None:
+                return result
         return scope.record(self, args)
 
     def forward(self, *args):  # pylint: disable=arguments-differ

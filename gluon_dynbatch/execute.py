@@ -15,6 +15,7 @@ import time
 import mxnet as mx
 import numpy as np
 
+from . import accel
 from .graph import DONE, LazyValue
 from .lower import step_program
 from .trace import leaf_count
@@ -70,19 +71,15 @@ def run_compiled(plan):
             inputs.append(what)
         else:
             number, item = what
-            inputs.append(to_device(np.concatenate(_item_rows(steps[number].nodes, item)), ctx))
+            inputs.append(host_array(_item_rows(steps[number].nodes, item), ctx))
     outs = program.cached_op(*inputs)
     if isinstance(outs, NDArray):
         outs = [outs]
     pos = 0
+    finish = accel.finish_nodes or finish_nodes_py
     for step, count in zip(steps, program.out_counts):
-        arrays = outs[pos:pos + count]
+        finish(step.nodes, outs[pos:pos + count])
         pos += count
-        for row, node in enumerate(step.nodes):
-            node.arrays = arrays
-            node.row = row
-            node.state = DONE
-            node.leaves = None
     return [(time.perf_counter() - start) / len(steps)] * len(steps)
 
 
@@ -118,7 +115,7 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None):
                       for number, out in parts]
             sources[item] = arrays[0] if len(arrays) == 1 else mx.nd.concat(*arrays, dim=0)
         elif how == 'host':
-            sources[item] = to_device(np.concatenate(_item_rows(nodes, item)), ctx)
+            sources[item] = host_array(_item_rows(nodes, item), ctx)
             index = None
         else:
             source, index, distinct, zero = _gather_item(nodes, sig, item, ctx)
@@ -138,12 +135,19 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None):
     outs = program.cached_op(*inputs)
     if isinstance(outs, NDArray):
         outs = [outs]
+    (accel.finish_nodes or finish_nodes_py)(nodes, outs)
+    return outs, learned
+
+
+def finish_nodes_py(nodes, arrays):
+    """The nodes of a step that ran: their outputs are rows of ``arrays``,
+    in order.  They drop their argument leaves (references to inputs) at
+    once."""
     for row, node in enumerate(nodes):
-        node.arrays = outs
+        node.arrays = arrays
         node.row = row
         node.state = DONE
-        node.leaves = None  # drop references to inputs as soon as possible
-    return outs, learned
+        node.leaves = None
 
 
 def _item_rows(nodes, item):
@@ -254,8 +258,15 @@ def collect(leaves, ctx):
     This runs over every argument row of a flush, so the common case (every
     leaf a computed lazy value or a padding row) is a few comprehensions."""
     first = leaves[0]
-    if isinstance(first, np.ndarray) and all(isinstance(x, np.ndarray) for x in leaves):
-        return to_device(np.concatenate(leaves), ctx), None, None
+    if isinstance(first, np.ndarray):
+        host = host_array(leaves, ctx)
+        if host is not None:
+            return host, None, None
+    fast = accel.gather_index
+    if fast is not None and type(leaves) is list:
+        found = fast(leaves, ZeroRow)      # None unless all are lazy values / padding
+        if found is not None:
+            return _numbered_rows(*found)
     try:
         arrays = [leaf._node.arrays[leaf._index] for leaf in leaves]
         rows = [leaf._node.row for leaf in leaves]
@@ -269,6 +280,42 @@ def collect(leaves, ctx):
                 arrays.append(to_device(leaf, ctx) if isinstance(leaf, np.ndarray) else leaf)
                 rows.append(0)
     return gather_rows(arrays, rows)
+
+
+def _numbered_rows(distinct, which, rows):
+    """What :func:`gather_rows` returns, from the ``distinct`` arrays and,
+    per row, its array's number there and its row in that array (int32
+    bytes, from :func:`~gluon_dynbatch.accel.gather_index`)."""
+    index = np.frombuffer(rows, dtype=np.int32)
+    if len(distinct) == 1:
+        source = distinct[0]
+    else:
+        sizes = [array.shape[0] for array in distinct]
+        offsets = np.cumsum([0] + sizes[:-1]).astype(np.int32)
+        source = mx.nd.concat(*distinct, dim=0)
+        index = offsets[np.frombuffer(which, dtype=np.int32)] + index
+    count = len(index)
+    if source.shape[0] == count and index[0] == 0 and index[-1] == count - 1 \
+            and (index == np.arange(count)).all():
+        index = None
+    return source, index, distinct
+
+
+def host_array(leaves, ctx):
+    """Host rows (numpy arrays of one shape, e.g. a token id per call) as
+    one NDArray on ``ctx``: concatenated on the host (in C when
+    :mod:`~gluon_dynbatch.accel` is active) and sent once.  None unless every
+    leaf is a numpy array."""
+    fast = accel.host_rows
+    data = fast(leaves) if fast is not None else None
+    if data is not None:
+        first = leaves[0]
+        host = np.frombuffer(data, dtype=first.dtype).reshape((-1,) + first.shape[1:])
+    elif all(isinstance(leaf, np.ndarray) for leaf in leaves):
+        host = np.concatenate(leaves)
+    else:
+        return None
+    return to_device(host, ctx)
 
 
 def gather_rows(arrays, rows):

@@ -26,6 +26,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
+from . import accel
 from .graph import PENDING, LazyValue
 
 __all__ = ['BatchStep', 'Plan', 'Strategy', 'PerSample', 'ByDepth', 'Agenda', 'CachedPlan',
@@ -71,18 +72,24 @@ share of the per-element ops)."""
 
 
 def make_steps(nodes):
-    """Steps over ``nodes`` of one family.  Calls of one signature make one
-    step.  Calls of several (list lengths differ) run under padded
-    signatures, split into buckets of similar length where the padding saved
-    outweighs the cost of another step (an exact minimisation over the
-    distinct lengths, of which there are few)."""
+    """Steps over ``nodes`` of one family (see :func:`steps_of`)."""
     by_sig = {}
     for node in nodes:
         by_sig.setdefault(node.sig, []).append(node)
+    return steps_of(by_sig)
+
+
+def steps_of(by_sig):
+    """Steps over the calls of one family, given per signature.  Calls of
+    one signature make one step.  Calls of several (list lengths differ) run
+    under padded signatures, split into buckets of similar length where the
+    padding saved outweighs the cost of another step (an exact minimisation
+    over the distinct lengths, of which there are few)."""
     if len(by_sig) == 1:
-        return [BatchStep(nodes[0].sig, nodes)]
+        sig, nodes = next(iter(by_sig.items()))
+        return [BatchStep(sig, tuple(nodes))]
     sigs = sorted(by_sig, key=lambda sig: len(sig.data_names))
-    step_us = PADDING_COST['family_step_us'].get(nodes[0].sig.group_key)
+    step_us = PADDING_COST['family_step_us'].get(sigs[0].group_key)
     buckets = _split_buckets([len(sig.data_names) for sig in sigs],
                              [len(by_sig[sig]) for sig in sigs], step_us)
     steps = []
@@ -151,23 +158,36 @@ class ByDepth(Strategy):
     name = 'depth'
 
     def plan(self, nodes, summary=None):
-        last_sink = {}
-        for node in nodes:
-            if not node.used and node.sig.batch_safe:
-                key = node.sig.group_key
-                if node.depth > last_sink.get(key, -1):
-                    last_sink[key] = node.depth
-        groups = defaultdict(list)
-        steps = []
-        for node in nodes:
-            key = node.sig.group_key
-            if node.sig.batch_safe:
-                groups[(node.depth if node.used else last_sink[key], key)].append(node)
-            else:
-                steps.append((node.depth, key, (node,)))
-        steps += [(depth, key, tuple(group)) for (depth, key), group in groups.items()]
+        fast = accel.depth_groups
+        groups, alone = fast(nodes) if fast is not None and type(nodes) is list \
+            else depth_groups_py(nodes)
+        steps = [(depth, key, [BatchStep(node.sig, (node,))]) for depth, key, node in alone]
+        steps += [(depth, key, steps_of(by_sig)) for (depth, key), by_sig in groups.items()]
         steps.sort(key=lambda item: (item[0], item[1]))
-        return Plan(self.name, tuple(step for _, _, group in steps for step in make_steps(group)))
+        return Plan(self.name, tuple(step for _, _, group in steps for step in group))
+
+
+def depth_groups_py(nodes):
+    """Depth grouping: ``(groups, alone)``, with ``groups`` the batch-safe
+    calls per (depth, family), each given per signature in recording order,
+    and ``alone`` the (depth, family, node) of the others.  Sinks go to
+    their family's deepest sink (see :class:`ByDepth`)."""
+    last_sink = {}
+    for node in nodes:
+        if not node.used and node.sig.batch_safe:
+            key = node.sig.group_key
+            if node.depth > last_sink.get(key, -1):
+                last_sink[key] = node.depth
+    groups, alone = {}, []
+    for node in nodes:
+        sig = node.sig
+        key = sig.group_key
+        if sig.batch_safe:
+            by_sig = groups.setdefault((node.depth if node.used else last_sink[key], key), {})
+            by_sig.setdefault(sig, []).append(node)
+        else:
+            alone.append((node.depth, key, node))
+    return groups, alone
 
 
 def merge_sinks(groups, used):
@@ -237,6 +257,15 @@ class Agenda(Strategy):
 
 
 def structure_key(nodes):
+    """Hashable structure of a recorded graph (see :func:`structure_key_py`;
+    computed in C when :mod:`~gluon_dynbatch.accel` is active)."""
+    fast = accel.structure_key
+    if fast is not None and type(nodes) is list:
+        return fast(nodes)
+    return structure_key_py(nodes)
+
+
+def structure_key_py(nodes):
     """Hashable structure of a recorded graph: per node its signature and,
     per leaf, the position of the node of this flush it reads (and which
     output), or whether it is host data or another array.  Two flushes with

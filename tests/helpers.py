@@ -28,6 +28,31 @@ class DenseAddLists(mx.gluon.HybridBlock):
         return out
 
 
+class TwoOutputs(mx.gluon.HybridBlock):
+    """Two outputs from two inputs."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.dense = mx.gluon.nn.Dense(4, in_units=4)
+
+    def hybrid_forward(self, F, x, y):
+        z = self.dense(x) * y
+        return F.tanh(z), F.relu(z) + x
+
+
+class AcrossBatch(mx.gluon.HybridBlock):
+    """Normalises over axis 0: correct per sample, wrong if rows were merged."""
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.dense = mx.gluon.nn.Dense(3, in_units=3)
+
+    def hybrid_forward(self, F, x):
+        y = self.dense(x)
+        return F.broadcast_sub(y, F.mean(y, axis=0, keepdims=True)) + y
+
+
 class Tree:
     __slots__ = ('idx', 'children')
 

@@ -9,7 +9,8 @@ from mxnet.gluon import nn
 import gluon_dynbatch as dyb
 from gluon_dynbatch.models import ChildSumTreeLSTMCell, Similarity, TreeLSTMNode
 
-from helpers import Tree, assert_same, random_tree, run_both, tree_from_parents
+from helpers import (AcrossBatch, Tree, TwoOutputs, assert_same, random_tree, run_both,
+                     tree_from_parents)
 
 STRATEGIES = ['depth', 'agenda', 'per-sample', 'cached', 'auto']
 
@@ -155,17 +156,6 @@ def test_lstm_chains_of_different_lengths(strategy):
     assert_same(run_both(forward, [lstm, head], inputs=seqs, strategy=strategy))
 
 
-class TwoOutputs(gluon.HybridBlock):
-    def __init__(self):
-        super().__init__()
-        with self.name_scope():
-            self.dense = nn.Dense(4, in_units=4)
-
-    def hybrid_forward(self, F, x, y):
-        z = self.dense(x) * y
-        return F.tanh(z), F.relu(z) + x
-
-
 @pytest.mark.parametrize('strategy', STRATEGIES)
 def test_dag_shared_values_and_several_outputs(strategy):
     """One lazy value feeds several calls; a block returns two outputs."""
@@ -183,18 +173,6 @@ def test_dag_shared_values_and_several_outputs(strategy):
             outs += [f, g, h, b]
         return outs
     assert_same(run_both(forward, [block], inputs=xs, strategy=strategy))
-
-
-class AcrossBatch(gluon.HybridBlock):
-    """Normalises over axis 0: correct per sample, wrong if rows were merged."""
-    def __init__(self):
-        super().__init__()
-        with self.name_scope():
-            self.dense = nn.Dense(3, in_units=3)
-
-    def hybrid_forward(self, F, x):
-        y = self.dense(x)
-        return F.broadcast_sub(y, F.mean(y, axis=0, keepdims=True)) + y
 
 
 def test_mix_of_batch_safe_and_per_sample_blocks():

@@ -1,0 +1,822 @@
+/* Optional C fast paths for the per-call work of gluon_dynbatch.
+ *
+ * Recording runs once per block call (5,000+ per SICK minibatch of 256), so
+ * its Python cost, ~3 us a call, was a fifth of a batched minibatch.  This
+ * module does the same work in C:
+ *
+ *   record(scope, dblock, args)  -> the lazy result(s), or None
+ *   structure_key(nodes)         -> the flat structure tuple of plan.structure_key
+ *   gather_index(leaves)         -> (distinct arrays, index bytes (int32)), or None
+ *
+ * Each is an exact copy of a Python function (BatchingScope.record,
+ * plan.structure_key, the lazy-value case of execute.collect) for the common
+ * case only.  Whenever a call is unusual (nested lists, a failed producer,
+ * mixed contexts or dtypes, an unknown leaf type) record() returns None
+ * *before changing anything*, and the caller runs the Python version, which
+ * also raises the errors.  So errors and rare cases have one implementation.
+ *
+ * Node and LazyValue stay Python classes with __slots__; configure() reads
+ * the offsets of their slots from the slot descriptors, and this module
+ * reads and writes those slots directly, as the descriptors themselves do.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <string.h>
+#include <time.h>
+
+#define SLOT(obj, off) (*(PyObject **)((char *)(obj) + (off)))
+#define MAX_INLINE_MARKS 64
+
+static PyTypeObject *LazyValueType, *NodeType, *NDArrayType, *NumpyType;
+static PyObject *current_context, *default_ctx_holder, *group_outputs, *zeros_fmt;
+static PyObject *pair_fmt, *int_zero, *int_one, *str_host, *str_array;
+
+static Py_ssize_t lv_node, lv_index, lv_data;
+static Py_ssize_t n_sig, n_leaves, n_depth, n_scope, n_pos, n_state, n_used, n_arrays, n_row;
+
+static PyObject *s_out_info, *s_batch_safe, *s_group_key, *s_out_fmt, *s_out_shapes,
+    *s_signatures, *s_trace, *s_pending, *s_groups, *s_used, *s_unsafe, *s_record_s,
+    *s_shape, *s_dtype, *s_type, *s_context, *s_device_typeid, *s_device_id, *s_sig_id, *s_arrays, *s_value;
+
+enum { PENDING = 0, DONE = 1, FAILED = 2 };
+
+static int configured = 0;
+
+/* ---------------------------------------------------------------- set-up */
+
+static int slot_offset(PyTypeObject *type, const char *name, Py_ssize_t *offset)
+{
+    PyObject *descr = PyDict_GetItemString(type->tp_dict, name);   /* borrowed */
+    if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
+        PyErr_Format(PyExc_TypeError, "%s.%s is not a __slots__ member", type->tp_name, name);
+        return -1;
+    }
+    PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+    if (member->type != T_OBJECT_EX || (member->flags & READONLY)) {
+        PyErr_Format(PyExc_TypeError, "%s.%s is not a writable object slot", type->tp_name, name);
+        return -1;
+    }
+    *offset = member->offset;
+    return 0;
+}
+
+static PyObject *configure(PyObject *self, PyObject *args)
+{
+    PyObject *lazy, *node, *ndarray, *numpy_type;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!OOOO!", &PyType_Type, &lazy, &PyType_Type, &node,
+                          &PyType_Type, &ndarray, &PyType_Type, &numpy_type, &current_context,
+                          &default_ctx_holder, &group_outputs, &PyTuple_Type, &zeros_fmt))
+        return NULL;
+    LazyValueType = (PyTypeObject *)lazy;
+    NodeType = (PyTypeObject *)node;
+    NDArrayType = (PyTypeObject *)ndarray;
+    NumpyType = (PyTypeObject *)numpy_type;
+    Py_INCREF(lazy); Py_INCREF(node); Py_INCREF(ndarray); Py_INCREF(numpy_type);
+    Py_INCREF(current_context); Py_INCREF(default_ctx_holder); Py_INCREF(group_outputs); Py_INCREF(zeros_fmt);
+    if (slot_offset(LazyValueType, "_node", &lv_node) || slot_offset(LazyValueType, "_index", &lv_index)
+        || slot_offset(LazyValueType, "_data", &lv_data)
+        || slot_offset(NodeType, "sig", &n_sig) || slot_offset(NodeType, "leaves", &n_leaves)
+        || slot_offset(NodeType, "depth", &n_depth) || slot_offset(NodeType, "scope", &n_scope)
+        || slot_offset(NodeType, "pos", &n_pos) || slot_offset(NodeType, "state", &n_state)
+        || slot_offset(NodeType, "used", &n_used) || slot_offset(NodeType, "arrays", &n_arrays)
+        || slot_offset(NodeType, "row", &n_row))
+        return NULL;
+    configured = 1;
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------- helpers */
+
+static inline long small_int(PyObject *value)
+{
+    return value == NULL ? -1 : PyLong_AsLong(value);
+}
+
+static inline void set_slot(PyObject *obj, Py_ssize_t offset, PyObject *value)  /* steals */
+{
+    PyObject *old = SLOT(obj, offset);
+    SLOT(obj, offset) = value;
+    Py_XDECREF(old);
+}
+
+static inline double now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* counts[key] += 1 */
+static int count_up(PyObject *counts, PyObject *key)
+{
+    PyObject *old = PyDict_GetItemWithError(counts, key);    /* borrowed */
+    if (old == NULL && PyErr_Occurred())
+        return -1;
+    PyObject *new = old == NULL ? (Py_INCREF(int_one), int_one) : PyNumber_Add(old, int_one);
+    if (new == NULL)
+        return -1;
+    int rc = PyDict_SetItem(counts, key, new);
+    Py_DECREF(new);
+    return rc;
+}
+
+/* (depth, sig.group_key) of a node whose signature is batch-safe, else
+ * NULL with no error; NULL with an error on failure. */
+static PyObject *group_of(PyObject *sig, PyObject *depth, int *safe)
+{
+    PyObject *flag = PyObject_GetAttr(sig, s_batch_safe);
+    if (flag == NULL)
+        return NULL;
+    *safe = PyObject_IsTrue(flag);
+    Py_DECREF(flag);
+    if (*safe <= 0)
+        return NULL;
+    PyObject *family = PyObject_GetAttr(sig, s_group_key);
+    if (family == NULL)
+        return NULL;
+    PyObject *group = PyTuple_Pack(2, depth, family);
+    Py_DECREF(family);
+    return group;
+}
+
+/* _mark_used of block.py */
+static int mark_used(PyObject *node)
+{
+    if (SLOT(node, n_used) == Py_True)
+        return 0;
+    Py_INCREF(Py_True);
+    set_slot(node, n_used, Py_True);
+    int safe = 0;
+    PyObject *group = group_of(SLOT(node, n_sig), SLOT(node, n_depth), &safe);
+    if (group == NULL)
+        return safe < 0 || PyErr_Occurred() ? -1 : 0;
+    PyObject *used = PyObject_GetAttr(SLOT(node, n_scope), s_used);
+    int rc = used == NULL ? -1 : count_up(used, group);
+    Py_XDECREF(used);
+    Py_DECREF(group);
+    return rc;
+}
+
+static PyObject *new_lazy(PyObject *node, PyObject *index)
+{
+    PyObject *value = LazyValueType->tp_alloc(LazyValueType, 0);
+    if (value == NULL)
+        return NULL;
+    Py_INCREF(node); SLOT(value, lv_node) = node;
+    Py_INCREF(index); SLOT(value, lv_index) = index;
+    Py_INCREF(Py_None); SLOT(value, lv_data) = Py_None;
+    return value;
+}
+
+/* mx.current_context(): the thread's Context._default_ctx.value, read
+ * directly (a Python call costs more than the rest of a leaf's recording) */
+static PyObject *default_context(void)
+{
+    PyObject *ctx = PyObject_GetAttr(default_ctx_holder, s_value);
+    if (ctx == NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        PyErr_Clear();
+        ctx = PyObject_CallNoArgs(current_context);
+    }
+    return ctx;
+}
+
+/* (ctx.device_typeid, ctx.device_id), remembered for the last context seen
+ * (one or two Context objects serve a whole flush) */
+static PyObject *last_ctx, *last_ctx_key;
+
+static PyObject *context_key(PyObject *ctx)
+{
+    if (ctx != last_ctx) {
+        PyObject *typeid = PyObject_GetAttr(ctx, s_device_typeid);
+        PyObject *devid = typeid ? PyObject_GetAttr(ctx, s_device_id) : NULL;
+        PyObject *ctx_key = devid ? PyTuple_Pack(2, typeid, devid) : NULL;
+        Py_XDECREF(typeid);
+        Py_XDECREF(devid);
+        if (ctx_key == NULL)
+            return NULL;
+        Py_INCREF(ctx);
+        Py_XSETREF(last_ctx, ctx);
+        Py_XSETREF(last_ctx_key, ctx_key);
+    }
+    Py_INCREF(last_ctx_key);
+    return last_ctx_key;
+}
+
+/* ------------------------------------------------------------- record */
+
+/* Flatten ``args`` (a tuple) into ``leaves``; the nesting format, or NULL
+ * with no error for anything but leaves and flat lists/tuples. */
+static PyObject *flatten_flat(PyObject *args, PyObject *leaves)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    PyObject *fmt = PyTuple_New(n);
+    if (fmt == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *arg = PyTuple_GET_ITEM(args, i);
+        PyObject *item;
+        if (PyList_CheckExact(arg) || PyTuple_CheckExact(arg)) {
+            Py_ssize_t len = PySequence_Fast_GET_SIZE(arg);
+            PyObject **elems = PySequence_Fast_ITEMS(arg);
+            for (Py_ssize_t j = 0; j < len; j++) {
+                if (PyList_Check(elems[j]) || PyTuple_Check(elems[j]) ||
+                    PyList_Append(leaves, elems[j])) {
+                    Py_DECREF(fmt);
+                    return NULL;            /* nested: the Python path */
+                }
+            }
+            if (len < PyTuple_GET_SIZE(zeros_fmt)) {
+                item = PyTuple_GET_ITEM(zeros_fmt, len);
+                Py_INCREF(item);
+            } else {
+                item = PyTuple_New(len);
+                if (item == NULL) { Py_DECREF(fmt); return NULL; }
+                for (Py_ssize_t j = 0; j < len; j++) {
+                    Py_INCREF(int_zero);
+                    PyTuple_SET_ITEM(item, j, int_zero);
+                }
+            }
+        } else if (PyList_Check(arg) || PyTuple_Check(arg)) {
+            Py_DECREF(fmt);
+            return NULL;                    /* a list subclass: the Python path */
+        } else {
+            if (PyList_Append(leaves, arg)) { Py_DECREF(fmt); return NULL; }
+            item = int_zero;
+            Py_INCREF(item);
+        }
+        PyTuple_SET_ITEM(fmt, i, item);
+    }
+    return fmt;
+}
+
+#define BAIL(label) do { goto label; } while (0)
+
+/* BatchingScope.record for the common case; None when the Python version
+ * must run instead (nothing has been changed then). */
+static PyObject *record(PyObject *self, PyObject *const *argv, Py_ssize_t argc)
+{
+    if (argc != 3 || !PyTuple_Check(argv[2])) {
+        PyErr_SetString(PyExc_TypeError, "record(scope, dblock, args)");
+        return NULL;
+    }
+    if (!configured) Py_RETURN_NONE;
+    double start = now();
+    PyObject *scope = argv[0], *dblock = argv[1], *args = argv[2];
+    PyObject *leaves = NULL, *fmt = NULL, *key = NULL, *ctx = NULL, *dtype = NULL,
+             *sig = NULL, *node = NULL, *result = NULL, *signatures = NULL,
+             *depth_obj = NULL, *pending = NULL, *out_fmt = NULL, *keep = NULL;
+    PyObject *marks_inline[MAX_INLINE_MARKS];
+    PyObject **marks = marks_inline;
+    Py_ssize_t n_marks = 0;
+    long depth = 0;
+
+    leaves = PyList_New(0);
+    if (leaves == NULL) return NULL;
+    fmt = flatten_flat(args, leaves);
+    if (fmt == NULL) BAIL(fallback);
+    Py_ssize_t n = PyList_GET_SIZE(leaves);
+    if (n > MAX_INLINE_MARKS) {
+        marks = PyMem_Malloc(n * sizeof(PyObject *));
+        if (marks == NULL) { PyErr_NoMemory(); BAIL(error); }
+    }
+    key = PyTuple_New(n + 3);
+    if (key == NULL) BAIL(error);
+    Py_INCREF(fmt);
+    PyTuple_SET_ITEM(key, 0, fmt);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *leaf = PyList_GET_ITEM(leaves, i);
+        PyTypeObject *kind = Py_TYPE(leaf);
+        PyObject *shape, *leaf_dtype, *leaf_ctx = NULL;
+        if (kind == LazyValueType) {
+            PyObject *producer = SLOT(leaf, lv_node);
+            PyObject *info_list = PyObject_GetAttr(SLOT(producer, n_sig), s_out_info);
+            if (info_list == NULL) BAIL(error);
+            PyObject *info = PyList_Check(info_list) ?
+                PyList_GetItem(info_list, PyLong_AsSsize_t(SLOT(leaf, lv_index))) : NULL;
+            if (info == NULL || !PyTuple_Check(info) || PyTuple_GET_SIZE(info) != 3) {
+                Py_DECREF(info_list);
+                PyErr_Clear();
+                BAIL(fallback);
+            }
+            shape = PyTuple_GET_ITEM(info, 0);
+            leaf_dtype = PyTuple_GET_ITEM(info, 1);
+            leaf_ctx = PyTuple_GET_ITEM(info, 2);
+            Py_INCREF(shape);
+            Py_DECREF(info_list);           /* the signature keeps info alive */
+            long state = small_int(SLOT(producer, n_state));
+            if (state != DONE) {
+                if (state != PENDING) { Py_DECREF(shape); PyErr_Clear(); BAIL(fallback); }
+                long d = small_int(SLOT(producer, n_depth));
+                if (d >= depth) depth = d + 1;
+                if (SLOT(producer, n_used) != Py_True)
+                    marks[n_marks++] = producer;
+            }
+        } else if (kind == NumpyType) {
+            shape = PyObject_GetAttr(leaf, s_shape);
+            if (shape == NULL) BAIL(error);
+            PyObject *descr = PyObject_GetAttr(leaf, s_dtype);
+            if (descr == NULL) { Py_DECREF(shape); BAIL(error); }
+            leaf_dtype = PyObject_GetAttr(descr, s_type);
+            Py_DECREF(descr);
+            if (leaf_dtype == NULL) { Py_DECREF(shape); BAIL(error); }
+            Py_DECREF(leaf_dtype);          /* numpy keeps its scalar types alive */
+        } else if (PyObject_TypeCheck(leaf, NDArrayType)) {
+            /* properties that call into MXNet; Context objects are made anew */
+            if (keep == NULL && (keep = PyList_New(0)) == NULL) BAIL(error);
+            shape = PyObject_GetAttr(leaf, s_shape);
+            if (shape == NULL) BAIL(error);
+            leaf_dtype = PyObject_GetAttr(leaf, s_dtype);
+            leaf_ctx = leaf_dtype ? PyObject_GetAttr(leaf, s_context) : NULL;
+            if (leaf_ctx == NULL || PyList_Append(keep, leaf_dtype) || PyList_Append(keep, leaf_ctx)) {
+                Py_DECREF(shape); Py_XDECREF(leaf_dtype); Py_XDECREF(leaf_ctx);
+                BAIL(error);
+            }
+            Py_DECREF(leaf_dtype);          /* kept alive by ``keep`` */
+            Py_DECREF(leaf_ctx);
+        } else {
+            BAIL(fallback);                 /* the Python version raises the error */
+        }
+        if (leaf_ctx != ctx && leaf_ctx != NULL) {
+            if (ctx == NULL)
+                ctx = leaf_ctx;
+            else {
+                int differ = PyObject_RichCompareBool(leaf_ctx, ctx, Py_NE);
+                if (differ) { Py_DECREF(shape); PyErr_Clear(); BAIL(fallback); }
+            }
+        }
+        if (leaf_dtype != dtype) {
+            if (dtype != NULL) { Py_DECREF(shape); BAIL(fallback); }
+            dtype = leaf_dtype;
+        }
+        PyTuple_SET_ITEM(key, i + 1, shape);
+    }
+    /* borrowed references so far: ctx, dtype (kept alive by signatures / numpy) */
+    if (ctx == NULL) {
+        ctx = default_context();
+        if (ctx == NULL) BAIL(error);
+    } else {
+        Py_INCREF(ctx);
+    }
+    if (dtype == NULL) dtype = Py_None;
+    Py_INCREF(dtype);
+    PyTuple_SET_ITEM(key, n + 1, dtype);
+    {
+        PyObject *ctx_key = context_key(ctx);
+        if (ctx_key == NULL) BAIL(error);
+        PyTuple_SET_ITEM(key, n + 2, ctx_key);
+    }
+
+    signatures = PyObject_GetAttr(dblock, s_signatures);
+    if (signatures == NULL) BAIL(error);
+    sig = PyDict_Check(signatures) ? PyDict_GetItemWithError(signatures, key) : NULL;
+    if (sig != NULL) {
+        Py_INCREF(sig);
+    } else {
+        if (PyErr_Occurred()) BAIL(error);
+        sig = PyObject_CallMethodObjArgs(dblock, s_trace, key, fmt, ctx, NULL);
+        if (sig == NULL) BAIL(error);
+    }
+    for (Py_ssize_t i = 0; i < n_marks; i++)
+        if (mark_used(marks[i])) BAIL(error);
+
+    pending = PyObject_GetAttr(scope, s_pending);
+    if (pending == NULL) BAIL(error);
+    if (!PyList_Check(pending)) {
+        PyErr_SetString(PyExc_TypeError, "scope.pending is not a list");
+        BAIL(error);
+    }
+    depth_obj = PyLong_FromLong(depth);
+    PyObject *pos = PyLong_FromSsize_t(PyList_GET_SIZE(pending));
+    if (depth_obj == NULL || pos == NULL) { Py_XDECREF(pos); BAIL(error); }
+    node = NodeType->tp_alloc(NodeType, 0);
+    if (node == NULL) { Py_DECREF(pos); BAIL(error); }
+    Py_INCREF(sig); SLOT(node, n_sig) = sig;
+    Py_INCREF(leaves); SLOT(node, n_leaves) = leaves;
+    Py_INCREF(depth_obj); SLOT(node, n_depth) = depth_obj;
+    Py_INCREF(scope); SLOT(node, n_scope) = scope;
+    SLOT(node, n_pos) = pos;
+    Py_INCREF(int_zero); SLOT(node, n_state) = int_zero;       /* PENDING */
+    Py_INCREF(Py_False); SLOT(node, n_used) = Py_False;
+    Py_INCREF(Py_None); SLOT(node, n_arrays) = Py_None;
+    Py_INCREF(int_zero); SLOT(node, n_row) = int_zero;
+
+    int safe = 0;
+    PyObject *group = group_of(sig, depth_obj, &safe);
+    if (group != NULL) {
+        PyObject *groups = PyObject_GetAttr(scope, s_groups);
+        int rc = groups == NULL ? -1 : count_up(groups, group);
+        Py_XDECREF(groups);
+        Py_DECREF(group);
+        if (rc) BAIL(error);
+    } else if (safe < 0 || PyErr_Occurred()) {
+        BAIL(error);
+    } else {
+        PyObject *unsafe = PyObject_GetAttr(scope, s_unsafe);
+        PyObject *more = unsafe ? PyNumber_Add(unsafe, int_one) : NULL;
+        Py_XDECREF(unsafe);
+        int rc = more == NULL ? -1 : PyObject_SetAttr(scope, s_unsafe, more);
+        Py_XDECREF(more);
+        if (rc) BAIL(error);
+    }
+    if (PyList_Append(pending, node)) BAIL(error);
+
+    out_fmt = PyObject_GetAttr(sig, s_out_fmt);
+    if (out_fmt == NULL) BAIL(error);
+    if (PyLong_CheckExact(out_fmt) && PyLong_AsLong(out_fmt) == 0) {
+        result = new_lazy(node, int_zero);
+    } else if (PyObject_RichCompareBool(out_fmt, pair_fmt, Py_EQ) == 1) {
+        PyObject *first = new_lazy(node, int_zero);
+        PyObject *second = first ? new_lazy(node, int_one) : NULL;
+        result = second ? PyTuple_Pack(2, first, second) : NULL;
+        Py_XDECREF(first);
+        Py_XDECREF(second);
+    } else {
+        PyErr_Clear();
+        result = PyObject_CallFunctionObjArgs(group_outputs, node, NULL);
+    }
+    if (result == NULL) BAIL(error);
+    {
+        PyObject *spent = PyObject_GetAttr(scope, s_record_s);
+        PyObject *total = spent ? PyFloat_FromDouble(PyFloat_AsDouble(spent) + now() - start)
+                                : NULL;
+        Py_XDECREF(spent);
+        int rc = total == NULL ? -1 : PyObject_SetAttr(scope, s_record_s, total);
+        Py_XDECREF(total);
+        if (rc) { Py_CLEAR(result); BAIL(error); }
+    }
+    goto done;
+
+fallback:
+    if (!PyErr_Occurred()) {
+        result = Py_None;
+        Py_INCREF(result);
+    } else if (PyErr_ExceptionMatches(PyExc_MemoryError)) {
+        result = NULL;
+    } else {                    /* let the Python version meet (and report) it */
+        PyErr_Clear();
+        result = Py_None;
+        Py_INCREF(result);
+    }
+    goto done;
+error:
+    result = NULL;
+done:
+    if (marks != marks_inline) PyMem_Free(marks);
+    Py_XDECREF(leaves); Py_XDECREF(fmt); Py_XDECREF(key); Py_XDECREF(ctx);
+    Py_XDECREF(sig); Py_XDECREF(node); Py_XDECREF(signatures); Py_XDECREF(depth_obj);
+    Py_XDECREF(pending); Py_XDECREF(out_fmt); Py_XDECREF(keep);
+    return result;
+}
+
+/* ------------------------------------------------------- structure_key */
+
+static PyObject *structure_key(PyObject *self, PyObject *nodes)
+{
+    if (!configured || !PyList_Check(nodes)) {
+        PyErr_SetString(PyExc_TypeError, "structure_key(list of nodes), after configure()");
+        return NULL;
+    }
+    PyObject *key = PyList_New(0);
+    if (key == NULL) return NULL;
+    Py_ssize_t count = PyList_GET_SIZE(nodes);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *node = PyList_GET_ITEM(nodes, i);
+        if (Py_TYPE(node) != NodeType) {
+            PyErr_SetString(PyExc_TypeError, "structure_key: not a Node");
+            goto error;
+        }
+        PyObject *sig_id = PyObject_GetAttr(SLOT(node, n_sig), s_sig_id);
+        if (sig_id == NULL) goto error;
+        int rc = PyList_Append(key, sig_id);
+        Py_DECREF(sig_id);
+        if (rc) goto error;
+        PyObject *leaves = SLOT(node, n_leaves);
+        if (leaves == NULL || !PyList_Check(leaves)) {
+            PyErr_SetString(PyExc_TypeError, "structure_key: a node without leaves");
+            goto error;
+        }
+        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(leaves); j++) {
+            PyObject *leaf = PyList_GET_ITEM(leaves, j);
+            if (Py_TYPE(leaf) == LazyValueType) {
+                PyObject *producer = SLOT(leaf, lv_node);
+                PyObject *where = small_int(SLOT(producer, n_state)) == PENDING ?
+                    SLOT(producer, n_pos) : NULL;
+                PyObject *minus_one = where ? NULL : PyLong_FromLong(-1);
+                rc = PyList_Append(key, where ? where : minus_one);
+                Py_XDECREF(minus_one);
+                if (rc || PyList_Append(key, SLOT(leaf, lv_index))) goto error;
+            } else if (PyList_Append(key, Py_TYPE(leaf) == NumpyType ? str_host : str_array)) {
+                goto error;
+            }
+        }
+    }
+    PyObject *out = PyList_AsTuple(key);
+    Py_DECREF(key);
+    return out;
+error:
+    Py_DECREF(key);
+    return NULL;
+}
+
+/* -------------------------------------------------------- gather_index */
+
+/* For computed lazy values (or padding rows: anything with the same two
+ * slots whose producer has ``arrays`` and ``row``): (distinct source arrays
+ * in order of first use, int32 bytes: per leaf its distinct array's number,
+ * int32 bytes: per leaf its row).  None when a leaf is anything else. */
+static PyObject *gather_index(PyObject *self, PyObject *args)
+{
+    PyObject *leaves, *zero_type;
+    if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &leaves, &zero_type))
+        return NULL;
+    if (!configured) Py_RETURN_NONE;
+    Py_ssize_t n = PyList_GET_SIZE(leaves);
+    PyObject *which = PyBytes_FromStringAndSize(NULL, n * 4);
+    PyObject *rows = PyBytes_FromStringAndSize(NULL, n * 4);
+    PyObject *distinct = PyList_New(0);
+    PyObject *seen = PyDict_New();
+    if (!which || !rows || !distinct || !seen) goto error;
+    int *which_out = (int *)PyBytes_AS_STRING(which);
+    int *rows_out = (int *)PyBytes_AS_STRING(rows);
+    PyObject *last_array = NULL;
+    int last_number = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *leaf = PyList_GET_ITEM(leaves, i);
+        PyObject *arrays, *array;
+        Py_ssize_t index;
+        long row;
+        if (Py_TYPE(leaf) == LazyValueType) {
+            PyObject *producer = SLOT(leaf, lv_node);
+            arrays = SLOT(producer, n_arrays);
+            row = small_int(SLOT(producer, n_row));
+            index = PyLong_AsSsize_t(SLOT(leaf, lv_index));
+        } else if ((PyObject *)Py_TYPE(leaf) == zero_type) {   /* one row, output 0 */
+            arrays = PyObject_GetAttr(leaf, s_arrays);
+            if (arrays == NULL) goto error;
+            Py_DECREF(arrays);                  /* the padding row keeps it */
+            row = 0;
+            index = 0;
+        } else {
+            goto fallback;
+        }
+        if (arrays == NULL || (!PyList_Check(arrays) && !PyTuple_Check(arrays))) goto fallback;
+        if (index < 0 || index >= PySequence_Fast_GET_SIZE(arrays) || row < 0) {
+            PyErr_Clear();
+            goto fallback;
+        }
+        array = PySequence_Fast_ITEMS(arrays)[index];
+        int number;
+        if (array == last_array) {
+            number = last_number;
+        } else {
+            PyObject *id = PyLong_FromVoidPtr(array);
+            if (id == NULL) goto error;
+            PyObject *known = PyDict_GetItemWithError(seen, id);
+            if (known != NULL) {
+                number = (int)PyLong_AsLong(known);
+            } else if (PyErr_Occurred()) {
+                Py_DECREF(id);
+                goto error;
+            } else {
+                number = (int)PyList_GET_SIZE(distinct);
+                PyObject *num = PyLong_FromLong(number);
+                int rc = num == NULL || PyDict_SetItem(seen, id, num) ||
+                         PyList_Append(distinct, array);
+                Py_XDECREF(num);
+                if (rc) { Py_DECREF(id); goto error; }
+            }
+            Py_DECREF(id);
+            last_array = array;
+            last_number = number;
+        }
+        which_out[i] = number;
+        rows_out[i] = (int)row;
+    }
+    Py_DECREF(seen);
+    return Py_BuildValue("(NNN)", distinct, which, rows);
+fallback:
+    Py_XDECREF(which); Py_XDECREF(rows); Py_XDECREF(distinct); Py_XDECREF(seen);
+    Py_RETURN_NONE;
+error:
+    Py_XDECREF(which); Py_XDECREF(rows); Py_XDECREF(distinct); Py_XDECREF(seen);
+    return NULL;
+}
+
+/* --------------------------------------------------------- host_rows */
+
+/* The bytes of the numpy arrays ``leaves`` (C-contiguous, one format and
+ * size), concatenated; None otherwise.  np.concatenate of thousands of
+ * one-row arrays (a token id per call) costs ~0.4 us a row. */
+static PyObject *host_rows(PyObject *self, PyObject *leaves)
+{
+    if (!configured || !PyList_Check(leaves) || PyList_GET_SIZE(leaves) == 0)
+        Py_RETURN_NONE;
+    Py_ssize_t n = PyList_GET_SIZE(leaves), size = -1;
+    char format[16] = "";
+    PyObject *out = NULL;
+    char *dest = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *leaf = PyList_GET_ITEM(leaves, i);
+        Py_buffer view;
+        if (Py_TYPE(leaf) != NumpyType ||
+            PyObject_GetBuffer(leaf, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)) {
+            PyErr_Clear();
+            goto fallback;
+        }
+        const char *fmt = view.format ? view.format : "B";
+        if (size < 0) {
+            size = view.len;
+            if (strlen(fmt) >= sizeof(format) ||
+                (out = PyBytes_FromStringAndSize(NULL, size * n)) == NULL) {
+                PyBuffer_Release(&view);
+                if (PyErr_Occurred()) return NULL;
+                goto fallback;
+            }
+            strcpy(format, fmt);
+            dest = PyBytes_AS_STRING(out);
+        } else if (view.len != size || strcmp(fmt, format) != 0) {
+            PyBuffer_Release(&view);
+            goto fallback;
+        }
+        memcpy(dest + i * size, view.buf, size);
+        PyBuffer_Release(&view);
+    }
+    return out;
+fallback:
+    Py_XDECREF(out);
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------- finish_nodes */
+
+/* After a step ran: every node's outputs are ``arrays``, its row its
+ * position; it is DONE and drops its argument leaves. */
+static PyObject *finish_nodes(PyObject *self, PyObject *args)
+{
+    PyObject *nodes, *arrays;
+    if (!PyArg_ParseTuple(args, "OO", &nodes, &arrays))
+        return NULL;
+    if (!configured || !(PyList_Check(nodes) || PyTuple_Check(nodes))) {
+        PyErr_SetString(PyExc_TypeError, "finish_nodes(list or tuple of nodes, arrays)");
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(nodes);
+    PyObject **items = PySequence_Fast_ITEMS(nodes);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (Py_TYPE(items[i]) != NodeType) {
+            PyErr_SetString(PyExc_TypeError, "finish_nodes: not a Node");
+            return NULL;
+        }
+    PyObject *done = PyLong_FromLong(DONE);
+    if (done == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *row = PyLong_FromSsize_t(i);
+        if (row == NULL) { Py_DECREF(done); return NULL; }
+        PyObject *node = items[i];
+        Py_INCREF(arrays); set_slot(node, n_arrays, arrays);
+        set_slot(node, n_row, row);
+        Py_INCREF(done); set_slot(node, n_state, done);
+        Py_INCREF(Py_None); set_slot(node, n_leaves, Py_None);
+    }
+    Py_DECREF(done);
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------- depth_groups */
+
+/* (safe, family) of a signature, for the last one asked (nodes of one
+ * signature come in runs) */
+static PyObject *cached_sig, *cached_family;
+static int cached_safe;
+
+static int sig_family(PyObject *sig, int *safe, PyObject **family)
+{
+    if (sig != cached_sig) {
+        PyObject *flag = PyObject_GetAttr(sig, s_batch_safe);
+        if (flag == NULL) return -1;
+        int is_safe = PyObject_IsTrue(flag);
+        Py_DECREF(flag);
+        if (is_safe < 0) return -1;
+        PyObject *fam = PyObject_GetAttr(sig, s_group_key);
+        if (fam == NULL) return -1;
+        Py_INCREF(sig);
+        Py_XSETREF(cached_sig, sig);
+        Py_XSETREF(cached_family, fam);
+        cached_safe = is_safe;
+    }
+    *safe = cached_safe;
+    *family = cached_family;        /* borrowed: cached_family holds it */
+    return 0;
+}
+
+/* plan.depth_groups_py in C: ({(depth, family): {sig: [nodes]}},
+ * [(depth, family, node)] for calls that run alone). */
+static PyObject *depth_groups(PyObject *self, PyObject *nodes)
+{
+    if (!configured || !PyList_Check(nodes)) {
+        PyErr_SetString(PyExc_TypeError, "depth_groups(list of nodes)");
+        return NULL;
+    }
+    PyObject *last_sink = PyDict_New(), *groups = PyDict_New(), *alone = PyList_New(0);
+    if (!last_sink || !groups || !alone) goto error;
+    Py_ssize_t n = PyList_GET_SIZE(nodes);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *node = PyList_GET_ITEM(nodes, i), *family;
+        int safe;
+        if (Py_TYPE(node) != NodeType) {
+            PyErr_SetString(PyExc_TypeError, "depth_groups: not a Node");
+            goto error;
+        }
+        if (SLOT(node, n_used) == Py_True) continue;
+        if (sig_family(SLOT(node, n_sig), &safe, &family)) goto error;
+        if (!safe) continue;
+        PyObject *known = PyDict_GetItemWithError(last_sink, family);
+        if (known == NULL && PyErr_Occurred()) goto error;
+        if (known == NULL || small_int(SLOT(node, n_depth)) > small_int(known))
+            if (PyDict_SetItem(last_sink, family, SLOT(node, n_depth))) goto error;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *node = PyList_GET_ITEM(nodes, i), *family, *sig = SLOT(node, n_sig);
+        int safe;
+        if (sig_family(sig, &safe, &family)) goto error;
+        if (!safe) {
+            PyObject *entry = PyTuple_Pack(3, SLOT(node, n_depth), family, node);
+            int rc = entry == NULL || PyList_Append(alone, entry);
+            Py_XDECREF(entry);
+            if (rc) goto error;
+            continue;
+        }
+        PyObject *depth = SLOT(node, n_depth);
+        if (SLOT(node, n_used) != Py_True) {
+            depth = PyDict_GetItemWithError(last_sink, family);
+            if (depth == NULL) { if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "sink"); goto error; }
+        }
+        PyObject *key = PyTuple_Pack(2, depth, family);
+        if (key == NULL) goto error;
+        PyObject *by_sig = PyDict_GetItemWithError(groups, key);
+        if (by_sig == NULL) {
+            if (PyErr_Occurred() || (by_sig = PyDict_New()) == NULL) { Py_DECREF(key); goto error; }
+            int rc = PyDict_SetItem(groups, key, by_sig);
+            Py_DECREF(by_sig);                  /* groups holds it */
+            if (rc) { Py_DECREF(key); goto error; }
+        }
+        Py_DECREF(key);
+        PyObject *members = PyDict_GetItemWithError(by_sig, sig);
+        if (members == NULL) {
+            if (PyErr_Occurred() || (members = PyList_New(0)) == NULL) goto error;
+            int rc = PyDict_SetItem(by_sig, sig, members);
+            Py_DECREF(members);
+            if (rc) goto error;
+        }
+        if (PyList_Append(members, node)) goto error;
+    }
+    Py_DECREF(last_sink);
+    return Py_BuildValue("(NN)", groups, alone);
+error:
+    Py_XDECREF(last_sink); Py_XDECREF(groups); Py_XDECREF(alone);
+    return NULL;
+}
+
+/* ------------------------------------------------------------- module */
+
+static PyMethodDef methods[] = {
+    {"configure", configure, METH_VARARGS,
+     "configure(LazyValue, Node, NDArray, numpy.ndarray, current_context, Context._default_ctx, "
+     "group_outputs, zeros)"},
+    {"record", (PyCFunction)(void (*)(void))record, METH_FASTCALL,
+     "record(scope, dblock, args): lazy result(s), or None to run the Python version"},
+    {"structure_key", structure_key, METH_O, "structure_key(nodes): see plan.structure_key"},
+    {"gather_index", gather_index, METH_VARARGS,
+     "gather_index(leaves, ZeroRow): (distinct arrays, int32 bytes, int32 bytes) or None"},
+    {"host_rows", host_rows, METH_O, "host_rows(numpy leaves): their bytes concatenated, or None"},
+    {"finish_nodes", finish_nodes, METH_VARARGS, "finish_nodes(nodes, arrays): see execute.finish"},
+    {"depth_groups", depth_groups, METH_O, "depth_groups(nodes): see plan.depth_groups_py"},
+    {NULL, NULL, 0, NULL}
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_speedups", "C fast paths of gluon_dynbatch (see accel.py).", -1,
+    methods
+};
+
+#define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
+
+PyMODINIT_FUNC PyInit__speedups(void)
+{
+    INTERN(s_out_info, "out_info"); INTERN(s_batch_safe, "batch_safe");
+    INTERN(s_group_key, "group_key"); INTERN(s_out_fmt, "out_fmt");
+    INTERN(s_out_shapes, "out_shapes"); INTERN(s_signatures, "_signatures");
+    INTERN(s_trace, "_trace"); INTERN(s_pending, "pending"); INTERN(s_groups, "groups");
+    INTERN(s_used, "used"); INTERN(s_unsafe, "unsafe"); INTERN(s_record_s, "record_s");
+    INTERN(s_shape, "shape"); INTERN(s_dtype, "dtype"); INTERN(s_type, "type");
+    INTERN(s_context, "context"); INTERN(s_device_typeid, "device_typeid");
+    INTERN(s_device_id, "device_id"); INTERN(s_sig_id, "sig_id"); INTERN(s_arrays, "arrays"); INTERN(s_value, "value");
+    INTERN(str_host, "host"); INTERN(str_array, "array");
+    int_zero = PyLong_FromLong(0);
+    int_one = PyLong_FromLong(1);
+    pair_fmt = Py_BuildValue("(ii)", 0, 0);
+    if (!int_zero || !int_one || !pair_fmt)
+        return NULL;
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,76 @@
+"""Optional C fast paths for the work done once per recorded call.
+
+Recording costs ~3 us a call in Python, and the per-node work of planning
+and running a flush about as much again: together a third of a batched SICK
+minibatch of 256.  ``_speedups.c`` does the common case of the hot
+functions in C:
+
+* :func:`record` - :meth:`~.block.BatchingScope.record`;
+* :func:`depth_groups` - :func:`~.plan.depth_groups_py` (depth grouping);
+* :func:`structure_key` - :func:`~.plan.structure_key_py` (cached plans hash
+  every flush);
+* :func:`gather_index` - where each row of a step's argument lives (the
+  lazy-value case of :func:`~.execute.collect`);
+* :func:`host_rows` - host rows (token ids) concatenated;
+* :func:`finish_nodes` - :func:`~.execute.finish_nodes_py`.
+
+``record``, ``gather_index`` and ``host_rows`` return None for anything but
+the common case (``record`` before changing anything), and the caller then
+runs the Python version, which stays the reference and the only place user
+errors are raised.
+
+The extension is built by ``pip install`` when a C compiler is present
+(``setup.py`` marks it optional); without it everything runs in Python.
+``GLUON_DYNBATCH_PURE_PYTHON=1`` turns it off; :data:`STATUS` says which
+is in use and why.
+"""
+import os
+
+import mxnet as mx
+import numpy as np
+
+from .graph import LazyValue, Node
+from .trace import _ZEROS, regroup
+
+__all__ = ['record', 'depth_groups', 'structure_key', 'gather_index', 'host_rows', 'finish_nodes',
+           'enable', 'STATUS']
+
+FUNCTIONS = ('record', 'depth_groups', 'structure_key', 'gather_index', 'host_rows',
+             'finish_nodes')
+record = depth_groups = structure_key = gather_index = host_rows = finish_nodes = None
+
+
+def _group_outputs(node):
+    """The lazy results of ``node`` nested as its signature's outputs (the
+    rare case of a block with more than two or nested outputs)."""
+    sig = node.sig
+    outputs = [LazyValue(node, i) for i in range(len(sig.out_shapes))]
+    return tuple(regroup(sig.out_fmt, outputs)[0])
+
+
+def _load():
+    if os.environ.get('GLUON_DYNBATCH_PURE_PYTHON', '0') not in ('', '0'):
+        return 'pure Python (GLUON_DYNBATCH_PURE_PYTHON is set)'
+    try:
+        from . import _speedups  # pylint: disable=import-outside-toplevel
+        _speedups.configure(LazyValue, Node, mx.nd.NDArray, np.ndarray, mx.current_context,
+                            mx.context.Context._default_ctx, _group_outputs, _ZEROS)
+    except (ImportError, TypeError) as err:
+        return 'pure Python (C extension unavailable: %s)' % err
+    _LOADED.update({name: getattr(_speedups, name) for name in FUNCTIONS})
+    enable(True)
+    return 'C extension'
+
+
+_LOADED = {}
+
+
+def enable(on=True):
+    """Use the C versions (when built) or not; returns whether they are now
+    in use.  Tests run both; ``benchmarks/`` can measure both."""
+    globals().update({name: _LOADED.get(name) if on else None for name in FUNCTIONS})
+    return bool(on and _LOADED)
+
+
+STATUS = _load()
+"""``'C extension'`` or ``'pure Python (why)'``."""

@@ -1,0 +1,214 @@
+"""The C fast paths (gluon_dynbatch.accel) do exactly what the Python
+versions do: the same recorded graph, groups, structure keys and gathers
+on random programs, and the same results and gradients end to end with the
+C versions turned off."""
+import os
+import shutil
+
+import mxnet as mx
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+from mxnet import gluon
+
+import gluon_dynbatch as dyb
+from gluon_dynbatch import accel
+from gluon_dynbatch.block import BatchingScope, private_scope
+from gluon_dynbatch.execute import ZeroRow, collect, host_array, run_plan
+from gluon_dynbatch.graph import LazyValue
+from gluon_dynbatch.models import ChildSumTreeLSTMCell
+from gluon_dynbatch.plan import ByDepth, depth_groups_py, structure_key_py
+
+from helpers import AcrossBatch, DenseAddLists, TwoOutputs, assert_same, run_both
+
+needs_extension = pytest.mark.skipif(accel.STATUS != 'C extension', reason=accel.STATUS)
+
+
+@pytest.fixture
+def pure_python():
+    """Run a test with the C versions off."""
+    was_on = accel.record is not None
+    accel.enable(False)
+    yield
+    accel.enable(was_on)
+
+
+def test_extension_is_built_where_a_compiler_is():
+    """CI has a compiler: a failed build (setup.py marks it optional) must
+    not pass silently as a slower pure-Python install."""
+    if os.environ.get('GLUON_DYNBATCH_PURE_PYTHON', '0') not in ('', '0'):
+        pytest.skip('GLUON_DYNBATCH_PURE_PYTHON is set')
+    if not (shutil.which('cc') or shutil.which('gcc')):
+        pytest.skip('no C compiler')
+    assert accel.STATUS == 'C extension'
+
+
+class Blocks:
+    """One of each kind of call the fast path handles or defers: a list
+    block (child-sum cell), two outputs, nested outputs (LSTMCell), a
+    per-sample block, lists of lists (deferred to Python)."""
+
+    def __init__(self):
+        self.cell = dyb.DynBatchBlock(ChildSumTreeLSTMCell(3, 3))
+        self.two = dyb.DynBatchBlock(TwoOutputs())
+        self.lstm = dyb.DynBatchBlock(gluon.rnn.LSTMCell(4, input_size=4))
+        self.alone = dyb.DynBatchBlock(AcrossBatch())
+        self.nested = dyb.DynBatchBlock(DenseAddLists())
+        for block in (self.cell, self.two, self.lstm, self.alone, self.nested):
+            block.initialize(mx.init.Uniform(0.5))
+        rng = np.random.RandomState(0)
+        self.x3 = [mx.nd.array(rng.uniform(-1, 1, (1, 3))) for _ in range(3)]
+        self.x4 = [mx.nd.array(rng.uniform(-1, 1, (1, 4))) for _ in range(3)]
+        self.host3 = [rng.uniform(-1, 1, (1, 3)).astype('float32') for _ in range(3)]
+
+
+def run_program(blocks, ops):
+    """Record ``ops`` (a list of (kind, choices)) and return the lazy results."""
+    made = {3: list(blocks.x3), 4: list(blocks.x4)}   # width -> values to draw from
+    results = []
+    for kind, picks in ops:
+        pick = lambda width, k: made[width][picks[k] % len(made[width])]  # noqa: E731
+        if kind == 'cell':
+            kids = [(pick(3, 1 + 2 * j), pick(3, 2 + 2 * j)) for j in range(picks[0] % 4)]
+            x = blocks.host3[picks[1] % 3] if picks[2] % 2 else pick(3, 3)
+            out = blocks.cell(x, [h for h, _ in kids], [c for _, c in kids])
+            made[3] += out
+        elif kind == 'two':
+            out = blocks.two(pick(4, 0), pick(4, 1))
+            made[4] += out
+        elif kind == 'lstm':
+            out, state = blocks.lstm(pick(4, 0), [pick(4, 1), pick(4, 2)])
+            out = [out] + list(state)
+            made[4] += out
+        elif kind == 'alone':
+            out = [blocks.alone(pick(3, 0))]
+            made[3] += out
+        else:
+            out = [blocks.nested(pick(3, 0), [pick(3, 1), [pick(3, 2), pick(3, 3)]])]
+            made[3] += out
+        results.append(out)
+    return results
+
+
+def snapshot(scope, results):
+    """The recorded graph in terms that compare across two recordings."""
+    pos = {id(node): i for i, node in enumerate(scope.pending)}
+
+    def name(value):
+        if type(value) is LazyValue:
+            return ('lazy', pos.get(id(value._node), 'earlier'), value._index)
+        return ('input', id(value))
+    nodes = [(node.sig, node.depth, node.pos, node.used, node.state,
+              [name(leaf) for leaf in node.leaves]) for node in scope.pending]
+    return (nodes, dict(scope.groups), dict(scope.used), scope.unsafe,
+            [[name(v) for v in out] for out in results])
+
+
+KINDS = ['cell', 'two', 'lstm', 'alone', 'nested']
+programs = st.lists(st.tuples(st.sampled_from(KINDS), st.lists(st.integers(0, 50),
+                                                                min_size=8, max_size=8)),
+                    min_size=1, max_size=25)
+
+
+@needs_extension
+@given(programs)
+def test_record_depth_groups_and_structure_key_match_python(ops):
+    blocks = Blocks()
+    seen = []
+    for on in (True, False):
+        accel.enable(on)
+        try:
+            with private_scope('depth') as scope:
+                results = run_program(blocks, ops)
+                seen.append(snapshot(scope, results))
+                assert scope.record_s > 0
+                nodes = list(scope.pending)
+                fast_groups = accel._LOADED['depth_groups'](nodes)
+                assert [(k, list(v.items())) for k, v in fast_groups[0].items()] == \
+                    [(k, list(v.items())) for k, v in depth_groups_py(nodes)[0].items()]
+                assert fast_groups[1] == depth_groups_py(nodes)[1]
+                assert accel._LOADED['structure_key'](nodes) == structure_key_py(nodes)
+        finally:
+            accel.enable(True)
+    assert seen[0] == seen[1]
+
+
+@needs_extension
+@given(programs)
+def test_gathers_match_python(ops):
+    """After a flush, locating any mix of results (and padding rows) gives
+    the same source rows, index and distinct arrays either way."""
+    blocks = Blocks()
+    with private_scope('depth') as scope:
+        results = run_program(blocks, ops)
+        nodes = list(scope.pending)
+        scope.pending = []
+        run_plan(ByDepth().plan(nodes))
+    values = [v for out in results for v in out if v.shape == (1, 3)]
+    if not values:
+        return
+    zero = ZeroRow((1, 3), np.float32, mx.cpu())
+    leaves = values[::-1] + [zero] + values
+    found = []
+    for on in (True, False):
+        accel.enable(on)
+        try:
+            source, index, distinct = collect(leaves, mx.cpu())
+        finally:
+            accel.enable(True)
+        rows = source.asnumpy() if index is None else source.asnumpy()[np.asarray(index)]
+        found.append((rows, None if index is None else list(index), [id(a) for a in distinct]))
+    np.testing.assert_array_equal(found[0][0], found[1][0])
+    assert found[0][1:] == found[1][1:]
+
+
+@needs_extension
+def test_host_rows_match_numpy_and_defer_the_unusual():
+    rng = np.random.RandomState(0)
+    rows = [rng.uniform(size=(1, 4)).astype('float32') for _ in range(5)]
+    wide = rng.uniform(size=(1, 8)).astype('float32')
+    strided = wide[:, ::2]                      # not contiguous
+    assert accel.host_rows(rows) == np.concatenate(rows).tobytes()
+    assert accel.host_rows(rows + [strided]) is None        # numpy's own concatenate then
+    for leaves in (rows, rows + [strided], rows[:1]):
+        np.testing.assert_array_equal(host_array(leaves, mx.cpu()).asnumpy(),
+                                      np.concatenate(leaves))
+    assert accel.host_rows(rows + [rows[0].astype('float64')]) is None
+    assert host_array(rows + [mx.nd.ones((1, 4))], mx.cpu()) is None
+
+
+def test_errors_come_from_the_python_version():
+    """The C path defers every rejected call: the user sees the same errors."""
+    block = dyb.DynBatchBlock(TwoOutputs())
+    block.initialize()
+    x = mx.nd.ones((1, 4))
+    with pytest.raises(dyb.InputError, match='dtype float64 but earlier arguments have'):
+        with dyb.batching():
+            block(x, x.astype('float64'))
+    with pytest.raises(dyb.InputError, match='got float, expected an NDArray'):
+        with dyb.batching():
+            block(x, 1.0)
+    with pytest.raises(RuntimeError):
+        with dyb.batching():
+            failed, _ = block(x, x)
+            raise RuntimeError('the user loop failed')
+    with pytest.raises(dyb.LazyValueError, match='failed or was abandoned'):
+        with dyb.batching():
+            block(failed, x)
+
+
+@pytest.mark.parametrize('strategy', ['depth', 'cached', 'auto'])
+def test_pure_python_path_equals_per_sample(pure_python, strategy):
+    blocks = Blocks()
+    ops = [('cell', [i, i + 1, i, i + 2, 3 * i, i, 2 * i, i + 5]) for i in range(12)]
+    ops += [('two', [i, i + 3] + [0] * 6) for i in range(4)]
+    ops += [('lstm', [i, 2 * i, i + 1] + [0] * 5) for i in range(4)]
+    ops += [('alone', [i] + [0] * 7) for i in range(2)]
+    ops += [('nested', [i, i + 1, i + 2, i + 3] + [0] * 4) for i in range(2)]
+    inputs = blocks.x3 + blocks.x4
+
+    def forward():
+        return [v for out in run_program(blocks, ops) for v in out]
+    for _ in range(3):      # cached plans: a miss, recipes, a compiled flush
+        assert_same(run_both(forward, [blocks.cell, blocks.two, blocks.lstm, blocks.alone,
+                                       blocks.nested], inputs=inputs, strategy=strategy))
