@@ -22,6 +22,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <stdint.h>
 #include <string.h>
 #include <time.h>
 
@@ -121,23 +122,57 @@ static int count_up(PyObject *counts, PyObject *key)
     return rc;
 }
 
+/* What recording reads of a signature, kept for the signatures seen
+ * lately (a direct-mapped cache holding strong references): attribute
+ * lookups were a fifth of a recorded call.  Signatures never change after
+ * DynBatchBlock._trace returns, and only traced ones reach this cache. */
+typedef struct {
+    PyObject *sig, *family, *out_info, *out_fmt;
+    int safe;
+} SigInfo;
+
+#define SIG_CACHE 64
+static SigInfo sig_cache[SIG_CACHE];
+
+static SigInfo *sig_info(PyObject *sig)
+{
+    SigInfo *info = &sig_cache[((uintptr_t)sig >> 4) % SIG_CACHE];
+    if (info->sig == sig)
+        return info;
+    PyObject *flag = PyObject_GetAttr(sig, s_batch_safe);
+    int safe = flag == NULL ? -1 : PyObject_IsTrue(flag);
+    Py_XDECREF(flag);
+    if (safe < 0)
+        return NULL;
+    PyObject *family = PyObject_GetAttr(sig, s_group_key);
+    PyObject *out_info = family ? PyObject_GetAttr(sig, s_out_info) : NULL;
+    PyObject *out_fmt = out_info ? PyObject_GetAttr(sig, s_out_fmt) : NULL;
+    if (out_fmt == NULL || !PyList_Check(out_info)) {
+        Py_XDECREF(family); Py_XDECREF(out_info); Py_XDECREF(out_fmt);
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "signature without an out_info list");
+        return NULL;
+    }
+    Py_INCREF(sig);
+    Py_XSETREF(info->sig, sig);
+    Py_XSETREF(info->family, family);
+    Py_XSETREF(info->out_info, out_info);
+    Py_XSETREF(info->out_fmt, out_fmt);
+    info->safe = safe;
+    return info;
+}
+
 /* (depth, sig.group_key) of a node whose signature is batch-safe, else
  * NULL with no error; NULL with an error on failure. */
 static PyObject *group_of(PyObject *sig, PyObject *depth, int *safe)
 {
-    PyObject *flag = PyObject_GetAttr(sig, s_batch_safe);
-    if (flag == NULL)
+    SigInfo *info = sig_info(sig);
+    if (info == NULL) {
+        *safe = -1;
         return NULL;
-    *safe = PyObject_IsTrue(flag);
-    Py_DECREF(flag);
-    if (*safe <= 0)
-        return NULL;
-    PyObject *family = PyObject_GetAttr(sig, s_group_key);
-    if (family == NULL)
-        return NULL;
-    PyObject *group = PyTuple_Pack(2, depth, family);
-    Py_DECREF(family);
-    return group;
+    }
+    *safe = info->safe;
+    return info->safe ? PyTuple_Pack(2, depth, info->family) : NULL;
 }
 
 /* _mark_used of block.py */
@@ -207,14 +242,13 @@ static PyObject *context_key(PyObject *ctx)
 
 /* Flatten ``args`` (a tuple) into ``leaves``; the nesting format, or NULL
  * with no error for anything but leaves and flat lists/tuples. */
-static PyObject *flatten_flat(PyObject *args, PyObject *leaves)
+static PyObject *flatten_flat(PyObject *const *args, Py_ssize_t n, PyObject *leaves)
 {
-    Py_ssize_t n = PyTuple_GET_SIZE(args);
     PyObject *fmt = PyTuple_New(n);
     if (fmt == NULL)
         return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *arg = PyTuple_GET_ITEM(args, i);
+        PyObject *arg = args[i];
         PyObject *item;
         if (PyList_CheckExact(arg) || PyTuple_CheckExact(arg)) {
             Py_ssize_t len = PySequence_Fast_GET_SIZE(arg);
@@ -254,15 +288,10 @@ static PyObject *flatten_flat(PyObject *args, PyObject *leaves)
 
 /* BatchingScope.record for the common case; None when the Python version
  * must run instead (nothing has been changed then). */
-static PyObject *record(PyObject *self, PyObject *const *argv, Py_ssize_t argc)
+static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const *args,
+                             Py_ssize_t nargs)
 {
-    if (argc != 3 || !PyTuple_Check(argv[2])) {
-        PyErr_SetString(PyExc_TypeError, "record(scope, dblock, args)");
-        return NULL;
-    }
-    if (!configured) Py_RETURN_NONE;
     double start = now();
-    PyObject *scope = argv[0], *dblock = argv[1], *args = argv[2];
     PyObject *leaves = NULL, *fmt = NULL, *key = NULL, *ctx = NULL, *dtype = NULL,
              *sig = NULL, *node = NULL, *result = NULL, *signatures = NULL,
              *depth_obj = NULL, *pending = NULL, *out_fmt = NULL, *keep = NULL;
@@ -273,7 +302,7 @@ static PyObject *record(PyObject *self, PyObject *const *argv, Py_ssize_t argc)
 
     leaves = PyList_New(0);
     if (leaves == NULL) return NULL;
-    fmt = flatten_flat(args, leaves);
+    fmt = flatten_flat(args, nargs, leaves);
     if (fmt == NULL) BAIL(fallback);
     Py_ssize_t n = PyList_GET_SIZE(leaves);
     if (n > MAX_INLINE_MARKS) {
@@ -290,20 +319,18 @@ static PyObject *record(PyObject *self, PyObject *const *argv, Py_ssize_t argc)
         PyObject *shape, *leaf_dtype, *leaf_ctx = NULL;
         if (kind == LazyValueType) {
             PyObject *producer = SLOT(leaf, lv_node);
-            PyObject *info_list = PyObject_GetAttr(SLOT(producer, n_sig), s_out_info);
-            if (info_list == NULL) BAIL(error);
-            PyObject *info = PyList_Check(info_list) ?
-                PyList_GetItem(info_list, PyLong_AsSsize_t(SLOT(leaf, lv_index))) : NULL;
+            SigInfo *produced = sig_info(SLOT(producer, n_sig));
+            if (produced == NULL) BAIL(fallback);
+            PyObject *info = PyList_GetItem(produced->out_info,
+                                            PyLong_AsSsize_t(SLOT(leaf, lv_index)));
             if (info == NULL || !PyTuple_Check(info) || PyTuple_GET_SIZE(info) != 3) {
-                Py_DECREF(info_list);
                 PyErr_Clear();
                 BAIL(fallback);
             }
-            shape = PyTuple_GET_ITEM(info, 0);
+            shape = PyTuple_GET_ITEM(info, 0);   /* the signature keeps info alive */
             leaf_dtype = PyTuple_GET_ITEM(info, 1);
             leaf_ctx = PyTuple_GET_ITEM(info, 2);
             Py_INCREF(shape);
-            Py_DECREF(info_list);           /* the signature keeps info alive */
             long state = small_int(SLOT(producer, n_state));
             if (state != DONE) {
                 if (state != PENDING) { Py_DECREF(shape); PyErr_Clear(); BAIL(fallback); }
@@ -421,8 +448,10 @@ static PyObject *record(PyObject *self, PyObject *const *argv, Py_ssize_t argc)
     }
     if (PyList_Append(pending, node)) BAIL(error);
 
-    out_fmt = PyObject_GetAttr(sig, s_out_fmt);
-    if (out_fmt == NULL) BAIL(error);
+    SigInfo *info = sig_info(sig);
+    if (info == NULL) BAIL(error);
+    out_fmt = info->out_fmt;
+    Py_INCREF(out_fmt);
     if (PyLong_CheckExact(out_fmt) && PyLong_AsLong(out_fmt) == 0) {
         result = new_lazy(node, int_zero);
     } else if (PyObject_RichCompareBool(out_fmt, pair_fmt, Py_EQ) == 1) {
@@ -467,6 +496,65 @@ done:
     Py_XDECREF(sig); Py_XDECREF(node); Py_XDECREF(signatures); Py_XDECREF(depth_obj);
     Py_XDECREF(pending); Py_XDECREF(out_fmt); Py_XDECREF(keep);
     return result;
+}
+
+static PyObject *record(PyObject *self, PyObject *const *argv, Py_ssize_t argc)
+{
+    if (argc != 3 || !PyTuple_Check(argv[2])) {
+        PyErr_SetString(PyExc_TypeError, "record(scope, dblock, args)");
+        return NULL;
+    }
+    if (!configured) Py_RETURN_NONE;
+    return record_args(argv[0], argv[1], &PyTuple_GET_ITEM(argv[2], 0), PyTuple_GET_SIZE(argv[2]));
+}
+
+/* ------------------------------------------------------------ __call__ */
+
+/* DynBatchBlock.__call__ in C: inside a scope, record (no Python frame at
+ * all for the common case, which measured a third of a recorded call);
+ * otherwise, or when record_args defers, the Python __call__ (call_py). */
+static PyObject *local_state, *call_py, *s_scope;
+
+static PyObject *block_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *scope = configured ? PyObject_GetAttr(local_state, s_scope) : NULL;
+    if (scope == NULL && configured) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return NULL;
+        PyErr_Clear();
+    } else if (scope != Py_None) {
+        PyObject *result = record_args(scope, self, args, nargs);
+        Py_DECREF(scope);
+        if (result != Py_None) return result;     /* a result, or an error */
+        Py_DECREF(result);
+    } else {
+        Py_DECREF(scope);
+    }
+    PyObject *tuple = PyTuple_New(nargs);
+    if (tuple == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        Py_INCREF(args[i]);
+        PyTuple_SET_ITEM(tuple, i, args[i]);
+    }
+    PyObject *result = PyObject_CallFunctionObjArgs(call_py, self, tuple, NULL);
+    Py_DECREF(tuple);
+    return result;
+}
+
+static PyMethodDef block_call_def = {
+    "__call__", (PyCFunction)(void (*)(void))block_call, METH_FASTCALL,
+    "Record the call inside a batching() scope, else call the wrapped block "
+    "(DynBatchBlock.__call__ in C; see gluon_dynbatch.accel)."
+};
+
+/* call_method(cls, local, call_py): a __call__ method for ``cls`` */
+static PyObject *call_method(PyObject *self, PyObject *args)
+{
+    PyObject *cls, *local, *fallback;
+    if (!PyArg_ParseTuple(args, "O!OO", &PyType_Type, &cls, &local, &fallback))
+        return NULL;
+    Py_INCREF(local); Py_XSETREF(local_state, local);
+    Py_INCREF(fallback); Py_XSETREF(call_py, fallback);
+    return PyDescr_NewMethod((PyTypeObject *)cls, &block_call_def);
 }
 
 /* ------------------------------------------------------- structure_key */
@@ -685,28 +773,13 @@ static PyObject *finish_nodes(PyObject *self, PyObject *args)
 
 /* ------------------------------------------------------- depth_groups */
 
-/* (safe, family) of a signature, for the last one asked (nodes of one
- * signature come in runs) */
-static PyObject *cached_sig, *cached_family;
-static int cached_safe;
-
 static int sig_family(PyObject *sig, int *safe, PyObject **family)
 {
-    if (sig != cached_sig) {
-        PyObject *flag = PyObject_GetAttr(sig, s_batch_safe);
-        if (flag == NULL) return -1;
-        int is_safe = PyObject_IsTrue(flag);
-        Py_DECREF(flag);
-        if (is_safe < 0) return -1;
-        PyObject *fam = PyObject_GetAttr(sig, s_group_key);
-        if (fam == NULL) return -1;
-        Py_INCREF(sig);
-        Py_XSETREF(cached_sig, sig);
-        Py_XSETREF(cached_family, fam);
-        cached_safe = is_safe;
-    }
-    *safe = cached_safe;
-    *family = cached_family;        /* borrowed: cached_family holds it */
+    SigInfo *info = sig_info(sig);
+    if (info == NULL)
+        return -1;
+    *safe = info->safe;
+    *family = info->family;         /* borrowed: the cache holds it */
     return 0;
 }
 
@@ -789,6 +862,8 @@ static PyMethodDef methods[] = {
     {"structure_key", structure_key, METH_O, "structure_key(nodes): see plan.structure_key"},
     {"gather_index", gather_index, METH_VARARGS,
      "gather_index(leaves, ZeroRow): (distinct arrays, int32 bytes, int32 bytes) or None"},
+    {"call_method", call_method, METH_VARARGS,
+     "call_method(DynBatchBlock, thread-local holding .scope, python_call(dblock, args))"},
     {"host_rows", host_rows, METH_O, "host_rows(numpy leaves): their bytes concatenated, or None"},
     {"finish_nodes", finish_nodes, METH_VARARGS, "finish_nodes(nodes, arrays): see execute.finish"},
     {"depth_groups", depth_groups, METH_O, "depth_groups(nodes): see plan.depth_groups_py"},
@@ -811,7 +886,7 @@ PyMODINIT_FUNC PyInit__speedups(void)
     INTERN(s_used, "used"); INTERN(s_unsafe, "unsafe"); INTERN(s_record_s, "record_s");
     INTERN(s_shape, "shape"); INTERN(s_dtype, "dtype"); INTERN(s_type, "type");
     INTERN(s_context, "context"); INTERN(s_device_typeid, "device_typeid");
-    INTERN(s_device_id, "device_id"); INTERN(s_sig_id, "sig_id"); INTERN(s_arrays, "arrays"); INTERN(s_value, "value");
+    INTERN(s_device_id, "device_id"); INTERN(s_sig_id, "sig_id"); INTERN(s_arrays, "arrays"); INTERN(s_value, "value"); INTERN(s_scope, "scope");
     INTERN(str_host, "host"); INTERN(str_array, "array");
     int_zero = PyLong_FromLong(0);
     int_one = PyLong_FromLong(1);

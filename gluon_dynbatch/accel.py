@@ -5,7 +5,8 @@ and running a flush about as much again: together a third of a batched SICK
 minibatch of 256.  ``_speedups.c`` does the common case of the hot
 functions in C:
 
-* :func:`record` - :meth:`~.block.BatchingScope.record`;
+* :func:`record` - :meth:`~.block.BatchingScope.record`, called straight
+  from a C ``DynBatchBlock.__call__`` (no Python frame per call);
 * :func:`depth_groups` - :func:`~.plan.depth_groups_py` (depth grouping);
 * :func:`structure_key` - :func:`~.plan.structure_key_py` (cached plans hash
   every flush);
@@ -57,18 +58,32 @@ def _load():
                             mx.context.Context._default_ctx, _group_outputs, _ZEROS)
     except (ImportError, TypeError) as err:
         return 'pure Python (C extension unavailable: %s)' % err
-    _LOADED.update({name: getattr(_speedups, name) for name in FUNCTIONS})
+    _LOADED.update({name: getattr(_speedups, name) for name in FUNCTIONS + ('call_method',)})
     enable(True)
     return 'C extension'
 
 
 _LOADED = {}
+_CALL = {}      # the block class, its Python __call__ and its C __call__
+
+
+def attach_call(cls, local):
+    """Give ``cls`` (DynBatchBlock) the C ``__call__`` while the C versions
+    are enabled: it reads the open scope from ``local`` and records, and
+    runs the Python ``__call__`` for anything it defers."""
+    python_call = cls.__dict__['__call__']
+    _CALL.update(cls=cls, python=python_call)
+    if 'call_method' in _LOADED:
+        _CALL['c'] = _LOADED['call_method'](cls, local, lambda dblock, args: python_call(dblock, *args))
+    enable(record is not None)
 
 
 def enable(on=True):
     """Use the C versions (when built) or not; returns whether they are now
     in use.  Tests run both; ``benchmarks/`` can measure both."""
     globals().update({name: _LOADED.get(name) if on else None for name in FUNCTIONS})
+    if _CALL:
+        setattr(_CALL['cls'], '__call__', _CALL['c'] if on and 'c' in _CALL else _CALL['python'])
     return bool(on and _LOADED)
 
 

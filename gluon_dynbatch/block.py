@@ -388,14 +388,11 @@ class DynBatchBlock(Block):
         self._pad_checked = set()
 
     def __call__(self, *args):
+        # Replaced by its C version where the extension is built (see
+        # gluon_dynbatch.accel), which runs this one for what it defers.
         scope = getattr(_LOCAL, 'scope', None)     # current_scope(), inlined: hot path
         if scope is None:
             return self.block(*_materialize(args))
-        fast = accel.record          # the C version of scope.record, common case only
-        if fast is not None:
-            result = fast(scope, self, args)
-            if result is not None:
-                return result
         return scope.record(self, args)
 
     def forward(self, *args):  # pylint: disable=arguments-differ
@@ -492,3 +489,6 @@ class DynBatchBlock(Block):
 
     def __repr__(self):
         return 'DynBatchBlock(%r)' % (self.block,)
+
+
+accel.attach_call(DynBatchBlock, _LOCAL)

@@ -21,6 +21,7 @@ family when the block allows zero-padded lists (``pad_lists``).
 """
 import time
 from collections import OrderedDict, defaultdict
+from operator import itemgetter
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
@@ -328,7 +329,7 @@ class CachedPlan(Strategy):
             return Plan(self.name + '-miss:' + plan.strategy, plan.steps, recipes)
         self.hits += 1
         entry.hits += 1
-        steps = tuple(BatchStep(sig, tuple([nodes[i] for i in rows])) for sig, rows in entry.steps)
+        steps = tuple(BatchStep(sig, rows(nodes)) for sig, rows in entry.steps)
         if entry.program is None and entry.hits >= self.compile_after and not entry.uncompilable:
             self._compile(key, entry, steps)
         if entry.program is not None:
@@ -358,14 +359,23 @@ class CachedPlan(Strategy):
             old_key = next(iter(self.cache))
             self.cache.pop(old_key)
             self.compiled.pop(old_key, None)
-        entry = _Entry([(step.sig, [n.pos for n in step.nodes]) for step in plan.steps],
+        entry = _Entry([(step.sig, _picker([n.pos for n in step.nodes])) for step in plan.steps],
                        [None] * len(plan.steps))
         self.cache[key] = entry
         return entry.recipes
 
 
+def _picker(positions):
+    """``f(nodes) -> tuple of nodes[i] for i in positions``, as one C call
+    (``itemgetter``): on a cache hit this is all the planning left."""
+    if len(positions) == 1:
+        only = positions[0]
+        return lambda nodes: (nodes[only],)
+    return itemgetter(*positions)
+
+
 class _Entry:
-    """A cached plan: steps as (signature, node positions), recipes, how
+    """A cached plan: steps as (signature, picker of its nodes), recipes, how
     often it was reused, and its compiled program once there is one."""
     __slots__ = ('steps', 'recipes', 'hits', 'program', 'uncompilable')
 
