@@ -47,6 +47,14 @@ def load_revision(rev):
                              check=True, capture_output=True).stdout
     subprocess.run(['tar', '-x', '-C', folder], input=archive, check=True)
     os.rename(os.path.join(folder, 'gluon_dynbatch'), os.path.join(folder, 'gdb_rev'))
+    if os.path.exists(os.path.join(folder, 'gdb_rev', '_speedups.c')):
+        # the revision's C extension, built as pip would (else both sides
+        # would not be compared as installed)
+        subprocess.run([sys.executable, '-c', 'from setuptools import setup, Extension; '
+                        'setup(name="gdb_rev", script_args=["-q", "build_ext", "--inplace"], '
+                        'ext_modules=[Extension("gdb_rev._speedups", ["gdb_rev/_speedups.c"], '
+                        'extra_compile_args=["-O2"])])'],
+                       cwd=folder, check=True, capture_output=True)
     sys.path.insert(0, folder)
     import gdb_rev  # pylint: disable=import-outside-toplevel,import-error
     return gdb_rev
@@ -83,6 +91,9 @@ def main(argv=None):
              'working tree': bt.DynBatchForm(dyb, ctx.dnode, ctx.dhead, args.strategy)}
     print('MXNET_ENGINE_TYPE=NaiveEngine OMP_NUM_THREADS=1; revision %s vs working tree, '
           'strategy %s' % (args.rev, args.strategy), flush=True)
+    for name, module in (('revision', old), ('working tree', dyb)):
+        accel = getattr(module, 'accel', None)
+        print('%s: %s' % (name, accel.STATUS if accel else 'pure Python (no accel module)'))
     for setting in args.settings:
         mode, batch = setting.split()
         batch = int(batch)

@@ -91,6 +91,7 @@ class TracedSignature:
         # compiled step programs by gather pattern (see lower.py); row-wise
         # symbols accept any batch size, so one program serves every N
         self.programs = {}
+        self.zero_rows = {}     # padding rows of its list arguments (see execute.py)
 
     def item_pos(self, item):
         """Position among the flat leaves of top-level argument ``item``'s
