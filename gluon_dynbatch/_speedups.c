@@ -123,11 +123,13 @@ static int count_up(PyObject *counts, PyObject *key)
 }
 
 /* What recording reads of a signature, kept for the signatures seen
- * lately (a direct-mapped cache holding strong references): attribute
- * lookups were a fifth of a recorded call.  Signatures never change after
- * DynBatchBlock._trace returns, and only traced ones reach this cache. */
+ * lately (a direct-mapped cache): attribute lookups were a fifth of a
+ * recorded call.  Signatures never change after DynBatchBlock._trace
+ * returns, and only traced ones reach this cache.  An entry holds its
+ * signature by a weak reference, so the cache keeps no model alive (a dead
+ * signature's reference reads None, which no live signature is). */
 typedef struct {
-    PyObject *sig, *family, *out_info, *out_fmt;
+    PyObject *ref, *family, *out_info, *out_fmt;
     int safe;
 } SigInfo;
 
@@ -137,7 +139,7 @@ static SigInfo sig_cache[SIG_CACHE];
 static SigInfo *sig_info(PyObject *sig)
 {
     SigInfo *info = &sig_cache[((uintptr_t)sig >> 4) % SIG_CACHE];
-    if (info->sig == sig)
+    if (info->ref != NULL && PyWeakref_GET_OBJECT(info->ref) == sig)
         return info;
     PyObject *flag = PyObject_GetAttr(sig, s_batch_safe);
     int safe = flag == NULL ? -1 : PyObject_IsTrue(flag);
@@ -153,8 +155,12 @@ static SigInfo *sig_info(PyObject *sig)
             PyErr_SetString(PyExc_TypeError, "signature without an out_info list");
         return NULL;
     }
-    Py_INCREF(sig);
-    Py_XSETREF(info->sig, sig);
+    PyObject *ref = PyWeakref_NewRef(sig, NULL);
+    if (ref == NULL) {
+        Py_DECREF(family); Py_DECREF(out_info); Py_DECREF(out_fmt);
+        return NULL;
+    }
+    Py_XSETREF(info->ref, ref);
     Py_XSETREF(info->family, family);
     Py_XSETREF(info->out_info, out_info);
     Py_XSETREF(info->out_fmt, out_fmt);

@@ -177,6 +177,22 @@ def test_host_rows_match_numpy_and_defer_the_unusual():
     assert host_array(rows + [mx.nd.ones((1, 4))], mx.cpu()) is None
 
 
+def test_recording_keeps_no_model_alive():
+    """The C recorder caches what it reads of signatures, by weak reference:
+    a model deleted by the user is freed."""
+    import gc
+    import weakref
+    cell = dyb.DynBatchBlock(ChildSumTreeLSTMCell(3, 3))
+    cell.initialize()
+    with dyb.batching():
+        h, c = cell(mx.nd.ones((1, 3)), [], [])
+        cell(mx.nd.ones((1, 3)), [h], [c])
+    alive = weakref.ref(cell.block)
+    del cell, h, c
+    gc.collect()
+    assert alive() is None
+
+
 def test_errors_come_from_the_python_version():
     """The C path defers every rejected call: the user sees the same errors."""
     block = dyb.DynBatchBlock(TwoOutputs())
