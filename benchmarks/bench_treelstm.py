@@ -51,6 +51,7 @@ PER_SAMPLE = 'per-sample'
 HYBRID = 'per-sample-hybrid'
 HAND = 'hand-batched'
 DYB_PREFIX = 'dynbatch-'
+DYB_PURE = 'dynbatch-auto-py'
 
 # (name, mode, minibatch size)
 FULL_SETTINGS = [('infer B=1', 'infer', 1), ('infer B=25', 'infer', 25),
@@ -185,7 +186,13 @@ def runtime_config(args, mx):
         'platform': platform.platform(),
         'cpu': _cpu_model(),
         'cores_available': cores,
+        'dynbatch_accel': _accel_status(),
     }
+
+
+def _accel_status():
+    import gluon_dynbatch.accel  # pylint: disable=import-outside-toplevel
+    return gluon_dynbatch.accel.STATUS
 
 
 # ==========================================================================
@@ -234,6 +241,8 @@ class Forms:
             self.forms[DYB_PREFIX + strategy] = DynBatchForm(
                 dyb, self.dnode, self.dhead,
                 dyb.CachedPlan() if strategy == 'cached' else strategy)
+        if dyb.accel.STATUS == 'C extension':     # what the C fast paths are worth
+            self.forms[DYB_PURE] = PurePythonForm(dyb, self.dnode, self.dhead, 'auto')
         if wanted:
             for name in list(self.forms):
                 if name != PER_SAMPLE and name not in wanted:
@@ -361,6 +370,18 @@ class DynBatchForm:
             preds = [self.dhead(self.encode(a_tree, a_ids)[0], self.encode(b_tree, b_ids)[0])
                      for a_ids, a_tree, b_ids, b_tree in pairs]
         return self.dyb.concat_rows(preds)
+
+
+class PurePythonForm(DynBatchForm):
+    """``dynbatch-auto`` with the C fast paths off (gluon_dynbatch.accel):
+    the same strategy, recorded and run by the pure-Python reference code."""
+
+    def __call__(self, pairs, deadline=None):
+        self.dyb.accel.enable(False)
+        try:
+            return super().__call__(pairs, deadline)
+        finally:
+            self.dyb.accel.enable(True)
 
 
 # ==========================================================================
@@ -925,10 +946,10 @@ def main(argv=None):
 
     config = runtime_config(args, mx)
     print('MXNet %s | engine %s | OMP_NUM_THREADS=%s | MXNET_CPU_WORKER_NTHREADS=%s | '
-          'LD_PRELOAD=%r | allocator %s | %s, %s cores'
+          'LD_PRELOAD=%r | allocator %s | %s, %s cores | gluon_dynbatch: %s'
           % (config['mxnet'], config['engine'], config['OMP_NUM_THREADS'],
              config['MXNET_CPU_WORKER_NTHREADS'], config['LD_PRELOAD'], config['allocator'],
-             config['cpu'], config['cores_available']), flush=True)
+             config['cpu'], config['cores_available'], config['dynbatch_accel']), flush=True)
 
     folder, items, targets, vocab_size, embedding = load_data(args)
     nodes, internal, edges, arities = tree_counts(items)

@@ -37,7 +37,7 @@ static Py_ssize_t lv_node, lv_index, lv_data;
 static Py_ssize_t n_sig, n_leaves, n_depth, n_scope, n_pos, n_state, n_used, n_arrays, n_row;
 
 static PyObject *s_out_info, *s_batch_safe, *s_group_key, *s_out_fmt, *s_out_shapes,
-    *s_signatures, *s_trace, *s_pending, *s_groups, *s_used, *s_unsafe, *s_record_s,
+    *s_signatures, *s_trace, *s_pending, *s_record_s,
     *s_shape, *s_dtype, *s_type, *s_context, *s_device_typeid, *s_device_id, *s_sig_id, *s_arrays, *s_value;
 
 enum { PENDING = 0, DONE = 1, FAILED = 2 };
@@ -108,20 +108,6 @@ static inline double now(void)
     return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-/* counts[key] += 1 */
-static int count_up(PyObject *counts, PyObject *key)
-{
-    PyObject *old = PyDict_GetItemWithError(counts, key);    /* borrowed */
-    if (old == NULL && PyErr_Occurred())
-        return -1;
-    PyObject *new = old == NULL ? (Py_INCREF(int_one), int_one) : PyNumber_Add(old, int_one);
-    if (new == NULL)
-        return -1;
-    int rc = PyDict_SetItem(counts, key, new);
-    Py_DECREF(new);
-    return rc;
-}
-
 /* What recording reads of a signature, kept for the signatures seen
  * lately (a direct-mapped cache): attribute lookups were a fifth of a
  * recorded call.  Signatures never change after DynBatchBlock._trace
@@ -168,35 +154,14 @@ static SigInfo *sig_info(PyObject *sig)
     return info;
 }
 
-/* (depth, sig.group_key) of a node whose signature is batch-safe, else
- * NULL with no error; NULL with an error on failure. */
-static PyObject *group_of(PyObject *sig, PyObject *depth, int *safe)
+/* _mark_used of block.py, but only the flag: the C path counts groups at
+ * the flush (count_groups), not per call */
+static void mark_used(PyObject *node)
 {
-    SigInfo *info = sig_info(sig);
-    if (info == NULL) {
-        *safe = -1;
-        return NULL;
+    if (SLOT(node, n_used) != Py_True) {
+        Py_INCREF(Py_True);
+        set_slot(node, n_used, Py_True);
     }
-    *safe = info->safe;
-    return info->safe ? PyTuple_Pack(2, depth, info->family) : NULL;
-}
-
-/* _mark_used of block.py */
-static int mark_used(PyObject *node)
-{
-    if (SLOT(node, n_used) == Py_True)
-        return 0;
-    Py_INCREF(Py_True);
-    set_slot(node, n_used, Py_True);
-    int safe = 0;
-    PyObject *group = group_of(SLOT(node, n_sig), SLOT(node, n_depth), &safe);
-    if (group == NULL)
-        return safe < 0 || PyErr_Occurred() ? -1 : 0;
-    PyObject *used = PyObject_GetAttr(SLOT(node, n_scope), s_used);
-    int rc = used == NULL ? -1 : count_up(used, group);
-    Py_XDECREF(used);
-    Py_DECREF(group);
-    return rc;
 }
 
 static PyObject *new_lazy(PyObject *node, PyObject *index)
@@ -411,7 +376,7 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
         if (sig == NULL) BAIL(error);
     }
     for (Py_ssize_t i = 0; i < n_marks; i++)
-        if (mark_used(marks[i])) BAIL(error);
+        mark_used(marks[i]);
 
     pending = PyObject_GetAttr(scope, s_pending);
     if (pending == NULL) BAIL(error);
@@ -434,24 +399,6 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
     Py_INCREF(Py_None); SLOT(node, n_arrays) = Py_None;
     Py_INCREF(int_zero); SLOT(node, n_row) = int_zero;
 
-    int safe = 0;
-    PyObject *group = group_of(sig, depth_obj, &safe);
-    if (group != NULL) {
-        PyObject *groups = PyObject_GetAttr(scope, s_groups);
-        int rc = groups == NULL ? -1 : count_up(groups, group);
-        Py_XDECREF(groups);
-        Py_DECREF(group);
-        if (rc) BAIL(error);
-    } else if (safe < 0 || PyErr_Occurred()) {
-        BAIL(error);
-    } else {
-        PyObject *unsafe = PyObject_GetAttr(scope, s_unsafe);
-        PyObject *more = unsafe ? PyNumber_Add(unsafe, int_one) : NULL;
-        Py_XDECREF(unsafe);
-        int rc = more == NULL ? -1 : PyObject_SetAttr(scope, s_unsafe, more);
-        Py_XDECREF(more);
-        if (rc) BAIL(error);
-    }
     if (PyList_Append(pending, node)) BAIL(error);
 
     SigInfo *info = sig_info(sig);
@@ -777,6 +724,86 @@ static PyObject *finish_nodes(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------- count_groups */
+
+/* plan.count_groups_py in C: (calls per (depth, family), those of them
+ * read by a later call of the flush, calls that run alone).  Recording in
+ * C leaves this to one pass at the flush: counting per call was 30% of a
+ * recorded call. */
+typedef struct {
+    long depth, family;             /* the key; depth -1: empty slot */
+    PyObject *depth_obj, *family_obj;   /* borrowed: the nodes keep them */
+    Py_ssize_t count, used;
+} GroupCount;
+
+static PyObject *count_groups(PyObject *self, PyObject *nodes)
+{
+    if (!configured || !PyList_Check(nodes)) {
+        PyErr_SetString(PyExc_TypeError, "count_groups(list of nodes)");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(nodes), size = 64, filled = 0, alone = 0;
+    GroupCount *table = NULL;
+    PyObject *groups = NULL, *used = NULL;
+    while (size < 2 * n + 2 && size < (1 << 20)) size *= 2;      /* at most half full */
+    table = PyMem_Malloc(size * sizeof(GroupCount));
+    if (table == NULL) return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < size; i++) table[i].depth = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *node = PyList_GET_ITEM(nodes, i);
+        if (Py_TYPE(node) != NodeType) {
+            PyErr_SetString(PyExc_TypeError, "count_groups: not a Node");
+            goto error;
+        }
+        SigInfo *info = sig_info(SLOT(node, n_sig));
+        if (info == NULL) goto error;
+        if (!info->safe) { alone++; continue; }
+        PyObject *depth_obj = SLOT(node, n_depth);
+        long depth = PyLong_AsLong(depth_obj), family = PyLong_AsLong(info->family);
+        if (PyErr_Occurred()) goto error;
+        size_t slot = ((size_t)depth * 1000003u ^ (size_t)family * 2654435761u) & (size - 1);
+        while (table[slot].depth != -1 &&
+               (table[slot].depth != depth || table[slot].family != family))
+            slot = (slot + 1) & (size - 1);
+        GroupCount *entry = &table[slot];
+        if (entry->depth == -1) {
+            if (++filled > size / 2) {          /* cannot happen: size >= 2n */
+                PyErr_SetString(PyExc_RuntimeError, "count_groups: table full");
+                goto error;
+            }
+            entry->depth = depth; entry->family = family;
+            entry->depth_obj = depth_obj; entry->family_obj = info->family;
+            entry->count = entry->used = 0;
+        }
+        entry->count++;
+        if (SLOT(node, n_used) == Py_True) entry->used++;
+    }
+    groups = PyDict_New();
+    used = PyDict_New();
+    if (!groups || !used) goto error;
+    for (Py_ssize_t i = 0; i < size; i++) {
+        GroupCount *entry = &table[i];
+        if (entry->depth == -1) continue;
+        PyObject *key = PyTuple_Pack(2, entry->depth_obj, entry->family_obj);
+        PyObject *count = key ? PyLong_FromSsize_t(entry->count) : NULL;
+        int rc = count == NULL || PyDict_SetItem(groups, key, count);
+        Py_XDECREF(count);
+        if (!rc && entry->used) {
+            count = PyLong_FromSsize_t(entry->used);
+            rc = count == NULL || PyDict_SetItem(used, key, count);
+            Py_XDECREF(count);
+        }
+        Py_XDECREF(key);
+        if (rc) goto error;
+    }
+    PyMem_Free(table);
+    return Py_BuildValue("(NNn)", groups, used, alone);
+error:
+    PyMem_Free(table);
+    Py_XDECREF(groups); Py_XDECREF(used);
+    return NULL;
+}
+
 /* ------------------------------------------------------- depth_groups */
 
 static int sig_family(PyObject *sig, int *safe, PyObject **family)
@@ -872,6 +899,7 @@ static PyMethodDef methods[] = {
      "call_method(DynBatchBlock, thread-local holding .scope, python_call(dblock, args))"},
     {"host_rows", host_rows, METH_O, "host_rows(numpy leaves): their bytes concatenated, or None"},
     {"finish_nodes", finish_nodes, METH_VARARGS, "finish_nodes(nodes, arrays): see execute.finish"},
+    {"count_groups", count_groups, METH_O, "count_groups(nodes): see plan.count_groups_py"},
     {"depth_groups", depth_groups, METH_O, "depth_groups(nodes): see plan.depth_groups_py"},
     {NULL, NULL, 0, NULL}
 };
@@ -888,8 +916,8 @@ PyMODINIT_FUNC PyInit__speedups(void)
     INTERN(s_out_info, "out_info"); INTERN(s_batch_safe, "batch_safe");
     INTERN(s_group_key, "group_key"); INTERN(s_out_fmt, "out_fmt");
     INTERN(s_out_shapes, "out_shapes"); INTERN(s_signatures, "_signatures");
-    INTERN(s_trace, "_trace"); INTERN(s_pending, "pending"); INTERN(s_groups, "groups");
-    INTERN(s_used, "used"); INTERN(s_unsafe, "unsafe"); INTERN(s_record_s, "record_s");
+    INTERN(s_trace, "_trace"); INTERN(s_pending, "pending");
+    INTERN(s_record_s, "record_s");
     INTERN(s_shape, "shape"); INTERN(s_dtype, "dtype"); INTERN(s_type, "type");
     INTERN(s_context, "context"); INTERN(s_device_typeid, "device_typeid");
     INTERN(s_device_id, "device_id"); INTERN(s_sig_id, "sig_id"); INTERN(s_arrays, "arrays"); INTERN(s_value, "value"); INTERN(s_scope, "scope");

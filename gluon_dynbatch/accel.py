@@ -6,7 +6,9 @@ minibatch of 256.  ``_speedups.c`` does the common case of the hot
 functions in C:
 
 * :func:`record` - :meth:`~.block.BatchingScope.record`, called straight
-  from a C ``DynBatchBlock.__call__`` (no Python frame per call);
+  from a C ``DynBatchBlock.__call__`` (no Python frame per call), which
+  leaves counting the calls per group to :func:`count_groups`
+  (:func:`~.plan.count_groups_py`), one pass at the flush;
 * :func:`depth_groups` - :func:`~.plan.depth_groups_py` (depth grouping);
 * :func:`structure_key` - :func:`~.plan.structure_key_py` (cached plans hash
   every flush);
@@ -33,12 +35,13 @@ import numpy as np
 from .graph import LazyValue, Node
 from .trace import _ZEROS, regroup
 
-__all__ = ['record', 'depth_groups', 'structure_key', 'gather_index', 'host_rows', 'finish_nodes',
-           'enable', 'STATUS']
+__all__ = ['record', 'count_groups', 'depth_groups', 'structure_key', 'gather_index', 'host_rows',
+           'finish_nodes', 'enable', 'STATUS']
 
-FUNCTIONS = ('record', 'depth_groups', 'structure_key', 'gather_index', 'host_rows',
-             'finish_nodes')
-record = depth_groups = structure_key = gather_index = host_rows = finish_nodes = None
+FUNCTIONS = ('record', 'count_groups', 'depth_groups', 'structure_key', 'gather_index',
+             'host_rows', 'finish_nodes')
+record = count_groups = depth_groups = structure_key = gather_index = host_rows = None
+finish_nodes = None
 
 
 def _group_outputs(node):

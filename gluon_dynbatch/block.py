@@ -20,7 +20,7 @@ from . import accel, debug
 from .errors import InputError, ScopeError
 from .execute import collect, pad_leaves, run_plan, to_device
 from .graph import DONE, FAILED, PENDING, LazyValue, Node
-from .plan import STRATEGIES, merge_sinks
+from .plan import STRATEGIES, summarize
 from .trace import flatten, leaf_count, regroup, trace_signature
 
 __all__ = ['DynBatchBlock', 'batching', 'concat_rows', 'current_scope', 'private_scope']
@@ -85,9 +85,13 @@ class BatchingScope:
         if not self.pending:
             return
         nodes, self.pending = self.pending, []
-        groups = merge_sinks(self.groups, self.used)    # what depth grouping will make
-        summary = {'depth_steps': len(groups) + self.unsafe,
-                   'fingerprint': (frozenset(groups.items()), self.unsafe)}
+        # what depth grouping will make: the C recorder leaves the counting
+        # to one pass here (part of recording's time), the Python one counts
+        # as it goes
+        counted = _clock()
+        summary = summarize(nodes, None if accel.count_groups else
+                            (self.groups, self.used, self.unsafe))
+        self.record_s += _clock() - counted
         self.groups, self.used, self.unsafe = {}, {}, 0
         record_ms, self.record_s = self.record_s * 1e3, 0.0
         try:

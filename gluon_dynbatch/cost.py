@@ -29,7 +29,7 @@ import mxnet as mx
 
 from .execute import run_plan
 from .plan import (PADDING_COST, STRATEGIES, Agenda, ByDepth, CachedPlan, PerSample, Plan,
-                   Strategy, merge_sinks)
+                   Strategy, summarize)
 
 __all__ = ['CostModel', 'Auto', 'default_cost_model']
 
@@ -222,6 +222,8 @@ class Auto(Strategy):
       agenda saves nothing, see ``_probe``), also plans with the strategy
       not chosen among depth/agenda, without running it, so both per-node
       costs and agenda's step saving (per kind of graph) stay measured.
+      Flushes that run a cached plan are not probed: their structure was
+      seen before.
     * Flushes of fewer than ``small`` calls are planned by depth without
       deciding: the decision itself would cost more than it could save.
     * A cached plan is considered only for a graph whose summary (calls per
@@ -304,7 +306,8 @@ class Auto(Strategy):
             plan = STRATEGIES[name].plan(nodes)
             self.model.observe_analysis(name, time.perf_counter() - start, len(nodes))
             plan = self._remember(fingerprint, nodes, plan, name)
-        self._probe(nodes, summary, name, kind)
+        if name != 'cached':    # a structure seen before: a probe would learn nothing new
+            self._probe(nodes, summary, name, kind)
         self.choices[name] = self.choices.get(name, 0) + 1
         self.last = {'choice': name, 'predicted_ms': sum(predictions[name]),
                      'depth_steps': summary['depth_steps'], 'kind': kind,
@@ -426,24 +429,6 @@ class _Repeating:
         self.sightings = 0
         self.cached_runs = 0
         self.best_ms = {}
-
-
-def summarize(nodes):
-    """What recording knows of a flush, computed from the nodes (the scope
-    keeps it up to date while recording instead)."""
-    groups, used = {}, {}
-    unsafe = 0
-    for node in nodes:
-        if node.sig.batch_safe:
-            key = (node.depth, node.sig.group_key)
-            groups[key] = groups.get(key, 0) + 1
-            if node.used:
-                used[key] = used.get(key, 0) + 1
-        else:
-            unsafe += 1
-    groups = merge_sinks(groups, used)
-    return {'depth_steps': len(groups) + unsafe,
-            'fingerprint': (frozenset(groups.items()), unsafe)}
 
 
 STRATEGIES['auto'] = Auto()

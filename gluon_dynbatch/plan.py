@@ -31,7 +31,7 @@ from . import accel
 from .graph import PENDING, LazyValue
 
 __all__ = ['BatchStep', 'Plan', 'Strategy', 'PerSample', 'ByDepth', 'Agenda', 'CachedPlan',
-           'structure_key', 'merge_sinks', 'STRATEGIES']
+           'structure_key', 'merge_sinks', 'summarize', 'STRATEGIES']
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ def _split_buckets(widths, counts, step_us=None):
 
 class Strategy:
     """Interface: ``plan(nodes, summary=None) -> Plan`` for nodes in recording
-    order (``summary``: what recording counted, see ``cost.summarize``), and
+    order (``summary``: see :func:`summarize`), and
     ``observe(...)``, told what the plan then cost."""
     name = 'strategy'
     last_compile_s = 0.0   # of the last plan(): compiling a whole plan (cached plans)
@@ -209,6 +209,38 @@ def merge_sinks(groups, used):
             sink = (last_sink[family], family)
             merged[sink] = merged.get(sink, 0) + count - read
     return merged
+
+
+def count_groups_py(nodes):
+    """``(groups, used, alone)``: calls per (depth, family), those of them
+    read by a later call of the flush, and the number of calls that run
+    alone (not batch-safe).  Python recording keeps these counts as it goes;
+    the C recorder (:mod:`~gluon_dynbatch.accel`) counts them here, in C, at
+    the flush."""
+    groups, used = {}, {}
+    alone = 0
+    for node in nodes:
+        if node.sig.batch_safe:
+            key = (node.depth, node.sig.group_key)
+            groups[key] = groups.get(key, 0) + 1
+            if node.used:
+                used[key] = used.get(key, 0) + 1
+        else:
+            alone += 1
+    return groups, used, alone
+
+
+def summarize(nodes, counts=None):
+    """What depth grouping will make of a flush, known before planning:
+    ``depth_steps`` and a ``fingerprint`` (calls per merged (depth, family)
+    group), from ``counts`` (see :func:`count_groups_py`) or, by default,
+    counted from the nodes."""
+    if counts is None:
+        counts = (accel.count_groups or count_groups_py)(nodes)
+    groups, used, alone = counts
+    groups = merge_sinks(groups, used)
+    return {'depth_steps': len(groups) + alone,
+            'fingerprint': (frozenset(groups.items()), alone)}
 
 
 class Agenda(Strategy):

@@ -17,7 +17,7 @@ from gluon_dynbatch.block import BatchingScope, private_scope
 from gluon_dynbatch.execute import ZeroRow, collect, host_array, run_plan
 from gluon_dynbatch.graph import LazyValue
 from gluon_dynbatch.models import ChildSumTreeLSTMCell
-from gluon_dynbatch.plan import ByDepth, depth_groups_py, structure_key_py
+from gluon_dynbatch.plan import ByDepth, count_groups_py, depth_groups_py, structure_key_py
 
 from helpers import AcrossBatch, DenseAddLists, TwoOutputs, assert_same, run_both
 
@@ -100,8 +100,7 @@ def snapshot(scope, results):
         return ('input', id(value))
     nodes = [(node.sig, node.depth, node.pos, node.used, node.state,
               [name(leaf) for leaf in node.leaves]) for node in scope.pending]
-    return (nodes, dict(scope.groups), dict(scope.used), scope.unsafe,
-            [[name(v) for v in out] for out in results])
+    return nodes, [[name(v) for v in out] for out in results]
 
 
 KINDS = ['cell', 'two', 'lstm', 'alone', 'nested']
@@ -112,7 +111,7 @@ programs = st.lists(st.tuples(st.sampled_from(KINDS), st.lists(st.integers(0, 50
 
 @needs_extension
 @given(programs)
-def test_record_depth_groups_and_structure_key_match_python(ops):
+def test_record_counts_groups_and_keys_match_python(ops):
     blocks = Blocks()
     seen = []
     for on in (True, False):
@@ -123,6 +122,10 @@ def test_record_depth_groups_and_structure_key_match_python(ops):
                 seen.append(snapshot(scope, results))
                 assert scope.record_s > 0
                 nodes = list(scope.pending)
+                counts = count_groups_py(nodes)
+                assert accel._LOADED['count_groups'](nodes) == counts
+                if not on:      # the Python recorder counted as it went
+                    assert (scope.groups, scope.used, scope.unsafe) == counts
                 fast_groups = accel._LOADED['depth_groups'](nodes)
                 assert [(k, list(v.items())) for k, v in fast_groups[0].items()] == \
                     [(k, list(v.items())) for k, v in depth_groups_py(nodes)[0].items()]

@@ -7,7 +7,7 @@ from mxnet import autograd, gluon
 from mxnet.gluon import nn
 
 import gluon_dynbatch as dyb
-from gluon_dynbatch.cost import summarize
+from gluon_dynbatch.plan import summarize
 from gluon_dynbatch.models import ChildSumTreeLSTMCell
 
 from helpers import DenseAddLists, random_tree

@@ -7,8 +7,8 @@ import numpy as np
 from mxnet.gluon import nn
 
 import gluon_dynbatch as dyb
-from gluon_dynbatch.cost import summarize
-from gluon_dynbatch.plan import merge_sinks
+from gluon_dynbatch import accel
+from gluon_dynbatch.plan import count_groups_py, summarize
 from gluon_dynbatch.models import ChildSumTreeLSTMCell
 
 from helpers import DenseAddLists, random_tree
@@ -53,22 +53,32 @@ def test_save_and_load_profile(tmp_path):
 
 
 def test_recording_counts_what_depth_grouping_makes():
+    """The counts behind the cost model's step estimate, kept while recording
+    (Python) or counted at the flush (C), give depth grouping's groups."""
     cell = dyb.DynBatchBlock(ChildSumTreeLSTMCell(4, 3))
     cell.initialize()
     rng = np.random.RandomState(1)
-    with dyb.batching('depth') as scope:
-        record_trees(cell, [random_tree(rng, rng.randint(1, 15), 4) for _ in range(6)])
-        nodes = list(scope.pending)
-        recorded = len(merge_sinks(scope.groups, scope.used)) + scope.unsafe
-        last_root = {}      # roots are read by nothing: they wait for the deepest root
-        for n in nodes:
-            if not n.used:
-                key = n.sig.group_key
-                last_root[key] = max(last_root.get(key, 0), n.depth)
-        families = len({(n.depth if n.used else last_root[n.sig.group_key], n.sig.group_key)
-                        for n in nodes})
-        assert recorded == summarize(nodes)['depth_steps'] == families
-        assert len(dyb.ByDepth().plan(nodes).steps) >= families   # splits only add steps
+    accel.enable(False)                 # the Python recorder: counts as it goes
+    try:
+        with dyb.batching('depth') as scope:
+            record_trees(cell, [random_tree(rng, rng.randint(1, 15), 4) for _ in range(6)])
+            nodes = list(scope.pending)
+            kept = (scope.groups, scope.used, scope.unsafe)
+            assert kept == count_groups_py(nodes)
+            if accel.enable(True):
+                assert accel.count_groups(nodes) == kept
+    finally:
+        accel.enable(True)
+    recorded = summarize(nodes, kept)['depth_steps']
+    last_root = {}      # roots are read by nothing: they wait for the deepest root
+    for n in nodes:
+        if not n.used:
+            key = n.sig.group_key
+            last_root[key] = max(last_root.get(key, 0), n.depth)
+    families = len({(n.depth if n.used else last_root[n.sig.group_key], n.sig.group_key)
+                    for n in nodes})
+    assert recorded == summarize(nodes)['depth_steps'] == families
+    assert len(dyb.ByDepth().plan(nodes).steps) >= families   # splits only add steps
 
 
 def test_cached_plan_is_reused_for_equal_structures():
@@ -279,7 +289,9 @@ def test_auto_replaces_a_stale_cached_plan():
 
 def test_auto_probes_agenda_less_often_where_it_saves_nothing(monkeypatch):
     """Equal chains: agenda makes as many steps as depth, so after each probe
-    the gap to the next doubles (16 probes at a fixed gap of 2 become 5)."""
+    the gap to the next doubles (16 probes at a fixed gap of 2 become 5).
+    Each flush has longer chains: a structure seen before runs its cached
+    plan, with no probe."""
     block = dyb.DynBatchBlock(nn.Dense(3, in_units=3))
     block.initialize()
     agenda = dyb.STRATEGIES['agenda']
@@ -288,14 +300,33 @@ def test_auto_probes_agenda_less_often_where_it_saves_nothing(monkeypatch):
     monkeypatch.setattr(agenda, 'plan', lambda nodes, summary=None:
                         calls.append(len(nodes)) or original(nodes, summary))
     auto = dyb.Auto(model=dyb.CostModel(), probe_every=2, small=1)
-    for _ in range(32):
+    for flush in range(32):
+        with dyb.batching(auto):
+            for _ in range(8):
+                x = mx.nd.ones((1, 3))
+                for _ in range(2 + flush):
+                    x = block(x)
+    assert 'agenda' not in auto.choices and 'cached' not in auto.choices
+    assert len(calls) == 5
+
+
+def test_auto_does_not_probe_a_structure_it_runs_cached(monkeypatch):
+    block = dyb.DynBatchBlock(nn.Dense(3, in_units=3))
+    block.initialize()
+    agenda = dyb.STRATEGIES['agenda']
+    calls = []
+    original = agenda.plan
+    monkeypatch.setattr(agenda, 'plan', lambda nodes, summary=None:
+                        calls.append(len(nodes)) or original(nodes, summary))
+    auto = dyb.Auto(model=dyb.CostModel(), probe_every=2, small=1)
+    for _ in range(12):
         with dyb.batching(auto):
             for _ in range(8):
                 x = mx.nd.ones((1, 3))
                 for _ in range(5):
                     x = block(x)
-    assert 'agenda' not in auto.choices
-    assert len(calls) == 5
+    assert auto.choices['cached'] >= 10
+    assert len(calls) == 1          # the first flush of this kind of graph only
 
 
 def test_cached_plan_reads_new_host_lists():
