@@ -1,19 +1,24 @@
 /* Optional C fast paths for the per-call work of gluon_dynbatch.
  *
- * Recording runs once per block call (5,000+ per SICK minibatch of 256), so
- * its Python cost, ~3 us a call, was a fifth of a batched minibatch.  This
- * module does the same work in C:
+ * Recording runs once per block call (5,000+ per SICK minibatch of 256),
+ * and planning and running a flush touch every node again; in Python that
+ * was a third of a batched minibatch.  This module does the same work in
+ * C (see accel.py for the Python side):
  *
- *   record(scope, dblock, args)  -> the lazy result(s), or None
- *   structure_key(nodes)         -> the flat structure tuple of plan.structure_key
- *   gather_index(leaves)         -> (distinct arrays, index bytes (int32)), or None
+ *   DynBatchBlock.__call__ (call_method) -> record without a Python frame
+ *   record(scope, dblock, args)  -> BatchingScope.record; None: run Python's
+ *   count_groups(nodes)          -> plan.count_groups_py
+ *   depth_groups(nodes)          -> plan.depth_groups_py
+ *   structure_key(nodes)         -> plan.structure_key_py
+ *   gather_index(leaves, ZeroRow)-> the lazy-value case of execute.collect
+ *   host_rows(leaves)            -> numpy leaves' bytes, concatenated
+ *   finish_nodes(nodes, arrays)  -> execute.finish_nodes_py
  *
- * Each is an exact copy of a Python function (BatchingScope.record,
- * plan.structure_key, the lazy-value case of execute.collect) for the common
- * case only.  Whenever a call is unusual (nested lists, a failed producer,
- * mixed contexts or dtypes, an unknown leaf type) record() returns None
- * *before changing anything*, and the caller runs the Python version, which
- * also raises the errors.  So errors and rare cases have one implementation.
+ * Each is an exact copy of the Python function named for the common case
+ * only.  Whenever a call is unusual (nested lists, a failed producer, mixed
+ * contexts or dtypes, an unknown leaf type) record() returns None *before
+ * changing anything*, and the caller runs the Python version, which also
+ * raises the errors.  So errors and rare cases have one implementation.
  *
  * Node and LazyValue stay Python classes with __slots__; configure() reads
  * the offsets of their slots from the slot descriptors, and this module
@@ -36,9 +41,10 @@ static PyObject *pair_fmt, *int_zero, *int_one, *str_host, *str_array;
 static Py_ssize_t lv_node, lv_index, lv_data;
 static Py_ssize_t n_sig, n_leaves, n_depth, n_scope, n_pos, n_state, n_used, n_arrays, n_row;
 
-static PyObject *s_out_info, *s_batch_safe, *s_group_key, *s_out_fmt, *s_out_shapes,
+static PyObject *s_out_info, *s_batch_safe, *s_group_key, *s_out_fmt,
     *s_signatures, *s_trace, *s_pending, *s_record_s,
-    *s_shape, *s_dtype, *s_type, *s_context, *s_device_typeid, *s_device_id, *s_sig_id, *s_arrays, *s_value;
+    *s_shape, *s_dtype, *s_type, *s_context, *s_device_typeid, *s_device_id, *s_sig_id,
+    *s_arrays, *s_value;
 
 enum { PENDING = 0, DONE = 1, FAILED = 2 };
 
@@ -74,8 +80,10 @@ static PyObject *configure(PyObject *self, PyObject *args)
     NDArrayType = (PyTypeObject *)ndarray;
     NumpyType = (PyTypeObject *)numpy_type;
     Py_INCREF(lazy); Py_INCREF(node); Py_INCREF(ndarray); Py_INCREF(numpy_type);
-    Py_INCREF(current_context); Py_INCREF(default_ctx_holder); Py_INCREF(group_outputs); Py_INCREF(zeros_fmt);
-    if (slot_offset(LazyValueType, "_node", &lv_node) || slot_offset(LazyValueType, "_index", &lv_index)
+    Py_INCREF(current_context); Py_INCREF(default_ctx_holder);
+    Py_INCREF(group_outputs); Py_INCREF(zeros_fmt);
+    if (slot_offset(LazyValueType, "_node", &lv_node)
+        || slot_offset(LazyValueType, "_index", &lv_index)
         || slot_offset(LazyValueType, "_data", &lv_data)
         || slot_offset(NodeType, "sig", &n_sig) || slot_offset(NodeType, "leaves", &n_leaves)
         || slot_offset(NodeType, "depth", &n_depth) || slot_offset(NodeType, "scope", &n_scope)
@@ -326,7 +334,8 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
             if (shape == NULL) BAIL(error);
             leaf_dtype = PyObject_GetAttr(leaf, s_dtype);
             leaf_ctx = leaf_dtype ? PyObject_GetAttr(leaf, s_context) : NULL;
-            if (leaf_ctx == NULL || PyList_Append(keep, leaf_dtype) || PyList_Append(keep, leaf_ctx)) {
+            if (leaf_ctx == NULL || PyList_Append(keep, leaf_dtype)
+                || PyList_Append(keep, leaf_ctx)) {
                 Py_DECREF(shape); Py_XDECREF(leaf_dtype); Py_XDECREF(leaf_ctx);
                 BAIL(error);
             }
@@ -856,7 +865,10 @@ static PyObject *depth_groups(PyObject *self, PyObject *nodes)
         PyObject *depth = SLOT(node, n_depth);
         if (SLOT(node, n_used) != Py_True) {
             depth = PyDict_GetItemWithError(last_sink, family);
-            if (depth == NULL) { if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "sink"); goto error; }
+            if (depth == NULL) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "sink");
+                goto error;
+            }
         }
         PyObject *key = PyTuple_Pack(2, depth, family);
         if (key == NULL) goto error;
@@ -915,12 +927,13 @@ PyMODINIT_FUNC PyInit__speedups(void)
 {
     INTERN(s_out_info, "out_info"); INTERN(s_batch_safe, "batch_safe");
     INTERN(s_group_key, "group_key"); INTERN(s_out_fmt, "out_fmt");
-    INTERN(s_out_shapes, "out_shapes"); INTERN(s_signatures, "_signatures");
+    INTERN(s_signatures, "_signatures");
     INTERN(s_trace, "_trace"); INTERN(s_pending, "pending");
     INTERN(s_record_s, "record_s");
     INTERN(s_shape, "shape"); INTERN(s_dtype, "dtype"); INTERN(s_type, "type");
     INTERN(s_context, "context"); INTERN(s_device_typeid, "device_typeid");
-    INTERN(s_device_id, "device_id"); INTERN(s_sig_id, "sig_id"); INTERN(s_arrays, "arrays"); INTERN(s_value, "value"); INTERN(s_scope, "scope");
+    INTERN(s_device_id, "device_id"); INTERN(s_sig_id, "sig_id"); INTERN(s_arrays, "arrays");
+    INTERN(s_value, "value"); INTERN(s_scope, "scope");
     INTERN(str_host, "host"); INTERN(str_array, "array");
     int_zero = PyLong_FromLong(0);
     int_one = PyLong_FromLong(1);

@@ -40,8 +40,8 @@ __all__ = ['record', 'count_groups', 'depth_groups', 'structure_key', 'gather_in
 
 FUNCTIONS = ('record', 'count_groups', 'depth_groups', 'structure_key', 'gather_index',
              'host_rows', 'finish_nodes')
-record = count_groups = depth_groups = structure_key = gather_index = host_rows = None
-finish_nodes = None
+record = count_groups = depth_groups = structure_key = None
+gather_index = host_rows = finish_nodes = None
 
 
 def _group_outputs(node):
@@ -77,7 +77,8 @@ def attach_call(cls, local):
     python_call = cls.__dict__['__call__']
     _CALL.update(cls=cls, python=python_call)
     if 'call_method' in _LOADED:
-        _CALL['c'] = _LOADED['call_method'](cls, local, lambda dblock, args: python_call(dblock, *args))
+        _CALL['c'] = _LOADED['call_method'](
+            cls, local, lambda dblock, args: python_call(dblock, *args))
     enable(record is not None)
 
 

@@ -21,8 +21,8 @@ family when the block allows zero-padded lists (``pad_lists``).
 """
 import time
 from collections import OrderedDict, defaultdict
-from operator import itemgetter
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import List, Optional, Tuple
 
 import numpy as np

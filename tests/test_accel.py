@@ -163,6 +163,7 @@ def test_gathers_match_python(ops):
         found.append((rows, None if index is None else list(index), [id(a) for a in distinct]))
     np.testing.assert_array_equal(found[0][0], found[1][0])
     assert found[0][1:] == found[1][1:]
+    assert accel.gather_index(values + [mx.nd.ones((1, 3))], ZeroRow) is None   # Python's case
 
 
 @needs_extension
