@@ -214,7 +214,8 @@ def concat_rows(values):
             raise InputError('concat_rows(): value %d has shape %s but value 0 has %s; the '
                              'values must share one shape.' % (i, value.shape, shape))
     ctx = values[0].context
-    source, index, _ = collect(values, ctx)
+    parts, index, _ = collect(values, ctx)
+    source = parts[0] if len(parts) == 1 else mx.nd.concat(*parts, dim=0)
     if index is None:
         return source
     return mx.nd.take(source, to_device(np.asarray(index, dtype='int32'), ctx))

@@ -103,7 +103,7 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None):
         width = leaf_count(fmt)
         how = recipe[item] if recipe is not None else None
         if width == 0:
-            pattern.append('direct')
+            pattern.append(None)
             if learned is not None:
                 learned.append('empty')
             continue
@@ -111,26 +111,21 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None):
             learned.append(how)
         if how is not None and how != 'host':
             parts, index = how
-            arrays = [outputs[number][out] if number >= 0 else _zero_row(sig, item, ctx).arrays[0]
-                      for number, out in parts]
-            sources[item] = arrays[0] if len(arrays) == 1 else mx.nd.concat(*arrays, dim=0)
+            sources[item] = [outputs[number][out] if number >= 0
+                             else _zero_row(sig, item, ctx).arrays[0] for number, out in parts]
         elif how == 'host':
-            sources[item] = host_array(_item_rows(nodes, item), ctx)
+            sources[item] = [host_array(_item_rows(nodes, item), ctx)]
             index = None
         else:
-            source, index, distinct, zero = _gather_item(nodes, sig, item, ctx)
-            sources[item] = source
+            sources[item], index, distinct, zero = _gather_item(nodes, sig, item, ctx)
             if index is not None:
                 index = to_device(index, ctx)
             if learned is not None:
                 learned.append(_recipe_part(fmt, distinct, index, where, zero))
-        if index is None:
-            pattern.append('direct')
-        else:
-            pattern.append('take')
-            indices[item] = index
+        pattern.append(('direct' if index is None else 'take', len(sources[item])))
+        indices[item] = index
     program = step_program(sig, tuple(pattern))
-    inputs = [sources[item] if kind == 'src' else indices[item] if kind == 'idx'
+    inputs = [sources[item[0]][item[1]] if kind == 'src' else indices[item] if kind == 'idx'
               else item.data(ctx) for kind, item in program.feeds]
     outs = program.cached_op(*inputs)
     if isinstance(outs, NDArray):
@@ -161,17 +156,18 @@ def _item_rows(nodes, item):
 
 
 def _gather_item(nodes, sig, item, ctx):
-    """Where argument ``item`` of every node lives: ``(source, index,
-    distinct, zero)`` with ``index`` an int32 array, ``(N, K)`` for a list
-    that ``sig`` makes K long and ``(N,)`` otherwise, or None when the source
-    already is the rows in order; ``distinct``, the arrays concatenated into
-    the source (None for host rows); ``zero``, the :class:`ZeroRow` that
-    pads shorter lists (None when none is shorter).  Shorter lists are
-    padded in the index, not per node."""
+    """Where argument ``item`` of every node lives: ``(parts, index,
+    distinct, zero)`` with ``parts`` and ``index`` as :func:`collect` gives
+    them, but ``index`` an int32 array, ``(N, K)`` for a list that ``sig``
+    makes K long and ``(N,)`` otherwise, or None when the parts already are
+    the rows in order; ``distinct``, the arrays the parts are made of (None
+    for host rows); ``zero``, the :class:`ZeroRow` that pads shorter lists
+    (None when none is shorter).  Shorter lists are padded in the index, not
+    per node."""
     fmt = sig.fmt[item]
     if fmt == 0:
-        source, index, distinct = collect(_item_rows(nodes, item), ctx)
-        return (source, None if index is None else np.asarray(index, dtype=np.int32),
+        parts, index, distinct = collect(_item_rows(nodes, item), ctx)
+        return (parts, None if index is None else np.asarray(index, dtype=np.int32),
                 distinct, None)
     width = leaf_count(fmt)      # a nested list is gathered as its flat leaves
     spans = {s: (s.item_pos(item), leaf_count(s.fmt[item]))
@@ -190,14 +186,14 @@ def _gather_item(nodes, sig, item, ctx):
     if counts is not None and min(counts) < width:
         zero = _zero_row(sig, item, ctx)
         leaves.append(zero)
-    source, index, distinct = collect(leaves, ctx)
+    parts, index, distinct = collect(leaves, ctx)
     index = np.arange(len(leaves), dtype=np.int32) if index is None else \
         np.asarray(index, dtype=np.int32)
     if zero is None:
-        return source, index.reshape(len(nodes), width), distinct, None
+        return parts, index.reshape(len(nodes), width), distinct, None
     matrix = np.full((len(nodes), width), index[-1], dtype=np.int32)
     matrix[np.arange(width) < np.asarray(counts)[:, None]] = index[:-1]
-    return source, matrix, distinct, zero
+    return parts, matrix, distinct, zero
 
 
 def _zero_row(sig, item, ctx):
@@ -255,11 +251,13 @@ def pad_leaves(fmt, leaves, padded_fmt, filler):
 
 
 def collect(leaves, ctx):
-    """``(source, index, distinct)`` such that row ``i`` of ``source[index]``
-    is ``leaves[i]``; ``index`` is None when ``source`` already is that.  The
-    source is the one array the rows live in, or the concatenation of the
-    ``distinct`` ones (earlier steps' outputs, user NDArrays, the zero rows
-    of padding); ``distinct`` is None for host rows.
+    """``(parts, index, distinct)`` such that, with ``source`` the
+    concatenation of the arrays ``parts``, row ``i`` of ``source[index]`` is
+    ``leaves[i]``; ``index`` is None when ``source`` already is that.  The
+    parts are the ``distinct`` arrays the rows live in (earlier steps'
+    outputs, user NDArrays, the zero rows of padding), or one array of host
+    rows (``distinct`` None).  Step programs concatenate the parts
+    themselves (one op inside the CachedOp instead of one imperative call).
 
     This runs over every argument row of a flush, so the common case (every
     leaf a computed lazy value or a padding row) is a few comprehensions."""
@@ -267,7 +265,7 @@ def collect(leaves, ctx):
     if isinstance(first, np.ndarray):
         host = host_array(leaves, ctx)
         if host is not None:
-            return host, None, None
+            return [host], None, None
     fast = accel.gather_index
     if fast is not None and type(leaves) is list:
         found = fast(leaves, ZeroRow)      # None unless all are lazy values / padding
@@ -294,17 +292,17 @@ def _numbered_rows(distinct, which, rows):
     bytes, from :func:`~gluon_dynbatch.accel.gather_index`)."""
     index = np.frombuffer(rows, dtype=np.int32)
     if len(distinct) == 1:
-        source = distinct[0]
+        rows_in_parts = distinct[0].shape[0]
     else:
         sizes = [array.shape[0] for array in distinct]
+        rows_in_parts = sum(sizes)
         offsets = np.cumsum([0] + sizes[:-1]).astype(np.int32)
-        source = mx.nd.concat(*distinct, dim=0)
         index = offsets[np.frombuffer(which, dtype=np.int32)] + index
     count = len(index)
-    if source.shape[0] == count and index[0] == 0 and index[-1] == count - 1 \
+    if rows_in_parts == count and index[0] == 0 and index[-1] == count - 1 \
             and (index == np.arange(count)).all():
         index = None
-    return source, index, distinct
+    return distinct, index, distinct
 
 
 def host_array(leaves, ctx):
@@ -325,26 +323,27 @@ def host_array(leaves, ctx):
 
 
 def gather_rows(arrays, rows):
-    """``(source, index, distinct)`` for the rows ``rows[i]`` of
-    ``arrays[i]``: the ``distinct`` arrays concatenated (in order of first
-    use) and each row's position there; ``index`` is None when that is
-    ``0, 1, 2, ...``."""
+    """``(parts, index, distinct)`` (see :func:`collect`) for the rows
+    ``rows[i]`` of ``arrays[i]``: the ``distinct`` arrays in order of first
+    use, and each row's position in their concatenation; ``index`` is None
+    when that is ``0, 1, 2, ...``."""
     keys = list(map(id, arrays))
     distinct = dict(zip(keys, arrays))
+    parts = list(distinct.values())
     if len(distinct) == 1:
-        source = arrays[0]
         index = rows
+        rows_in_parts = arrays[0].shape[0]
     else:
         offsets, offset = {}, 0
         for key, array in distinct.items():
             offsets[key] = offset
             offset += array.shape[0]
-        source = mx.nd.concat(*distinct.values(), dim=0)
         index = list(map(operator.add, map(offsets.__getitem__, keys), rows))
-    if index[0] == 0 and index[-1] == len(index) - 1 and source.shape[0] == len(index) \
+        rows_in_parts = offset
+    if index[0] == 0 and index[-1] == len(index) - 1 and rows_in_parts == len(index) \
             and index == list(range(len(index))):
         index = None
-    return source, index, list(distinct.values())
+    return parts, index, parts
 
 
 def to_device(host, ctx):

@@ -3,8 +3,8 @@
 A step runs a signature's per-sample symbol over N calls.  Each top-level
 argument of the block arrives either *direct* (an array whose rows already
 are the N calls in order, e.g. host token ids) or *gathered*: a source array
-(the earlier batched outputs the rows come from, concatenated) plus an index
-array.  A list argument of length K is gathered with one ``(N, K)`` index
+(the earlier batched outputs the rows come from, passed as separate inputs
+and concatenated inside the program) plus an index array.  A list argument of length K is gathered with one ``(N, K)`` index
 into ``(N, K, ...)`` rows and cut into its K elements by one ``SliceChannel``
 (a single op whose backward writes each gradient once, unlike K slices).
 
@@ -27,8 +27,8 @@ __all__ = ['StepProgram', 'step_program', 'FlushProgram', 'flush_program']
 
 class StepProgram:
     """A compiled step: its ``symbol``, the ``cached_op`` and, for each of
-    its inputs, where the value comes from: ``('src', item)``, ``('idx',
-    item)`` or ``('param', Parameter)``."""
+    its inputs, where the value comes from: ``('src', (item, part))``,
+    ``('idx', item)`` or ``('param', Parameter)``."""
     __slots__ = ('symbol', 'cached_op', 'feeds')
 
     def __init__(self, symbol, feeds):
@@ -39,7 +39,9 @@ class StepProgram:
 
 def step_program(sig, pattern):
     """The :class:`StepProgram` of ``sig`` under ``pattern`` (per top-level
-    argument: ``'direct'`` or ``'take'``), built once and cached on ``sig``."""
+    argument: None for an empty list, else ``(how, parts)``: ``how`` is
+    ``'direct'`` or ``'take'``, ``parts`` the number of arrays whose
+    concatenation is the source), built once and cached on ``sig``."""
     program = sig.programs.get(pattern)
     if program is None:
         program = sig.programs[pattern] = _build(sig, pattern)
@@ -49,11 +51,13 @@ def step_program(sig, pattern):
 def _build(sig, pattern):
     replace = {}
     names = iter(sig.data_names)
-    for item, (fmt, how) in enumerate(zip(sig.fmt, pattern)):
+    for item, (fmt, way) in enumerate(zip(sig.fmt, pattern)):
         width = leaf_count(fmt)     # a nested list is cut into its flat leaves
         if width == 0:
             continue
-        rows = mx.sym.var('src%d' % item)
+        how, count = way
+        parts = [mx.sym.var('src%d_%d' % (item, part)) for part in range(count)]
+        rows = parts[0] if count == 1 else mx.sym.concat(*parts, dim=0)
         if how == 'take':
             rows = mx.sym.take(rows, mx.sym.var('idx%d' % item))
         if fmt == 0:
@@ -70,9 +74,10 @@ def _build(sig, pattern):
     for name in symbol.list_inputs():
         if name in params:
             feeds.append(('param', params[name]))
+        elif name.startswith('src'):
+            feeds.append(('src', tuple(int(n) for n in name[3:].split('_'))))
         else:
-            kind, item = name[:3], int(name[3:])
-            feeds.append((kind, item))
+            feeds.append(('idx', int(name[3:])))
     return StepProgram(symbol, feeds)
 
 
@@ -106,7 +111,8 @@ def flush_program(steps, recipes):
     outputs, spec, params = [], {}, {}
     for number, (step, recipe) in enumerate(zip(steps, recipes)):
         sig = step.sig
-        pattern = tuple('direct' if how in ('empty', 'host') or how[1] is None else 'take'
+        pattern = tuple(None if how == 'empty' else
+                        ('direct' if how == 'host' or how[1] is None else 'take', 1)
                         for how in recipe)
         bind = {}
         for item, how in enumerate(recipe):
@@ -114,7 +120,7 @@ def flush_program(steps, recipes):
                 continue
             name = 's%d_%d' % (number, item)
             if how == 'host':
-                bind['src%d' % item] = mx.sym.var('host_' + name)
+                bind['src%d_0' % item] = mx.sym.var('host_' + name)
                 spec['host_' + name] = ('host', (number, item))
                 continue
             parts, index = how
@@ -126,7 +132,7 @@ def flush_program(steps, recipes):
                         sig.item_shape(item), ctx=ctx, dtype=sig.key[-2]))
                 else:
                     sources.append(outputs[step_number][out])
-            bind['src%d' % item] = sources[0] if len(sources) == 1 else \
+            bind['src%d_0' % item] = sources[0] if len(sources) == 1 else \
                 mx.sym.concat(*sources, dim=0)
             if index is not None:
                 bind['idx%d' % item] = mx.sym.var('idx_' + name)
