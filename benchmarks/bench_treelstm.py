@@ -242,7 +242,15 @@ class Forms:
                 dyb, self.dnode, self.dhead,
                 dyb.CachedPlan() if strategy == 'cached' else strategy)
         if dyb.accel.STATUS == 'C extension':     # what the C fast paths are worth
-            self.forms[DYB_PURE] = PurePythonForm(dyb, self.dnode, self.dhead, 'auto')
+            # an Auto of its own (own cost model and plan cache): it must not
+            # run structures the other auto form stored, nor learn its costs
+            dyb.accel.enable(False)
+            try:
+                pure_auto = dyb.Auto(model=dyb.CostModel().calibrate())
+            finally:
+                dyb.accel.enable(True)
+            pure_auto.cached = dyb.CachedPlan()
+            self.forms[DYB_PURE] = PurePythonForm(dyb, self.dnode, self.dhead, pure_auto)
         if wanted:
             for name in list(self.forms):
                 if name != PER_SAMPLE and name not in wanted:
@@ -593,8 +601,13 @@ def measure(ctx, items, targets, settings, repeats, budget, max_batch_s):
     results = {name: {} for name in ctx.measured}
     rates = {}   # (form, mode) -> last pairs/s, for the skip estimate
     n_items = len(items)
-    for sname, mode, batch in settings:
+    for number, (sname, mode, batch) in enumerate(settings):
         same = sname.endswith(SAME_SUFFIX)
+        # Each setting and repeat starts elsewhere in the split (offsets that
+        # are not multiples of the minibatch size), so that a dynbatch form
+        # meets a structure again only where it truly repeats: not because
+        # training walks the minibatches that inference just ran.
+        offset = 389 * number
         active = []
         for name in ctx.measured:
             est = rates.get((name, mode))
@@ -606,12 +619,13 @@ def measure(ctx, items, targets, settings, repeats, budget, max_batch_s):
             active.append(name)
         # warm-up: one (time-boxed) minibatch per form at this setting
         for name in active:
-            time_cell(ctx, name, mode, batch, items, targets, 0, min(budget, 0.3), same)
+            time_cell(ctx, name, mode, batch, items, targets,
+                      0 if same else (offset + 4001) % n_items, min(budget, 0.3), same)
         cells = {name: {'pairs': [], 'seconds': [], 'cpu_per_wall': [], 'partial': False,
                         'dyb': []}
                  for name in active}
         for rep in range(repeats):
-            start = 0 if same else (rep * 997) % n_items
+            start = 0 if same else (offset + rep * 997) % n_items
             shift = rep % max(1, len(active))
             for name in active[shift:] + active[:shift]:
                 dyb.reset_stats()
