@@ -287,46 +287,41 @@ def test_auto_replaces_a_stale_cached_plan():
     assert len(entry.steps) < split_steps
 
 
+def run_chains_counting_agenda(monkeypatch, lengths):
+    """Flushes of 8 chains of a Dense block, the n-th flush of
+    ``lengths[n]`` calls each, under an Auto that probes every 2nd flush;
+    returns the Auto and the number of times agenda planned."""
+    block = dyb.DynBatchBlock(nn.Dense(3, in_units=3))
+    block.initialize()
+    agenda = dyb.STRATEGIES['agenda']
+    calls = []
+    original = agenda.plan
+    monkeypatch.setattr(agenda, 'plan', lambda nodes, summary=None:
+                        calls.append(len(nodes)) or original(nodes, summary))
+    auto = dyb.Auto(model=dyb.CostModel(), probe_every=2, small=1)
+    for length in lengths:
+        with dyb.batching(auto):
+            for _ in range(8):
+                x = mx.nd.ones((1, 3))
+                for _ in range(length):
+                    x = block(x)
+    return auto, len(calls)
+
+
 def test_auto_probes_agenda_less_often_where_it_saves_nothing(monkeypatch):
     """Equal chains: agenda makes as many steps as depth, so after each probe
     the gap to the next doubles (16 probes at a fixed gap of 2 become 5).
     Each flush has longer chains: a structure seen before runs its cached
     plan, with no probe."""
-    block = dyb.DynBatchBlock(nn.Dense(3, in_units=3))
-    block.initialize()
-    agenda = dyb.STRATEGIES['agenda']
-    calls = []
-    original = agenda.plan
-    monkeypatch.setattr(agenda, 'plan', lambda nodes, summary=None:
-                        calls.append(len(nodes)) or original(nodes, summary))
-    auto = dyb.Auto(model=dyb.CostModel(), probe_every=2, small=1)
-    for flush in range(32):
-        with dyb.batching(auto):
-            for _ in range(8):
-                x = mx.nd.ones((1, 3))
-                for _ in range(2 + flush):
-                    x = block(x)
+    auto, probes = run_chains_counting_agenda(monkeypatch, range(2, 34))
     assert 'agenda' not in auto.choices and 'cached' not in auto.choices
-    assert len(calls) == 5
+    assert probes == 5
 
 
 def test_auto_does_not_probe_a_structure_it_runs_cached(monkeypatch):
-    block = dyb.DynBatchBlock(nn.Dense(3, in_units=3))
-    block.initialize()
-    agenda = dyb.STRATEGIES['agenda']
-    calls = []
-    original = agenda.plan
-    monkeypatch.setattr(agenda, 'plan', lambda nodes, summary=None:
-                        calls.append(len(nodes)) or original(nodes, summary))
-    auto = dyb.Auto(model=dyb.CostModel(), probe_every=2, small=1)
-    for _ in range(12):
-        with dyb.batching(auto):
-            for _ in range(8):
-                x = mx.nd.ones((1, 3))
-                for _ in range(5):
-                    x = block(x)
+    auto, probes = run_chains_counting_agenda(monkeypatch, [5] * 12)
     assert auto.choices['cached'] >= 10
-    assert len(calls) == 1          # the first flush of this kind of graph only
+    assert probes == 1          # the first flush of this kind of graph only
 
 
 def test_cached_plan_reads_new_host_lists():
