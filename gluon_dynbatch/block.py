@@ -28,6 +28,7 @@ __all__ = ['DynBatchBlock', 'batching', 'concat_rows', 'current_scope', 'private
 NDArray = mx.nd.NDArray
 _LOCAL = threading.local()
 _SIG_IDS = itertools.count()
+_TRACING = threading.RLock()    # see DynBatchBlock._trace
 _PAIR = (0, 0)
 _clock = time.perf_counter     # bound once: record() runs per call
 
@@ -422,12 +423,21 @@ class DynBatchBlock(Block):
                     'shapes as separate arguments.'
                     % (self.block.name, item, sorted(set(shapes[pos:pos + width]))))
             pos += width
-        with ctx:
-            sig = trace_signature(next(_SIG_IDS), self.block, fmt, shapes, dtypes)
-        sig.ctx, sig.fmt, sig.dblock, sig.in_shapes, sig.key = ctx, fmt, self, shapes, key
-        sig.out_info = [(shape, dtype, ctx) for shape, dtype in zip(sig.out_shapes, sig.out_dtypes)]
-        sig.group_key = self._family_id(key, fmt) if sig.batch_safe else -1 - sig.sig_id
-        self._signatures[key] = sig
+        # One trace at a time: Gluon's name scopes and ``with ctx`` keep their
+        # state on the (shared) block and Context objects, so two threads
+        # tracing at once corrupt each other.  A signature is published only
+        # when complete (the C recorder reads _signatures without the lock).
+        with _TRACING:
+            sig = self._signatures.get(key)     # traced by another thread meanwhile
+            if sig is not None:
+                return sig
+            with ctx:
+                sig = trace_signature(next(_SIG_IDS), self.block, fmt, shapes, dtypes)
+            sig.ctx, sig.fmt, sig.dblock, sig.in_shapes, sig.key = ctx, fmt, self, shapes, key
+            sig.out_info = [(shape, dtype, ctx)
+                            for shape, dtype in zip(sig.out_shapes, sig.out_dtypes)]
+            sig.group_key = self._family_id(key, fmt) if sig.batch_safe else -1 - sig.sig_id
+            self._signatures[key] = sig
         return sig
 
     def _family_id(self, key, fmt):

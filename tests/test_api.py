@@ -280,6 +280,41 @@ def test_error_wrapping_a_non_hybrid_block():
         dyb.DynBatchBlock(gluon.Block())
 
 
+def test_threads_record_and_run_their_own_scopes():
+    """Scopes are per thread: four threads record and run their own trees
+    through one block at once, including its first (tracing) calls, and get
+    the per-sample results."""
+    import threading
+    cell = dyb.DynBatchBlock(ChildSumTreeLSTMCell(5, 4))
+    cell.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(0)
+    emb = mx.nd.array(rng.uniform(-1, 1, (40, 4)))
+
+    def enc(t):
+        ch = [enc(c) for c in t.children]
+        return cell(emb[t.idx:t.idx + 1], [h for h, _ in ch], [c for _, c in ch])
+    work = [[random_tree(rng, rng.randint(1, 30), 5) for _ in range(12)] for _ in range(4)]
+    got, errors = [None] * len(work), []
+
+    def run(i):
+        try:
+            for _ in range(5):
+                with dyb.batching():
+                    hs = [enc(t)[0] for t in work[i]]
+                got[i] = [h.asnumpy() for h in hs]
+        except Exception as err:  # pylint: disable=broad-except
+            errors.append(err)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(work))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    for trees, outs in zip(work, got):
+        for tree, out in zip(trees, outs):
+            np.testing.assert_allclose(out, enc(tree)[0].asnumpy(), rtol=1e-5, atol=1e-6)
+
+
 def test_garbage_collector_paused_inside_scope_and_restored():
     import gc
     block = dense()
