@@ -43,6 +43,21 @@ def test_extension_is_built_where_a_compiler_is():
     assert accel.STATUS == 'C extension'
 
 
+def test_environment_variable_turns_the_extension_off():
+    """GLUON_DYNBATCH_PURE_PYTHON=1: nothing of the extension is used, and
+    DynBatchBlock keeps its Python __call__."""
+    import subprocess
+    import sys
+    code = ('import gluon_dynbatch as d; from gluon_dynbatch import accel; '
+            'print(accel.STATUS); print(accel.record, accel.count_groups); '
+            'print(type(d.DynBatchBlock.__dict__["__call__"]).__name__)')
+    env = dict(os.environ, GLUON_DYNBATCH_PURE_PYTHON='1')
+    out = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True,
+                         text=True, check=True).stdout.split('\n')
+    assert out[:3] == ['pure Python (GLUON_DYNBATCH_PURE_PYTHON is set)', 'None None',
+                       'function']
+
+
 class Blocks:
     """One of each kind of call the fast path handles or defers: a list
     block (child-sum cell), two outputs, nested outputs (LSTMCell), a
