@@ -28,6 +28,7 @@ import time
 import mxnet as mx
 
 from .execute import run_plan
+from .lower import BUILT
 from .plan import (PADDING_COST, STRATEGIES, Agenda, ByDepth, CachedPlan, PerSample, Plan,
                    Strategy, summarize)
 
@@ -224,6 +225,10 @@ class Auto(Strategy):
       costs and agenda's step saving (per kind of graph) stay measured.
       Flushes that run a cached plan are not probed: their structure was
       seen before.
+    * Each strategy's predicted run time is scaled by a factor learned per
+      kind of graph from its measured runs (:meth:`_corrected`); a
+      runner-up among depth/agenda predicted within 10% runs now and then
+      (:meth:`_explore`), so a near-tie the model gets wrong is found out.
     * Flushes of fewer than ``small`` calls are planned by depth without
       deciding: the decision itself would cost more than it could save.
     * A cached plan is considered only for a graph whose summary (calls per
@@ -252,6 +257,8 @@ class Auto(Strategy):
         self.last = {}
         self._seen = {}      # summary fingerprint -> steps of its stored plan (None: seen once)
         self._ratios = {}    # set of families -> agenda steps / depth steps
+        self._run_factors = {}  # set of families -> {strategy: measured / predicted run}
+        self._last_run = {}     # (set of families, strategy) -> flush number it last ran
         self._repeating = {}    # fingerprint -> _Repeating, for summaries with a stored plan
         self._next_probe = {}   # kind of graph -> flush number of its next probe
         self._probe_gap = {}    # kind of graph -> flushes between its probes
@@ -279,10 +286,11 @@ class Auto(Strategy):
         fingerprint = summary['fingerprint']
         groups = dict(fingerprint[0])
         kind = frozenset(family for _, family in groups)    # which blocks are in play
-        predictions = self.model.predict(len(nodes), summary['depth_steps'],
-                                         self._seen.get(fingerprint), groups,
-                                         self._ratios.get(kind))
+        raw = self.model.predict(len(nodes), summary['depth_steps'],
+                                 self._seen.get(fingerprint), groups, self._ratios.get(kind))
+        predictions = self._corrected(raw, kind)
         ranked = sorted(predictions, key=lambda k: sum(predictions[k]))
+        self._explore(ranked, predictions, kind)
         if 'cached' in predictions and self._cached_measured_best(fingerprint):
             ranked.remove('cached')
             ranked.insert(0, 'cached')
@@ -310,10 +318,58 @@ class Auto(Strategy):
             self._probe(nodes, summary, name, kind)
         self.choices[name] = self.choices.get(name, 0) + 1
         self.last = {'choice': name, 'predicted_ms': sum(predictions[name]),
+                     'raw_run_ms': raw[name][1], 'built': BUILT[0],
                      'depth_steps': summary['depth_steps'], 'kind': kind,
                      'fingerprint': fingerprint,
                      'predictions_ms': {k: round(sum(v), 3) for k, v in predictions.items()}}
         return plan
+
+    def _corrected(self, predictions, kind):
+        """``predictions`` with each strategy's run time scaled by what its
+        runs on this kind of graph measured against their prediction (see
+        :meth:`_observe_run`).  The step model is linear in steps and rows;
+        it misses, e.g., that agenda's fewer, larger steps cost less per row
+        (on ragged chains it called depth and agenda a tie that agenda won
+        by 10%).  A strategy not yet run on this kind gets the mean factor of
+        those that were, so that none is favoured for being measured."""
+        factors = self._run_factors.get(kind)
+        if not factors:
+            return predictions
+        common = sum(factors.values()) / len(factors)
+        return {name: (analyse, run * factors.get(name, common))
+                for name, (analyse, run) in predictions.items()}
+
+    def _explore(self, ranked, predictions, kind):
+        """Run the runner-up among depth/agenda (moving it to the front of
+        ``ranked``) when it is predicted within 10% of the best and has no
+        measured factor on this kind of graph yet, or had none for
+        ``16 * probe_every`` flushes: otherwise a near-tie that the
+        prediction gets wrong is never found out."""
+        factors = self._run_factors.get(kind)
+        best = ranked[0]
+        if not factors or best not in ('depth', 'agenda'):
+            return
+        other = 'agenda' if best == 'depth' else 'depth'
+        if other not in predictions or sum(predictions[other]) > 1.1 * sum(predictions[best]):
+            return
+        last_run = self._last_run.get((kind, other))
+        if last_run is None or self._flushes - last_run >= 16 * self.probe_every:
+            ranked.remove(other)
+            ranked.insert(0, other)
+
+    def _observe_run(self, name, run_ms):
+        """Move the run factor of ``name`` on this kind of graph toward
+        measured / predicted.  Flushes that built a step program are
+        skipped (building one costs more than whole steps), and each ratio
+        is clipped to [0.5, 2]: one outlier cannot lock a strategy out."""
+        kind = self.last['kind']
+        self._last_run[(kind, name)] = self._flushes
+        if BUILT[0] != self.last['built'] or self.last['raw_run_ms'] <= 0:
+            return
+        ratio = min(2.0, max(0.5, run_ms / self.last['raw_run_ms']))
+        factors = self._run_factors.setdefault(kind, {})
+        old = factors.get(name, ratio)
+        factors[name] = old + 0.3 * (ratio - old)
 
     def _repeat(self, fingerprint):
         record = self._repeating.get(fingerprint)
@@ -415,7 +471,10 @@ class Auto(Strategy):
             record.best_ms[name] = min(total, record.best_ms.get(name, total))
             if name == 'cached':
                 record.cached_runs += 1
-        if self.last.get('choice') == 'agenda':
+        name = self.last['choice']
+        if name in ('depth', 'agenda', 'per-sample'):
+            self._observe_run(name, sum(step_seconds) * 1e3)
+        if name == 'agenda':
             self._observe_agenda(len(plan.steps), self.last['depth_steps'], self.last['kind'])
 
 

@@ -45,7 +45,13 @@ def step_program(sig, pattern):
     program = sig.programs.get(pattern)
     if program is None:
         program = sig.programs[pattern] = _build(sig, pattern)
+        BUILT[0] += 1
     return program
+
+
+BUILT = [0]
+"""Step programs built so far: a flush that built one ran slower than it
+will next time (the cost model ignores such flushes)."""
 
 
 def _build(sig, pattern):

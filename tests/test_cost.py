@@ -4,10 +4,11 @@ import json
 import mxnet as mx
 from mxnet import autograd
 import numpy as np
+import pytest
 from mxnet.gluon import nn
 
 import gluon_dynbatch as dyb
-from gluon_dynbatch import accel
+from gluon_dynbatch import accel, lower
 from gluon_dynbatch.plan import count_groups_py, summarize
 from gluon_dynbatch.models import ChildSumTreeLSTMCell
 
@@ -322,6 +323,34 @@ def test_auto_does_not_probe_a_structure_it_runs_cached(monkeypatch):
     auto, probes = run_chains_counting_agenda(monkeypatch, [5] * 12)
     assert auto.choices['cached'] >= 10
     assert probes == 1          # the first flush of this kind of graph only
+
+
+def test_auto_scales_run_predictions_by_what_it_measured(monkeypatch):
+    """Per kind of graph, a strategy's run prediction is scaled by its
+    measured / predicted run time (clipped to [0.5, 2], skipping flushes
+    that built a step program); an unmeasured strategy gets the mean
+    factor; a runner-up within 10% and never measured runs once."""
+    auto = dyb.Auto(model=dyb.CostModel(), small=1)
+    raw = {'depth': (1.0, 10.0), 'agenda': (3.0, 10.0), 'per-sample': (0.1, 100.0)}
+    assert auto._corrected(raw, 'k') == raw
+    auto._run_factors['k'] = {'depth': 0.5}
+    assert auto._corrected(raw, 'k') == {'depth': (1.0, 5.0), 'agenda': (3.0, 5.0),
+                                         'per-sample': (0.1, 50.0)}
+    ranked = ['depth', 'agenda', 'per-sample']      # agenda 8.0 vs depth 6.0: not close
+    auto._explore(ranked, auto._corrected(raw, 'k'), 'k')
+    assert ranked[0] == 'depth'
+    close = dict(raw, agenda=(1.5, 10.0))           # within 10%, never measured: try it
+    auto._explore(ranked, auto._corrected(close, 'k'), 'k')
+    assert ranked[0] == 'agenda'
+
+    auto.last = {'kind': 'k', 'built': lower.BUILT[0], 'raw_run_ms': 10.0}
+    auto._observe_run('agenda', 100.0)              # an outlier: clipped to 2
+    assert auto._run_factors['k']['agenda'] == 2.0
+    auto._observe_run('agenda', 5.0)
+    assert auto._run_factors['k']['agenda'] == pytest.approx(2.0 + 0.3 * (0.5 - 2.0))
+    auto.last['built'] -= 1                         # a step program was built meanwhile
+    auto._observe_run('depth', 50.0)
+    assert auto._run_factors['k']['depth'] == 0.5
 
 
 def test_cached_plan_reads_new_host_lists():
