@@ -227,8 +227,9 @@ class Auto(Strategy):
       seen before.
     * Each strategy's predicted run time is scaled by a factor learned per
       kind of graph from its measured runs (:meth:`_corrected`); a
-      runner-up among depth/agenda predicted within 10% runs now and then
-      (:meth:`_explore`), so a near-tie the model gets wrong is found out.
+      runner-up among depth/agenda predicted within ``explore_within``
+      (10%) runs now and then (:meth:`_explore`), so a near-tie the model
+      gets wrong is found out.
     * Flushes of fewer than ``small`` calls are planned by depth without
       deciding: the decision itself would cost more than it could save.
     * A cached plan is considered only for a graph whose summary (calls per
@@ -246,8 +247,10 @@ class Auto(Strategy):
     """
     name = 'auto'
 
-    def __init__(self, model=None, probe_every=16, memory=4096, small=32, cached_trials=4):
+    def __init__(self, model=None, probe_every=16, memory=4096, small=32, cached_trials=4,
+                 explore_within=0.1):
         self._model = model
+        self.explore_within = explore_within    # 0: never run a predicted runner-up
         self.cached_trials = cached_trials
         self.small = small
         self.cached = STRATEGIES['cached']
@@ -341,16 +344,17 @@ class Auto(Strategy):
 
     def _explore(self, ranked, predictions, kind):
         """Run the runner-up among depth/agenda (moving it to the front of
-        ``ranked``) when it is predicted within 10% of the best and has no
-        measured factor on this kind of graph yet, or had none for
+        ``ranked``) when it is predicted within ``explore_within`` (10%) of
+        the best and has not run on this kind of graph yet, or not for
         ``16 * probe_every`` flushes: otherwise a near-tie that the
         prediction gets wrong is never found out."""
         factors = self._run_factors.get(kind)
         best = ranked[0]
-        if not factors or best not in ('depth', 'agenda'):
+        if not self.explore_within or not factors or best not in ('depth', 'agenda'):
             return
         other = 'agenda' if best == 'depth' else 'depth'
-        if other not in predictions or sum(predictions[other]) > 1.1 * sum(predictions[best]):
+        if other not in predictions or \
+                sum(predictions[other]) > (1 + self.explore_within) * sum(predictions[best]):
             return
         last_run = self._last_run.get((kind, other))
         if last_run is None or self._flushes - last_run >= 16 * self.probe_every:

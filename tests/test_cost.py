@@ -299,7 +299,8 @@ def run_chains_counting_agenda(monkeypatch, lengths):
     original = agenda.plan
     monkeypatch.setattr(agenda, 'plan', lambda nodes, summary=None:
                         calls.append(len(nodes)) or original(nodes, summary))
-    auto = dyb.Auto(model=dyb.CostModel(), probe_every=2, small=1)
+    # no exploration runs: equal chains make depth and agenda a near-tie
+    auto = dyb.Auto(model=dyb.CostModel(), probe_every=2, small=1, explore_within=0)
     for length in lengths:
         with dyb.batching(auto):
             for _ in range(8):
@@ -339,7 +340,11 @@ def test_auto_scales_run_predictions_by_what_it_measured(monkeypatch):
     ranked = ['depth', 'agenda', 'per-sample']      # agenda 8.0 vs depth 6.0: not close
     auto._explore(ranked, auto._corrected(raw, 'k'), 'k')
     assert ranked[0] == 'depth'
-    close = dict(raw, agenda=(1.5, 10.0))           # within 10%, never measured: try it
+    close = dict(raw, agenda=(1.5, 10.0))           # within 10%, never run: try it
+    auto.explore_within = 0
+    auto._explore(ranked, auto._corrected(close, 'k'), 'k')
+    assert ranked[0] == 'depth'                     # unless exploring is turned off
+    auto.explore_within = 0.1
     auto._explore(ranked, auto._corrected(close, 'k'), 'k')
     assert ranked[0] == 'agenda'
 
