@@ -17,7 +17,7 @@ import numpy as np
 
 from . import accel
 from .graph import DONE, LazyValue
-from .lower import step_program
+from .lower import host_part_has_ops, step_program
 from .trace import leaf_count
 
 __all__ = ['run_plan', 'run_step', 'collect', 'gather_rows', 'pad_leaves', 'to_device',
@@ -114,7 +114,7 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None):
             sources[item] = [outputs[number][out] if number >= 0
                              else _zero_row(sig, item, ctx).arrays[0] for number, out in parts]
         elif how == 'host':
-            sources[item] = [host_array(_item_rows(nodes, item), ctx)]
+            sources[item] = [host_rows(_item_rows(nodes, item))]
             index = None
         else:
             sources[item], index, distinct, zero = _gather_item(nodes, sig, item, ctx)
@@ -124,14 +124,57 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None):
                 learned.append(_recipe_part(fmt, distinct, index, where, zero))
         pattern.append(('direct' if index is None else 'take', len(sources[item])))
         indices[item] = index
+    host = [item for item, parts in sources.items() if type(parts[0]) is np.ndarray]
+    inverse = _share_host_rows(sig, host, sources, pattern) if host else None
+    for item in host:
+        sources[item] = [to_device(sources[item][0], ctx)]
+    if inverse is not None:
+        inverse = to_device(inverse, ctx)
     program = step_program(sig, tuple(pattern))
     inputs = [sources[item[0]][item[1]] if kind == 'src' else indices[item] if kind == 'idx'
-              else item.data(ctx) for kind, item in program.feeds]
+              else inverse if kind == 'inverse' else item.data(ctx)
+              for kind, item in program.feeds]
     outs = program.cached_op(*inputs)
     if isinstance(outs, NDArray):
         outs = [outs]
     (accel.finish_nodes or finish_nodes_py)(nodes, outs)
     return outs, learned
+
+
+SHARE_BELOW = 0.8
+"""A step runs its host-only ops on the distinct host rows (see
+:mod:`~gluon_dynbatch.lower`) when there are at most this fraction of its
+rows; with few repeats the expanding ``take`` would cost what it saves."""
+
+
+def _share_host_rows(sig, items, sources, pattern):
+    """If the host rows of ``items`` (numpy arrays in ``sources``) repeat
+    enough and ``sig`` has ops on them alone, replace them by their distinct
+    rows, mark those items ``'unique'`` in ``pattern`` and return the int32
+    index of each row's distinct row; else None."""
+    items = tuple(items)
+    worth = sig.host_parts.get(items)
+    if worth is None:
+        host = {sig.data_names[sig.item_pos(item)] for item in items}
+        worth = sig.host_parts[items] = host_part_has_ops(
+            sig.symbol, host, {p.name for _, p in sig.param_slots})
+    rows = [sources[item][0] for item in items]
+    count = len(rows[0])
+    if not worth or count < 8:
+        return None
+    if len(rows) == 1 and rows[0].ndim == 1 and rows[0].dtype.kind in 'iu':
+        keys = rows[0]
+    else:   # rows compared bit for bit (floats: -0.0 and NaNs stay apart)
+        raw = np.concatenate([np.ascontiguousarray(r).reshape(count, -1).view(np.uint8)
+                              for r in rows], axis=1)
+        keys = np.ascontiguousarray(raw).view(np.dtype((np.void, raw.shape[1]))).ravel()
+    _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    if len(first) > SHARE_BELOW * count:
+        return None
+    for item, array in zip(items, rows):
+        sources[item] = [array[first]]
+        pattern[item] = ('unique', 1)
+    return inverse.astype(np.int32)
 
 
 def finish_nodes_py(nodes, arrays):
@@ -166,7 +209,12 @@ def _gather_item(nodes, sig, item, ctx):
     per node."""
     fmt = sig.fmt[item]
     if fmt == 0:
-        parts, index, distinct = collect(_item_rows(nodes, item), ctx)
+        rows = _item_rows(nodes, item)
+        if isinstance(rows[0], np.ndarray):
+            host = host_rows(rows)
+            if host is not None:   # sent to the device by run_step
+                return [host], None, None, None
+        parts, index, distinct = collect(rows, ctx)
         return (parts, None if index is None else np.asarray(index, dtype=np.int32),
                 distinct, None)
     width = leaf_count(fmt)      # a nested list is gathered as its flat leaves
@@ -307,19 +355,24 @@ def _numbered_rows(distinct, which, rows):
 
 def host_array(leaves, ctx):
     """Host rows (numpy arrays of one shape, e.g. a token id per call) as
-    one NDArray on ``ctx``: concatenated on the host (in C when
-    :mod:`~gluon_dynbatch.accel` is active) and sent once.  None unless every
-    leaf is a numpy array."""
+    one NDArray on ``ctx``, sent once (see :func:`host_rows`).  None unless
+    every leaf is a numpy array."""
+    host = host_rows(leaves)
+    return None if host is None else to_device(host, ctx)
+
+
+def host_rows(leaves):
+    """Host rows (numpy arrays of one shape) concatenated into one numpy
+    array, in C when :mod:`~gluon_dynbatch.accel` is active.  None unless
+    every leaf is a numpy array."""
     fast = accel.host_rows
     data = fast(leaves) if fast is not None else None
     if data is not None:
         first = leaves[0]
-        host = np.frombuffer(data, dtype=first.dtype).reshape((-1,) + first.shape[1:])
-    elif all(isinstance(leaf, np.ndarray) for leaf in leaves):
-        host = np.concatenate(leaves)
-    else:
-        return None
-    return to_device(host, ctx)
+        return np.frombuffer(data, dtype=first.dtype).reshape((-1,) + first.shape[1:])
+    if all(isinstance(leaf, np.ndarray) for leaf in leaves):
+        return np.concatenate(leaves)
+    return None
 
 
 def gather_rows(arrays, rows):

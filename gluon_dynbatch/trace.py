@@ -92,6 +92,7 @@ class TracedSignature:
         # symbols accept any batch size, so one program serves every N
         self.programs = {}
         self.zero_rows = {}     # padding rows of its list arguments (see execute.py)
+        self.host_parts = {}    # host items -> whether ops depend on them alone (execute.py)
 
     def item_pos(self, item):
         """Position among the flat leaves of top-level argument ``item``'s

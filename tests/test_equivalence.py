@@ -224,3 +224,78 @@ def test_numeric_gradient_of_batched_graph():
             numeric[idx] += sign * loss_of(mx.nd.array(shifted, dtype='float64')).asscalar()
     numeric /= 2 * eps
     np.testing.assert_allclose(analytic, numeric, rtol=1e-5, atol=1e-8)
+
+
+def ran_on_distinct_rows(dblock):
+    """Whether a step of ``dblock`` ran on distinct host rows (lower.py)."""
+    return any(way is not None and way[0] == 'unique'
+               for sig in dblock.signatures() for pattern in sig.programs for way in pattern)
+
+
+class HostFeatures(gluon.HybridBlock):
+    """Two host arguments (a token id, a float row) whose ops run on host
+    data alone, then meet a device input; the first output is host-only."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.embed = nn.Embedding(5, 3)
+            self.dense = nn.Dense(3, in_units=5)
+
+    def hybrid_forward(self, F, token, feats, h):
+        # reciprocal tells -0.0 from 0.0: rows must be told apart by their bits
+        host = F.concat(self.embed(token), F.clip(F.reciprocal(feats), -1, 1), dim=1)
+        return self.embed(token) * 2, F.Activation(self.dense(host), act_type='tanh') * h
+
+
+@pytest.mark.parametrize('strategy', ['depth', 'agenda', 'cached', 'auto'])
+def test_repeated_host_rows_run_once_with_same_results(strategy):
+    """Steps whose host rows repeat run their host-only ops on the distinct
+    rows (two host arguments keyed together, -0.0 apart from 0.0); results
+    and gradients still equal per-sample execution."""
+    block = dyb.DynBatchBlock(HostFeatures())
+    block.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(0)
+    feats = [np.array([[0.0, 1.0]], 'float32'), np.array([[-0.0, 1.0]], 'float32'),
+             np.array([[2.0, -3.0]], 'float32')]
+    calls = [(np.array([rng.randint(2)], 'float32'), feats[rng.randint(3)])
+             for _ in range(40)]
+    hs = [mx.nd.array(rng.uniform(-1, 1, (1, 3))) for _ in range(40)]
+
+    def forward():
+        outs = []
+        for (token, feat), h in zip(calls, hs):
+            a, b = block(token, feat, h)
+            outs += [a, block(token, feat, b)[1]]
+        return outs
+    for _ in range(3 if strategy == 'cached' else 1):   # miss, replay, compile
+        assert_same(run_both(forward, [block], inputs=hs, strategy=strategy))
+    assert ran_on_distinct_rows(block)
+
+
+class EmbedDropout(gluon.HybridBlock):
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.embed = nn.Embedding(3, 40)
+            self.drop = nn.Dropout(0.5)
+
+    def hybrid_forward(self, F, token):
+        return self.drop(self.embed(token))
+
+
+def test_equal_host_rows_do_not_share_a_dropout_mask():
+    block = dyb.DynBatchBlock(EmbedDropout())
+    block.initialize(mx.init.Uniform(0.5))
+    token = np.array([1], 'float32')
+    with mx.autograd.record():
+        with dyb.batching('depth'):
+            outs = [block(token) for _ in range(20)]
+        rows = np.concatenate([o.data.asnumpy() for o in outs])
+    assert ran_on_distinct_rows(block)      # the embedding ran once...
+    assert len({row.tobytes() for row in rows}) == 20   # ...each row got its own mask
+    with dyb.batching('depth'):             # not training: no dropout, all equal
+        outs = [block(token) for _ in range(20)]
+    expected = block.block(mx.nd.array(token)).asnumpy()
+    for out in outs:
+        np.testing.assert_allclose(out.data.asnumpy(), expected, rtol=1e-6)
