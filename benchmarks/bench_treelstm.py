@@ -8,6 +8,9 @@ every way this project cares about, with one set of weights:
                          parameters: a hybridized block fixes its argument
                          structure, and a node's child lists vary);
 3. ``hand-batched``      expert hand-batched MXNet (``benchmarks/handbatched.py``);
+   ``hand-batched-unique`` the same with ``i2h='unique'``: the embedding and
+                         ``i2h`` GEMM once per distinct token id of the
+                         minibatch (gluon_dynbatch does the same per step);
 4. ``dynbatch-<s>``      gluon_dynbatch, for every strategy ``s`` in
                          ``gluon_dynbatch.STRATEGIES`` (read at run time).
 
@@ -50,6 +53,7 @@ ENGINES = ('NaiveEngine', 'ThreadedEnginePerDevice', 'ThreadedEngine')
 PER_SAMPLE = 'per-sample'
 HYBRID = 'per-sample-hybrid'
 HAND = 'hand-batched'
+HAND_UNIQUE = 'hand-batched-unique'
 DYB_PREFIX = 'dynbatch-'
 DYB_PURE = 'dynbatch-auto-py'
 
@@ -233,6 +237,7 @@ class Forms:
             print('NOTE: hand-batched form skipped: %s' % hand, flush=True)
         else:
             self.forms[HAND] = HandForm(hand(self.node, self.head))
+            self.forms[HAND_UNIQUE] = HandForm(hand(self.node, self.head, i2h='unique'))
         self.dnode = dyb.DynBatchBlock(self.node)
         self.dhead = dyb.DynBatchBlock(self.head)
         for strategy in dyb.STRATEGIES:
@@ -713,7 +718,8 @@ def add_ratios(results, limit):
         for sname, cell in cells.items():
             if 'pairs_per_s' not in cell:
                 continue
-            for key, ref in (('x_per_sample_hybrid', HYBRID), ('x_hand_batched', HAND)):
+            for key, ref in (('x_per_sample_hybrid', HYBRID), ('x_hand_batched', HAND),
+                             ('x_hand_unique', HAND_UNIQUE)):
                 other = results.get(ref, {}).get(sname, {}).get('pairs_per_s')
                 cell[key] = cell['pairs_per_s'] / other if other else None
             mode = 'train' if sname.startswith('train') else 'infer'
@@ -736,7 +742,8 @@ def format_table(results, settings, limit):
         return '%.2f%%' % (100 * v)
 
     metrics = [('pairs/s', 'pairs_per_s', 'rate'), ('x hybrid', 'x_per_sample_hybrid', 'x'),
-               ('x hand', 'x_hand_batched', 'x'), ('of limit', 'fraction_of_limit', '%')]
+               ('x hand', 'x_hand_batched', 'x'), ('x hand-uniq', 'x_hand_unique', 'x'),
+               ('of limit', 'fraction_of_limit', '%')]
     for name, cells in results.items():
         for i, (label, key, kind) in enumerate(metrics):
             vals = []

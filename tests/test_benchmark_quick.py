@@ -24,7 +24,7 @@ def test_quick_benchmark(tmp_path):
     expected = {'per-sample', 'per-sample-hybrid'}
     expected |= {'dynbatch-' + s for s in dyb.STRATEGIES}
     if os.path.exists(os.path.join(ROOT, 'benchmarks', 'handbatched.py')):
-        expected.add('hand-batched')
+        expected |= {'hand-batched', 'hand-batched-unique'}
     forms = set(res['forms'])
     assert expected <= forms, 'missing forms: %s' % (expected - forms)
     # every compared form was checked against the per-sample reference
