@@ -571,6 +571,96 @@ error:
 
 /* -------------------------------------------------------- gather_index */
 
+/* Where rows live, collected leaf by leaf: the distinct source arrays in
+ * order of first use and, per leaf, its array's number and its row. */
+typedef struct {
+    PyObject *distinct, *seen, *which, *rows, *zero_type, *last_array;
+    int *which_out, *rows_out;
+    int last_number;
+} Gather;
+
+static int gather_start(Gather *g, Py_ssize_t n, PyObject *zero_type)
+{
+    g->which = PyBytes_FromStringAndSize(NULL, n * 4);
+    g->rows = PyBytes_FromStringAndSize(NULL, n * 4);
+    g->distinct = PyList_New(0);
+    g->seen = PyDict_New();
+    g->zero_type = zero_type;
+    g->last_array = NULL;
+    g->last_number = -1;
+    if (!g->which || !g->rows || !g->distinct || !g->seen) return -1;
+    g->which_out = (int *)PyBytes_AS_STRING(g->which);
+    g->rows_out = (int *)PyBytes_AS_STRING(g->rows);
+    return 0;
+}
+
+static void gather_drop(Gather *g)
+{
+    Py_XDECREF(g->which); Py_XDECREF(g->rows); Py_XDECREF(g->distinct); Py_XDECREF(g->seen);
+}
+
+static PyObject *gather_result(Gather *g)
+{
+    Py_DECREF(g->seen);
+    return Py_BuildValue("(NNN)", g->distinct, g->which, g->rows);
+}
+
+/* Record leaf ``i``: 0 done, 1 not a computed lazy value or padding row
+ * (the caller falls back to Python), -1 error. */
+static int gather_leaf(Gather *g, Py_ssize_t i, PyObject *leaf)
+{
+    PyObject *arrays, *array;
+    Py_ssize_t index;
+    long row;
+    if (Py_TYPE(leaf) == LazyValueType) {
+        PyObject *producer = SLOT(leaf, lv_node);
+        arrays = SLOT(producer, n_arrays);
+        row = small_int(SLOT(producer, n_row));
+        index = PyLong_AsSsize_t(SLOT(leaf, lv_index));
+    } else if ((PyObject *)Py_TYPE(leaf) == g->zero_type) {   /* one row, output 0 */
+        arrays = PyObject_GetAttr(leaf, s_arrays);
+        if (arrays == NULL) return -1;
+        Py_DECREF(arrays);                  /* the padding row keeps it */
+        row = 0;
+        index = 0;
+    } else {
+        return 1;
+    }
+    if (arrays == NULL || (!PyList_Check(arrays) && !PyTuple_Check(arrays))) return 1;
+    if (index < 0 || index >= PySequence_Fast_GET_SIZE(arrays) || row < 0) {
+        PyErr_Clear();
+        return 1;
+    }
+    array = PySequence_Fast_ITEMS(arrays)[index];
+    int number;
+    if (array == g->last_array) {
+        number = g->last_number;
+    } else {
+        PyObject *id = PyLong_FromVoidPtr(array);
+        if (id == NULL) return -1;
+        PyObject *known = PyDict_GetItemWithError(g->seen, id);
+        if (known != NULL) {
+            number = (int)PyLong_AsLong(known);
+        } else if (PyErr_Occurred()) {
+            Py_DECREF(id);
+            return -1;
+        } else {
+            number = (int)PyList_GET_SIZE(g->distinct);
+            PyObject *num = PyLong_FromLong(number);
+            int rc = num == NULL || PyDict_SetItem(g->seen, id, num) ||
+                     PyList_Append(g->distinct, array);
+            Py_XDECREF(num);
+            if (rc) { Py_DECREF(id); return -1; }
+        }
+        Py_DECREF(id);
+        g->last_array = array;
+        g->last_number = number;
+    }
+    g->which_out[i] = number;
+    g->rows_out[i] = (int)row;
+    return 0;
+}
+
 /* For computed lazy values (or padding rows: anything with the same two
  * slots whose producer has ``arrays`` and ``row``): (distinct source arrays
  * in order of first use, int32 bytes: per leaf its distinct array's number,
@@ -578,78 +668,77 @@ error:
 static PyObject *gather_index(PyObject *self, PyObject *args)
 {
     PyObject *leaves, *zero_type;
+    Gather g;
     if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &leaves, &zero_type))
         return NULL;
     if (!configured) Py_RETURN_NONE;
     Py_ssize_t n = PyList_GET_SIZE(leaves);
-    PyObject *which = PyBytes_FromStringAndSize(NULL, n * 4);
-    PyObject *rows = PyBytes_FromStringAndSize(NULL, n * 4);
-    PyObject *distinct = PyList_New(0);
-    PyObject *seen = PyDict_New();
-    if (!which || !rows || !distinct || !seen) goto error;
-    int *which_out = (int *)PyBytes_AS_STRING(which);
-    int *rows_out = (int *)PyBytes_AS_STRING(rows);
-    PyObject *last_array = NULL;
-    int last_number = -1;
+    if (gather_start(&g, n, zero_type)) goto error;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *leaf = PyList_GET_ITEM(leaves, i);
-        PyObject *arrays, *array;
-        Py_ssize_t index;
-        long row;
-        if (Py_TYPE(leaf) == LazyValueType) {
-            PyObject *producer = SLOT(leaf, lv_node);
-            arrays = SLOT(producer, n_arrays);
-            row = small_int(SLOT(producer, n_row));
-            index = PyLong_AsSsize_t(SLOT(leaf, lv_index));
-        } else if ((PyObject *)Py_TYPE(leaf) == zero_type) {   /* one row, output 0 */
-            arrays = PyObject_GetAttr(leaf, s_arrays);
-            if (arrays == NULL) goto error;
-            Py_DECREF(arrays);                  /* the padding row keeps it */
-            row = 0;
-            index = 0;
-        } else {
-            goto fallback;
-        }
-        if (arrays == NULL || (!PyList_Check(arrays) && !PyTuple_Check(arrays))) goto fallback;
-        if (index < 0 || index >= PySequence_Fast_GET_SIZE(arrays) || row < 0) {
-            PyErr_Clear();
-            goto fallback;
-        }
-        array = PySequence_Fast_ITEMS(arrays)[index];
-        int number;
-        if (array == last_array) {
-            number = last_number;
-        } else {
-            PyObject *id = PyLong_FromVoidPtr(array);
-            if (id == NULL) goto error;
-            PyObject *known = PyDict_GetItemWithError(seen, id);
-            if (known != NULL) {
-                number = (int)PyLong_AsLong(known);
-            } else if (PyErr_Occurred()) {
-                Py_DECREF(id);
-                goto error;
-            } else {
-                number = (int)PyList_GET_SIZE(distinct);
-                PyObject *num = PyLong_FromLong(number);
-                int rc = num == NULL || PyDict_SetItem(seen, id, num) ||
-                         PyList_Append(distinct, array);
-                Py_XDECREF(num);
-                if (rc) { Py_DECREF(id); goto error; }
-            }
-            Py_DECREF(id);
-            last_array = array;
-            last_number = number;
-        }
-        which_out[i] = number;
-        rows_out[i] = (int)row;
+        int rc = gather_leaf(&g, i, PyList_GET_ITEM(leaves, i));
+        if (rc < 0) goto error;
+        if (rc > 0) { gather_drop(&g); Py_RETURN_NONE; }
     }
-    Py_DECREF(seen);
-    return Py_BuildValue("(NNN)", distinct, which, rows);
+    return gather_result(&g);
+error:
+    gather_drop(&g);
+    return NULL;
+}
+
+/* gather_index over one argument of every node of a step (a list or tuple
+ * of nodes), without the list of leaves: ``span_of(sig)`` gives (first leaf, leaf count) of the
+ * argument in a node of signature ``sig``; each node contributes
+ * ``width`` entries, the missing ones (a shorter list) read ``zero``.
+ * None when a leaf is not a computed lazy value, a node is not a Node, or
+ * a list is longer than ``width`` or short with no ``zero``. */
+#define SPAN_CACHE 8
+static PyObject *gather_item(PyObject *self, PyObject *args)
+{
+    PyObject *nodes, *span_of, *zero, *zero_type;
+    Py_ssize_t width;
+    Gather g;
+    PyObject *sigs[SPAN_CACHE];
+    Py_ssize_t pos[SPAN_CACHE], len[SPAN_CACHE];
+    int known = 0;
+    if (!PyArg_ParseTuple(args, "OOnOO", &nodes, &span_of, &width, &zero, &zero_type))
+        return NULL;
+    if (!configured || !(PyList_Check(nodes) || PyTuple_Check(nodes)) || width <= 0)
+        Py_RETURN_NONE;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(nodes);
+    if (gather_start(&g, n * width, zero_type)) goto error;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *node = PySequence_Fast_ITEMS(nodes)[i];
+        if (Py_TYPE(node) != NodeType) goto fallback;
+        PyObject *sig = SLOT(node, n_sig), *leaves = SLOT(node, n_leaves);
+        if (leaves == NULL || !PyList_Check(leaves)) goto fallback;
+        int k = 0;
+        while (k < known && sigs[k] != sig) k++;
+        if (k == known) {
+            if (known == SPAN_CACHE) goto fallback;
+            PyObject *span = PyObject_CallOneArg(span_of, sig);
+            if (span == NULL) goto error;
+            int ok = PyArg_ParseTuple(span, "nn", &pos[k], &len[k]);
+            Py_DECREF(span);
+            if (!ok) goto error;
+            sigs[k] = sig;          /* borrowed: the node keeps it */
+            known++;
+        }
+        if (len[k] > width || (len[k] < width && zero == Py_None) ||
+            pos[k] < 0 || pos[k] + len[k] > PyList_GET_SIZE(leaves))
+            goto fallback;
+        PyObject **items = PySequence_Fast_ITEMS(leaves) + pos[k];
+        for (Py_ssize_t j = 0; j < width; j++) {
+            int rc = gather_leaf(&g, i * width + j, j < len[k] ? items[j] : zero);
+            if (rc < 0) goto error;
+            if (rc > 0) goto fallback;
+        }
+    }
+    return gather_result(&g);
 fallback:
-    Py_XDECREF(which); Py_XDECREF(rows); Py_XDECREF(distinct); Py_XDECREF(seen);
+    gather_drop(&g);
     Py_RETURN_NONE;
 error:
-    Py_XDECREF(which); Py_XDECREF(rows); Py_XDECREF(distinct); Py_XDECREF(seen);
+    gather_drop(&g);
     return NULL;
 }
 
@@ -907,6 +996,8 @@ static PyMethodDef methods[] = {
     {"structure_key", structure_key, METH_O, "structure_key(nodes): see plan.structure_key"},
     {"gather_index", gather_index, METH_VARARGS,
      "gather_index(leaves, ZeroRow): (distinct arrays, int32 bytes, int32 bytes) or None"},
+    {"gather_item", gather_item, METH_VARARGS,
+     "gather_item(nodes, span_of, width, zero or None, ZeroRow): as gather_index, or None"},
     {"call_method", call_method, METH_VARARGS,
      "call_method(DynBatchBlock, thread-local holding .scope, python_call(dblock, args))"},
     {"host_rows", host_rows, METH_O, "host_rows(numpy leaves): their bytes concatenated, or None"},

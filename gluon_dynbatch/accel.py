@@ -13,11 +13,13 @@ functions in C:
 * :func:`structure_key` - :func:`~.plan.structure_key_py` (cached plans hash
   every flush);
 * :func:`gather_index` - where each row of a step's argument lives (the
-  lazy-value case of :func:`~.execute.collect`);
+  lazy-value case of :func:`~.execute.collect`), and :func:`gather_item`
+  the same for a list argument read straight from the step's nodes (the
+  common case of ``execute._gather_item``);
 * :func:`host_rows` - host rows (token ids) concatenated;
 * :func:`finish_nodes` - :func:`~.execute.finish_nodes_py`.
 
-``record``, ``gather_index`` and ``host_rows`` return None for anything but
+``record``, ``gather_index``, ``gather_item`` and ``host_rows`` return None for anything but
 the common case (``record`` before changing anything), and the caller then
 runs the Python version, which stays the reference and the only place user
 errors are raised.
@@ -35,13 +37,13 @@ import numpy as np
 from .graph import LazyValue, Node
 from .trace import _ZEROS, regroup
 
-__all__ = ['record', 'count_groups', 'depth_groups', 'structure_key', 'gather_index', 'host_rows',
-           'finish_nodes', 'enable', 'STATUS']
+__all__ = ['record', 'count_groups', 'depth_groups', 'structure_key', 'gather_index',
+           'gather_item', 'host_rows', 'finish_nodes', 'enable', 'STATUS']
 
 FUNCTIONS = ('record', 'count_groups', 'depth_groups', 'structure_key', 'gather_index',
-             'host_rows', 'finish_nodes')
+             'gather_item', 'host_rows', 'finish_nodes')
 record = count_groups = depth_groups = structure_key = None
-gather_index = host_rows = finish_nodes = None
+gather_index = gather_item = host_rows = finish_nodes = None
 
 
 def _group_outputs(node):

@@ -208,6 +208,21 @@ def _gather_item(nodes, sig, item, ctx):
     (None when none is shorter).  Shorter lists are padded in the index, not
     per node."""
     fmt = sig.fmt[item]
+    width = leaf_count(fmt)      # a nested list is gathered as its flat leaves
+    fast = accel.gather_item
+    first = nodes[0]
+    if fast is not None and not isinstance(first.leaves[first.sig.item_pos(item)], np.ndarray):
+        zero = None if fmt == 0 else _zero_row(sig, item, ctx)
+        found = fast(nodes, lambda s: (s.item_pos(item), leaf_count(s.fmt[item])), width,
+                     zero, ZeroRow)
+        if found is not None:
+            parts, index, distinct = _numbered_rows(*found)
+            if fmt == 0:
+                return parts, index, distinct, None
+            if index is None:
+                index = np.arange(len(nodes) * width, dtype=np.int32)
+            padded = any(array is zero.arrays[0] for array in distinct)
+            return parts, index.reshape(len(nodes), width), distinct, zero if padded else None
     if fmt == 0:
         rows = _item_rows(nodes, item)
         if isinstance(rows[0], np.ndarray):
@@ -217,7 +232,6 @@ def _gather_item(nodes, sig, item, ctx):
         parts, index, distinct = collect(rows, ctx)
         return (parts, None if index is None else np.asarray(index, dtype=np.int32),
                 distinct, None)
-    width = leaf_count(fmt)      # a nested list is gathered as its flat leaves
     spans = {s: (s.item_pos(item), leaf_count(s.fmt[item]))
              for s in {node.sig for node in nodes}}
     counts = None

@@ -182,6 +182,71 @@ def test_gathers_match_python(ops):
     assert accel.gather_index(values + [mx.nd.ones((1, 3))], ZeroRow) is None   # Python's case
 
 
+def gathered(parts, index):
+    source = np.concatenate([p.asnumpy() if isinstance(p, mx.nd.NDArray) else p for p in parts])
+    return source if index is None else source[index.reshape(-1)]
+
+
+def gathers_match_python(ops):
+    """Run ``ops``; every argument of every step must be found in the same
+    rows of the same arrays by the C gather (``accel.gather_item``) as by
+    Python (the C result then runs).  Returns, per list argument the C
+    gather handled, ``'padded'`` or ``'list'``."""
+    from gluon_dynbatch import execute
+    python_gather = execute._gather_item
+    checked = []
+
+    def both(nodes, sig, item, ctx):
+        found, in_c = [], []
+        for on in (True, False):
+            accel.enable(on)
+            if on:
+                accel.gather_item = lambda *args: in_c.append(
+                    accel._LOADED['gather_item'](*args)) or in_c[-1]
+            try:
+                found.append(python_gather(nodes, sig, item, ctx))
+            finally:
+                accel.enable(True)
+        (parts, index, distinct, zero), (py_parts, py_index, py_distinct, py_zero) = found
+        # the same rows from the same arrays, maybe in another order (Python
+        # puts the padding row last, C where first used); host rows and
+        # device copies of them are made anew each time: compared by value
+        np.testing.assert_array_equal(gathered(parts, index), gathered(py_parts, py_index))
+        assert sorted(map(id, distinct or ())) == sorted(map(id, py_distinct or ())) or \
+            any(isinstance(leaf, np.ndarray) for node in nodes for leaf in node.leaves)
+        assert zero is py_zero
+        if index is None:
+            assert py_index is None
+        else:
+            assert index.dtype == py_index.dtype == np.int32
+            assert index.shape == py_index.shape
+        if in_c and in_c[-1] is not None:
+            checked.append('padded' if zero is not None else 'list')
+        return found[0]
+    execute._gather_item = both
+    try:
+        with private_scope('depth') as scope:
+            run_program(Blocks(), ops)
+            scope.flush()
+    finally:
+        execute._gather_item = python_gather
+    return checked
+
+
+@needs_extension
+@given(programs)
+def test_step_argument_gathers_match_python(ops):
+    gathers_match_python(ops)
+
+
+@needs_extension
+def test_padded_list_gathers_match_python():
+    """Cells of 0-3 children in one depth: lists padded with zero rows."""
+    ops = [('cell', [0, 0, 1, 0, 0, 0, 0, 0])] * 4          # leaves: 8 lazy values
+    ops += [('cell', [arity, 3, 5, 4, 6, 7, 8, 9]) for arity in (1, 3, 2, 3, 1)]
+    assert 'padded' in gathers_match_python(ops)
+
+
 @needs_extension
 def test_host_rows_match_numpy_and_defer_the_unusual():
     rng = np.random.RandomState(0)
