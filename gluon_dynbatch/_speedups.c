@@ -790,11 +790,13 @@ fallback:
 /* ------------------------------------------------------- finish_nodes */
 
 /* After a step ran: every node's outputs are ``arrays``, its row its
- * position; it is DONE and drops its argument leaves. */
+ * position (or ``rows[i]``: an int32 buffer, one entry per node); it is
+ * DONE and drops its argument leaves. */
 static PyObject *finish_nodes(PyObject *self, PyObject *args)
 {
-    PyObject *nodes, *arrays;
-    if (!PyArg_ParseTuple(args, "OO", &nodes, &arrays))
+    PyObject *nodes, *arrays, *rows_obj = Py_None;
+    Py_buffer rows = {0};
+    if (!PyArg_ParseTuple(args, "OO|O", &nodes, &arrays, &rows_obj))
         return NULL;
     if (!configured || !(PyList_Check(nodes) || PyTuple_Check(nodes))) {
         PyErr_SetString(PyExc_TypeError, "finish_nodes(list or tuple of nodes, arrays)");
@@ -807,11 +809,24 @@ static PyObject *finish_nodes(PyObject *self, PyObject *args)
             PyErr_SetString(PyExc_TypeError, "finish_nodes: not a Node");
             return NULL;
         }
+    const int *row_of = NULL;
+    if (rows_obj != Py_None) {
+        if (PyObject_GetBuffer(rows_obj, &rows, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT))
+            return NULL;
+        if (rows.itemsize != 4 || rows.len != n * 4 ||
+            (rows.format && strcmp(rows.format, "i") && strcmp(rows.format, "=i") &&
+             strcmp(rows.format, "<i"))) {
+            PyBuffer_Release(&rows);
+            PyErr_SetString(PyExc_TypeError, "finish_nodes: rows must be int32, one per node");
+            return NULL;
+        }
+        row_of = (const int *)rows.buf;
+    }
     PyObject *done = PyLong_FromLong(DONE);
-    if (done == NULL) return NULL;
+    if (done == NULL) goto error;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *row = PyLong_FromSsize_t(i);
-        if (row == NULL) { Py_DECREF(done); return NULL; }
+        PyObject *row = PyLong_FromSsize_t(row_of ? row_of[i] : i);
+        if (row == NULL) { Py_DECREF(done); goto error; }
         PyObject *node = items[i];
         Py_INCREF(arrays); set_slot(node, n_arrays, arrays);
         set_slot(node, n_row, row);
@@ -819,7 +834,11 @@ static PyObject *finish_nodes(PyObject *self, PyObject *args)
         Py_INCREF(Py_None); set_slot(node, n_leaves, Py_None);
     }
     Py_DECREF(done);
+    if (row_of) PyBuffer_Release(&rows);
     Py_RETURN_NONE;
+error:
+    if (row_of) PyBuffer_Release(&rows);
+    return NULL;
 }
 
 /* ------------------------------------------------------- count_groups */
@@ -1001,7 +1020,8 @@ static PyMethodDef methods[] = {
     {"call_method", call_method, METH_VARARGS,
      "call_method(DynBatchBlock, thread-local holding .scope, python_call(dblock, args))"},
     {"host_rows", host_rows, METH_O, "host_rows(numpy leaves): their bytes concatenated, or None"},
-    {"finish_nodes", finish_nodes, METH_VARARGS, "finish_nodes(nodes, arrays): see execute.finish"},
+    {"finish_nodes", finish_nodes, METH_VARARGS,
+     "finish_nodes(nodes, arrays, rows=None): see execute.finish_nodes_py"},
     {"count_groups", count_groups, METH_O, "count_groups(nodes): see plan.count_groups_py"},
     {"depth_groups", depth_groups, METH_O, "depth_groups(nodes): see plan.depth_groups_py"},
     {NULL, NULL, 0, NULL}

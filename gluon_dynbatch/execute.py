@@ -17,7 +17,7 @@ import numpy as np
 
 from . import accel
 from .graph import DONE, LazyValue
-from .lower import host_part_has_ops, step_program
+from .lower import host_part, step_program
 from .trace import leaf_count
 
 __all__ = ['run_plan', 'run_step', 'collect', 'gather_rows', 'pad_leaves', 'to_device',
@@ -125,11 +125,18 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None):
         pattern.append(('direct' if index is None else 'take', len(sources[item])))
         indices[item] = index
     host = [item for item, parts in sources.items() if type(parts[0]) is np.ndarray]
-    inverse = _share_host_rows(sig, host, sources, pattern) if host else None
+    # outputs on distinct rows change the row layout with the data: not
+    # where a recipe is replayed or learned
+    inverse = _share_host_rows(sig, host, sources, pattern, where is None and recipe is None) \
+        if host else None
     for item in host:
         sources[item] = [to_device(sources[item][0], ctx)]
+    rows = None
     if inverse is not None:
-        inverse = to_device(inverse, ctx)
+        if pattern[host[0]][0] == 'distinct':
+            rows = inverse
+        else:
+            inverse = to_device(inverse, ctx)
     program = step_program(sig, tuple(pattern))
     inputs = [sources[item[0]][item[1]] if kind == 'src' else indices[item] if kind == 'idx'
               else inverse if kind == 'inverse' else item.data(ctx)
@@ -137,7 +144,7 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None):
     outs = program.cached_op(*inputs)
     if isinstance(outs, NDArray):
         outs = [outs]
-    (accel.finish_nodes or finish_nodes_py)(nodes, outs)
+    (accel.finish_nodes or finish_nodes_py)(nodes, outs, rows)
     return outs, learned
 
 
@@ -147,17 +154,20 @@ SHARE_BELOW = 0.8
 rows; with few repeats the expanding ``take`` would cost what it saves."""
 
 
-def _share_host_rows(sig, items, sources, pattern):
+def _share_host_rows(sig, items, sources, pattern, distinct_outputs):
     """If the host rows of ``items`` (numpy arrays in ``sources``) repeat
     enough and ``sig`` has ops on them alone, replace them by their distinct
-    rows, mark those items ``'unique'`` in ``pattern`` and return the int32
-    index of each row's distinct row; else None."""
+    rows, mark those items ``'unique'`` in ``pattern`` (``'distinct'`` when
+    ``distinct_outputs`` and every output depends on them alone: the
+    outputs then have a row per distinct row) and return the int32 index of
+    each row's distinct row; else None."""
     items = tuple(items)
-    worth = sig.host_parts.get(items)
-    if worth is None:
+    found = sig.host_parts.get(items)
+    if found is None:
         host = {sig.data_names[sig.item_pos(item)] for item in items}
-        worth = sig.host_parts[items] = host_part_has_ops(
+        found = sig.host_parts[items] = host_part(
             sig.symbol, host, {p.name for _, p in sig.param_slots})
+    worth, outputs_host = found
     rows = [sources[item][0] for item in items]
     count = len(rows[0])
     if not worth or count < 8:
@@ -171,19 +181,21 @@ def _share_host_rows(sig, items, sources, pattern):
     _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
     if len(first) > SHARE_BELOW * count:
         return None
+    how = ('distinct' if distinct_outputs and outputs_host else 'unique', 1)
     for item, array in zip(items, rows):
         sources[item] = [array[first]]
-        pattern[item] = ('unique', 1)
+        pattern[item] = how
     return inverse.astype(np.int32)
 
 
-def finish_nodes_py(nodes, arrays):
+def finish_nodes_py(nodes, arrays, rows=None):
     """The nodes of a step that ran: their outputs are rows of ``arrays``,
-    in order.  They drop their argument leaves (references to inputs) at
-    once."""
-    for row, node in enumerate(nodes):
+    in order, or rows ``rows[i]`` (int32 array; see ``'distinct'`` in
+    :mod:`~gluon_dynbatch.lower`).  They drop their argument leaves
+    (references to inputs) at once."""
+    for i, node in enumerate(nodes):
         node.arrays = arrays
-        node.row = row
+        node.row = i if rows is None else int(rows[i])
         node.state = DONE
         node.leaves = None
 
