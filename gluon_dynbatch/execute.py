@@ -17,7 +17,7 @@ import numpy as np
 
 from . import accel
 from .graph import DONE, LazyValue
-from .lower import host_part, step_program
+from .lower import embedding_reads, host_part, step_program
 from .trace import leaf_count
 
 __all__ = ['run_plan', 'run_step', 'collect', 'gather_rows', 'pad_leaves', 'to_device',
@@ -42,10 +42,11 @@ def run_plan(plan):
     recipes = plan.recipes
     outputs = []                                  # per step, its output arrays
     where = {} if recipes is not None else None   # id(output) -> (step, output index)
+    tables = FlushTables(plan.steps) if mx.autograd.is_recording() else None
     for number, step in enumerate(plan.steps):
         start = clock()
         recipe = recipes[number] if recipes is not None else None
-        outs, learned = run_step(step, step.sig.ctx, recipe, outputs, where)
+        outs, learned = run_step(step, step.sig.ctx, recipe, outputs, where, tables)
         if recipes is not None:
             recipes[number] = learned
             outputs.append(outs)
@@ -83,10 +84,12 @@ def run_compiled(plan):
     return [(time.perf_counter() - start) / len(steps)] * len(steps)
 
 
-def run_step(step, ctx, recipe=None, outputs=None, where=None):
+def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None):
     """One batched call of ``step.sig`` over ``step.nodes``; returns its
     output arrays and a recipe for running it again in a flush of the same
-    structure (None unless ``where`` maps earlier steps' outputs).
+    structure (None unless ``where`` maps earlier steps' outputs).  With
+    ``tables`` (a :class:`FlushTables`, when training) host indices into
+    embeddings read the flush's table instead.
 
     Nodes of a shorter signature of the same family get their lists padded
     with zero rows (see ``DynBatchBlock(pad_lists=True)``).  A recipe holds,
@@ -125,6 +128,10 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None):
         pattern.append(('direct' if index is None else 'take', len(sources[item])))
         indices[item] = index
     host = [item for item, parts in sources.items() if type(parts[0]) is np.ndarray]
+    if host and tables is not None:
+        for item, weights in tables.reads(sig, host).items():
+            sources[item] = [tables.positions(sources[item][0])]
+            pattern[item] += ('table',)
     # outputs on distinct rows change the row layout with the data: not
     # where a recipe is replayed or learned
     inverse = _share_host_rows(sig, host, sources, pattern, where is None and recipe is None) \
@@ -139,8 +146,8 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None):
             inverse = to_device(inverse, ctx)
     program = step_program(sig, tuple(pattern))
     inputs = [sources[item[0]][item[1]] if kind == 'src' else indices[item] if kind == 'idx'
-              else inverse if kind == 'inverse' else item.data(ctx)
-              for kind, item in program.feeds]
+              else inverse if kind == 'inverse' else tables.table(item, ctx) if kind == 'table'
+              else item.data(ctx) for kind, item in program.feeds]
     outs = program.cached_op(*inputs)
     if isinstance(outs, NDArray):
         outs = [outs]
@@ -184,8 +191,70 @@ def _share_host_rows(sig, items, sources, pattern, distinct_outputs):
     how = ('distinct' if distinct_outputs and outputs_host else 'unique', 1)
     for item, array in zip(items, rows):
         sources[item] = [array[first]]
-        pattern[item] = how
+        pattern[item] = how + pattern[item][2:]
     return inverse.astype(np.int32)
+
+
+class FlushTables:
+    """The rows of each embedding weight that a training flush reads by
+    host indices (token ids), looked up once per flush.
+
+    Each step program reading an ``Embedding`` by host indices would
+    otherwise return a dense gradient of the whole weight (vocabulary x
+    width) in backward, and autograd would sum one per step: at SICK
+    minibatch 25, nine dense 2,412 x 300 gradients for one lookup's worth
+    of rows.  Instead the flush takes the rows of its distinct ids once
+    (one op, one dense weight gradient) and the steps read that table by
+    position (:func:`~.lower.read_tables`).  Inference has no gradient to
+    save and keeps the plain lookups."""
+
+    def __init__(self, steps):
+        self.steps = steps
+        self.tokens = None      # sorted distinct ids read through tables, set at first use
+        self.arrays = {}        # weight name -> its table
+
+    def reads(self, sig, items):
+        """``{item: [weight names]}`` for the host ``items`` of ``sig``
+        read only as indices of embeddings whose weights get gradients."""
+        items = tuple(items)
+        found = sig.table_reads.get(items)
+        if found is None:
+            names = {sig.data_names[sig.item_pos(item)]: item for item in items}
+            params = {p.name for _, p in sig.param_slots if p.grad_req != 'null'}
+            found = sig.table_reads[items] = {
+                names[name]: weights
+                for name, weights in embedding_reads(sig.symbol, set(names), params).items()}
+        return found
+
+    def positions(self, rows):
+        """Host indices ``rows`` as positions in the flush's tables."""
+        if self.tokens is None:
+            self.tokens = self._read_ahead()
+        found = np.minimum(np.searchsorted(self.tokens, rows), len(self.tokens) - 1)
+        if not np.array_equal(self.tokens[found], rows):
+            raise RuntimeError('gluon_dynbatch: a host index was not read ahead for the '
+                               'flush\'s embedding tables (please report this)')
+        return found.astype(rows.dtype)
+
+    def table(self, weight, ctx):
+        array = self.arrays.get(weight.name)
+        if array is None:
+            array = self.arrays[weight.name] = mx.nd.take(
+                weight.data(ctx), to_device(self.tokens, ctx), mode='clip')
+        return array
+
+    def _read_ahead(self):
+        """Every id that a step of the flush reads through a table."""
+        ids = []
+        for step in self.steps:
+            nodes, sig = step.nodes, step.sig
+            host = [item for item, fmt in enumerate(sig.fmt) if fmt == 0 and
+                    isinstance(nodes[0].leaves[nodes[0].sig.item_pos(item)], np.ndarray)]
+            for item in self.reads(sig, host) if host else ():
+                rows = host_rows(_item_rows(nodes, item))
+                if rows is not None:
+                    ids.append(rows.ravel())
+        return np.unique(np.concatenate(ids))
 
 
 def finish_nodes_py(nodes, arrays, rows=None):

@@ -42,7 +42,7 @@ import mxnet as mx
 from .trace import leaf_count
 
 __all__ = ['StepProgram', 'step_program', 'FlushProgram', 'flush_program', 'share_host_part',
-           'host_part']
+           'host_part', 'embedding_reads', 'read_tables']
 
 
 class StepProgram:
@@ -84,7 +84,7 @@ def _build(sig, pattern):
         width = leaf_count(fmt)     # a nested list is cut into its flat leaves
         if width == 0:
             continue
-        how, count = way
+        how, count = way[:2]
         parts = [mx.sym.var('src%d_%d' % (item, part)) for part in range(count)]
         rows = parts[0] if count == 1 else mx.sym.concat(*parts, dim=0)
         if how == 'take':
@@ -99,10 +99,16 @@ def _build(sig, pattern):
                 replace[next(names)] = parts[j]
     symbol = sig.symbol(**replace)
     params = {p.name: p for _, p in sig.param_slots}
+    tables = {'src%d_0' % item for item, way in enumerate(pattern)
+              if way is not None and way[2:] == ('table',)}
+    if tables:
+        symbol = read_tables(symbol, tables)
     unique = {'src%d_0' % item: way[0] for item, way in enumerate(pattern)
               if way is not None and way[0] in ('unique', 'distinct')}
     if unique:
-        symbol = share_host_part(symbol, set(unique), set(params),
+        shared = set(params) | {name for name in symbol.list_inputs()
+                                if name.startswith(TABLE)}
+        symbol = share_host_part(symbol, set(unique), shared,
                                  expand_outputs='unique' in unique.values())
     feeds = []
     for name in symbol.list_inputs():
@@ -110,6 +116,8 @@ def _build(sig, pattern):
             feeds.append(('param', params[name]))
         elif name == INVERSE:
             feeds.append(('inverse', None))
+        elif name.startswith(TABLE):
+            feeds.append(('table', params[name[len(TABLE):]]))
         elif name.startswith('src'):
             feeds.append(('src', tuple(int(n) for n in name[3:].split('_'))))
         else:
@@ -153,6 +161,66 @@ def host_part(symbol, host, shared):
     kinds = _host_kinds(nodes, host, shared)
     return (any(kind == 'host' and node['op'] != 'null' for kind, node in zip(kinds, nodes)),
             all(kinds[head[0]] == 'host' for head in graph['heads']))
+
+
+TABLE = 'dynbatch_table:'
+"""Prefix of the inputs that replace an embedding weight read by host
+indices (see :func:`read_tables`)."""
+
+
+def embedding_reads(symbol, host, params):
+    """``{host input: [weight names]}`` for the inputs named ``host`` that
+    are read only as the indices of ``Embedding`` ops with dense gradients
+    whose weights are named in ``params``: such an input can carry
+    positions in a table of the rows the flush reads instead
+    (:func:`read_tables`)."""
+    nodes = json.loads(symbol.tojson())['nodes']
+    index = {node['name']: i for i, node in enumerate(nodes) if node['op'] == 'null'}
+    reads = {name: [] for name in host if name in index}
+    for node in nodes:
+        for slot, entry in enumerate(node['inputs']):
+            name = nodes[entry[0]]['name'] if nodes[entry[0]]['op'] == 'null' else None
+            if name not in reads or reads[name] is None:
+                continue
+            weight = nodes[node['inputs'][1][0]] if len(node['inputs']) > 1 else None
+            if node['op'] == 'Embedding' and slot == 0 and weight['op'] == 'null' and \
+                    weight['name'] in params and \
+                    node.get('attrs', {}).get('sparse_grad', 'False') in ('False', 'false', '0'):
+                reads[name].append(weight['name'])
+            else:
+                reads[name] = None
+    return {name: weights for name, weights in reads.items() if weights}
+
+
+def read_tables(symbol, host):
+    """``symbol`` with every ``Embedding`` whose indices are an input named
+    in ``host`` turned into a ``take`` from a new input ``TABLE + weight
+    name``: the rows of the weight that the flush reads, gathered once per
+    flush (so a training step writes one dense weight gradient per flush,
+    not one per step), with the host input carrying positions in it."""
+    graph = json.loads(symbol.tojson())
+    nodes = graph['nodes']
+    out, moved, tables = [], {}, {}
+    for old, node in enumerate(nodes):
+        node = dict(node)
+        data = node['inputs'][0] if node['inputs'] else None
+        if node['op'] == 'Embedding' and nodes[data[0]]['op'] == 'null' and \
+                nodes[data[0]]['name'] in host:
+            name = TABLE + nodes[node['inputs'][1][0]]['name']
+            if name not in tables:
+                tables[name] = len(out)
+                out.append({'op': 'null', 'name': name, 'inputs': []})
+            node.update(op='take', attrs={'axis': '0', 'mode': 'clip'},
+                        inputs=[[tables[name], 0, 0], [moved[data[0]], data[1], 0]])
+        else:
+            node['inputs'] = [[moved[e[0]], e[1], 0] for e in node['inputs']]
+        moved[old] = len(out)
+        out.append(node)
+    graph['heads'] = [[moved[e[0]], e[1], 0] for e in graph['heads']]
+    graph['nodes'] = out
+    graph['arg_nodes'] = [i for i, node in enumerate(out) if node['op'] == 'null']
+    graph.pop('node_row_ptr', None)
+    return mx.sym.load_json(json.dumps(graph))
 
 
 def share_host_part(symbol, host, shared, expand_outputs=True):

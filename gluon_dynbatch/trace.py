@@ -93,6 +93,7 @@ class TracedSignature:
         self.programs = {}
         self.zero_rows = {}     # padding rows of its list arguments (see execute.py)
         self.host_parts = {}    # host items -> whether ops depend on them alone (execute.py)
+        self.table_reads = {}   # host items -> embeddings they index (execute.FlushTables)
 
     def item_pos(self, item):
         """Position among the flat leaves of top-level argument ``item``'s
