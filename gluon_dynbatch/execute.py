@@ -20,8 +20,8 @@ from .graph import DONE, LazyValue
 from .lower import embedding_reads, host_part, step_program
 from .trace import leaf_count
 
-__all__ = ['run_plan', 'run_step', 'FlushTables', 'collect', 'gather_rows', 'pad_leaves', 'to_device',
-           'ZeroRow']
+__all__ = ['run_plan', 'run_step', 'FlushTables', 'collect', 'gather_rows', 'pad_leaves',
+           'to_device', 'ZeroRow']
 
 NDArray = mx.nd.NDArray
 
