@@ -4,9 +4,10 @@ A step runs a signature's per-sample symbol over N calls.  Each top-level
 argument of the block arrives either *direct* (an array whose rows already
 are the N calls in order, e.g. host token ids) or *gathered*: a source array
 (the earlier batched outputs the rows come from, passed as separate inputs
-and concatenated inside the program) plus an index array.  A list argument of length K is gathered with one ``(N, K)`` index
-into ``(N, K, ...)`` rows and cut into its K elements by one ``SliceChannel``
-(a single op whose backward writes each gradient once, unlike K slices).
+and concatenated inside the program) plus an index array.  A list argument
+of length K is gathered with one ``(N, K)`` index into ``(N, K, ...)`` rows
+and cut into its K elements by one ``SliceChannel`` (a single op whose
+backward writes each gradient once, unlike K slices).
 
 The gathers and the block's ops compile into one CachedOp per (signature,
 gather pattern), so a step costs one CachedOp call plus its index uploads,
