@@ -408,3 +408,21 @@ def test_error_list_of_different_shapes_names_the_argument():
     with pytest.raises(dyb.InputError, match=r'argument #1 is a list of arrays of different'):
         with dyb.batching():
             block(mx.nd.ones((1, 3)), [[mx.nd.ones((1, 3))], [mx.nd.ones((1, 2))]])
+
+
+def test_host_buffers_may_be_reused_once_the_scope_closes():
+    """Host rows are copied when the scope runs: a caller may refill its
+    numpy buffer at once (under MXNet's threaded engine the batched ops may
+    still be queued then), whether a step's rows are all host rows or a
+    mix of host rows and NDArrays."""
+    block = dense(2)
+    buf = np.random.RandomState(0).uniform(size=(40, 3)).astype('float32')
+    first = mx.nd.array(buf[:1])
+    expected = block.block(mx.nd.array(buf)).asnumpy()
+    with dyb.batching('depth'):
+        host = [block(buf[i:i + 1]) for i in range(40)]
+    with dyb.batching('depth'):
+        mixed = [block(buf[i:i + 1] if i else first) for i in range(40)]
+    buf[:] = 0
+    for outs in (host, mixed):
+        np.testing.assert_allclose(dyb.concat_rows(outs).asnumpy(), expected, rtol=1e-5)
