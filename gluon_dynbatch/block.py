@@ -18,7 +18,7 @@ from mxnet.gluon import Block
 
 from . import accel, debug
 from .errors import InputError, ScopeError
-from .execute import collect, pad_leaves, run_plan, to_device
+from .execute import collect, pad_leaves, run_plan, threaded_engine, to_device
 from .graph import DONE, FAILED, PENDING, LazyValue, Node
 from .plan import STRATEGIES, summarize
 from .trace import flatten, leaf_count, regroup, trace_signature
@@ -30,6 +30,12 @@ _LOCAL = threading.local()
 _SIG_IDS = itertools.count()
 _TRACING = threading.RLock()    # see DynBatchBlock._trace
 _PAIR = (0, 0)
+_FLUSHES = itertools.count()
+TIMED_EVERY = 8
+"""Under a threaded engine a step's host-clock time is only its launch, so
+one flush in this many waits for each step to finish and gives the
+strategy (the cost model) real step times; the others overlap Python with
+the ops and report none."""
 _clock = time.perf_counter     # bound once: record() runs per call
 
 
@@ -95,16 +101,17 @@ class BatchingScope:
         self.record_s += _clock() - counted
         self.groups, self.used, self.unsafe = {}, {}, 0
         record_ms, self.record_s = self.record_s * 1e3, 0.0
+        timed = not threaded_engine() or next(_FLUSHES) % TIMED_EVERY == 0
         try:
             start = time.perf_counter()
             plan = self.strategy.plan(nodes, summary)
             planned = time.perf_counter()
-            step_seconds = run_plan(plan)
+            step_seconds = run_plan(plan, wait=timed and threaded_engine())
             done = time.perf_counter()
         except BaseException:
             _fail(nodes)
             raise
-        self.strategy.observe(plan, step_seconds, planned - start, nodes)
+        self.strategy.observe(plan, step_seconds if timed else None, planned - start, nodes)
         compile_s = self.strategy.last_compile_s
         debug.record_flush(plan, record_ms, (planned - start - compile_s) * 1e3,
                            (done - planned) * 1e3, getattr(self.strategy, 'last', None),

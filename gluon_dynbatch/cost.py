@@ -363,12 +363,13 @@ class Auto(Strategy):
 
     def _observe_run(self, name, run_ms):
         """Move the run factor of ``name`` on this kind of graph toward
-        measured / predicted.  Flushes that built a step program are
-        skipped (building one costs more than whole steps), and each ratio
-        is clipped to [0.5, 2]: one outlier cannot lock a strategy out."""
+        measured / predicted (``run_ms`` None: the flush was not timed).
+        Flushes that built a step program are skipped (building one costs
+        more than whole steps), and each ratio is clipped to [0.5, 2]: one
+        outlier cannot lock a strategy out."""
         kind = self.last['kind']
         self._last_run[(kind, name)] = self._flushes
-        if BUILT[0] != self.last['built'] or self.last['raw_run_ms'] <= 0:
+        if run_ms is None or BUILT[0] != self.last['built'] or self.last['raw_run_ms'] <= 0:
             return
         ratio = min(2.0, max(0.5, run_ms / self.last['raw_run_ms']))
         factors = self._run_factors.setdefault(kind, {})
@@ -460,24 +461,25 @@ class Auto(Strategy):
         self._ratios[kind] = old + 0.3 * (ratio - old)
 
     def observe(self, plan, step_seconds, analyse_s, nodes):
-        if plan.program is None:      # a compiled plan has no per-step times
+        timed = step_seconds is not None
+        if timed and plan.program is None:      # a compiled plan has no per-step times
             self.model.observe_steps(plan, step_seconds)
         if 'predicted_ms' not in self.last:
             return
         fingerprint = self.last['fingerprint']
+        name = self.last['choice']
         if self._seen.get(fingerprint) is not None:     # a repeating summary
             # the best time seen: a structure costs the same every time, and
             # what varies (a one-off compile, a first call, a busy machine)
             # only adds
             record = self._repeat(fingerprint)
-            total = (analyse_s - self.last_compile_s + sum(step_seconds)) * 1e3
-            name = self.last['choice']
-            record.best_ms[name] = min(total, record.best_ms.get(name, total))
+            if timed:
+                total = (analyse_s - self.last_compile_s + sum(step_seconds)) * 1e3
+                record.best_ms[name] = min(total, record.best_ms.get(name, total))
             if name == 'cached':
                 record.cached_runs += 1
-        name = self.last['choice']
         if name in ('depth', 'agenda', 'per-sample'):
-            self._observe_run(name, sum(step_seconds) * 1e3)
+            self._observe_run(name, sum(step_seconds) * 1e3 if timed else None)
         if name == 'agenda':
             self._observe_agenda(len(plan.steps), self.last['depth_steps'], self.last['kind'])
 

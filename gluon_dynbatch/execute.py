@@ -22,14 +22,16 @@ from .lower import embedding_reads, host_part, step_program
 from .trace import leaf_count
 
 __all__ = ['run_plan', 'run_step', 'FlushTables', 'collect', 'gather_rows', 'pad_leaves',
-           'to_device', 'ZeroRow']
+           'to_device', 'threaded_engine', 'ZeroRow']
 
 NDArray = mx.nd.NDArray
 
 
-def run_plan(plan):
+def run_plan(plan, wait=False):
     """Execute every step of ``plan`` in order; return each step's seconds
-    (exact under NaiveEngine; with a threaded engine only launch time).
+    (exact under NaiveEngine; with a threaded engine only launch time,
+    unless ``wait``: then each step waits for its ops to finish, which
+    costs the overlap of Python with the ops but times them).
 
     A plan that carries ``recipes`` (a cached plan: same structure as an
     earlier flush) runs each step from its recipe where one is known, with
@@ -44,10 +46,14 @@ def run_plan(plan):
     outputs = []                                  # per step, its output arrays
     where = {} if recipes is not None else None   # id(output) -> (step, output index)
     tables = FlushTables(plan.steps) if mx.autograd.is_recording() else None
+    if wait:
+        mx.nd.waitall()
     for number, step in enumerate(plan.steps):
         start = clock()
         recipe = recipes[number] if recipes is not None else None
         outs, learned = run_step(step, step.sig.ctx, recipe, outputs, where, tables)
+        if wait:
+            mx.nd.waitall()
         if recipes is not None:
             recipes[number] = learned
             outputs.append(outs)
@@ -509,7 +515,7 @@ def to_device(host, ctx):
     the one before and Python could not prepare the next step while the
     last one ran (SICK minibatch 25, ``ThreadedEnginePerDevice``: 14.9 ->
     13.1 ms)."""
-    if ctx.device_type == 'cpu' and _threaded_engine():
+    if ctx.device_type == 'cpu' and threaded_engine():
         return mx.nd.from_numpy(np.ascontiguousarray(host), zero_copy=True)
     array = mx.nd.empty(host.shape, ctx=ctx, dtype=host.dtype)
     array._sync_copyfrom(host)
@@ -519,7 +525,7 @@ def to_device(host, ctx):
 _ENGINE = []
 
 
-def _threaded_engine():
+def threaded_engine():
     """Whether MXNet runs ops on worker threads (its engine is chosen once,
     from ``MXNET_ENGINE_TYPE``, default ``ThreadedEnginePerDevice``)."""
     if not _ENGINE:

@@ -138,7 +138,9 @@ class Strategy:
         """Called when a scope opens (one-time set-up, kept out of timings)."""
 
     def observe(self, plan, step_seconds, analyse_s, nodes):
-        """Called after the plan ran; strategies that learn override it."""
+        """Called after the plan ran, with each step's seconds (None when
+        the flush was not timed: see ``block.TIMED_EVERY``); strategies
+        that learn override it."""
 
 
 class PerSample(Strategy):

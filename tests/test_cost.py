@@ -394,3 +394,29 @@ def test_structure_keys_tell_array_leaves_from_lazy_ones():
             add(mx.nd.ones((1, 3)), [wide, row] if swap else [row, wide])
             keys.append(structure_key(scope.pending))
     assert keys[0] != keys[1]
+
+
+def test_threaded_engine_times_one_flush_in_eight():
+    """Step times on the host clock are real only when each step is waited
+    for, which a threaded engine otherwise avoids: one flush in
+    TIMED_EVERY waits and reports them, the others report None."""
+    from gluon_dynbatch.block import TIMED_EVERY
+    from gluon_dynbatch.execute import threaded_engine
+    from gluon_dynbatch.plan import ByDepth
+
+    class Spy(ByDepth):
+        seen = []
+
+        def observe(self, plan, step_seconds, analyse_s, nodes):
+            self.seen.append(step_seconds)
+
+    block = dyb.DynBatchBlock(mx.gluon.nn.Dense(3, in_units=3))
+    block.initialize()
+    spy = Spy()
+    for _ in range(2 * TIMED_EVERY):
+        with dyb.batching(spy):
+            outs = [block(mx.nd.ones((1, 3))) for _ in range(4)]
+        assert dyb.concat_rows(outs).shape == (4, 3)
+    timed = [s for s in spy.seen if s is not None]
+    assert len(timed) == (2 if threaded_engine() else 2 * TIMED_EVERY)
+    assert all(len(s) == 1 and s[0] > 0 for s in timed)
