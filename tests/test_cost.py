@@ -420,3 +420,16 @@ def test_threaded_engine_times_one_flush_in_eight():
     timed = [s for s in spy.seen if s is not None]
     assert len(timed) == (2 if threaded_engine() else 2 * TIMED_EVERY)
     assert all(len(s) == 1 and s[0] > 0 for s in timed)
+
+
+def test_cached_plan_not_yet_timed_keeps_running():
+    """Under a threaded engine a cached plan can pass its trial runs
+    without one timed flush; it keeps running until it is measured."""
+    auto = dyb.Auto(model=dyb.CostModel())
+    record = auto._repeat('summary')
+    record.cached_runs = auto.cached_trials
+    record.best_ms['depth'] = 10.0
+    assert auto._cached_measured_best('summary')
+    record.best_ms['cached'] = 20.0
+    record.sightings = 0
+    assert not auto._cached_measured_best('summary')
