@@ -136,7 +136,7 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None):
         indices[item] = index
     host = [item for item, parts in sources.items() if type(parts[0]) is np.ndarray]
     if host and tables is not None:
-        for item, weights in tables.reads(sig, host).items():
+        for item in tables.reads(sig, host):
             sources[item] = [tables.positions(sources[item][0])]
             pattern[item] += ('table',)
     # outputs on distinct rows change the row layout with the data: not
@@ -237,13 +237,16 @@ class FlushTables:
         """Host indices ``rows`` as positions in the flush's tables."""
         if self.tokens is None:
             self.tokens = self._read_ahead()
-        found = np.minimum(np.searchsorted(self.tokens, rows), len(self.tokens) - 1)
-        if not np.array_equal(self.tokens[found], rows):
+        found = np.searchsorted(self.tokens, rows)
+        if not (found < len(self.tokens)).all() or \
+                not np.array_equal(self.tokens[found], rows):
             raise RuntimeError('gluon_dynbatch: a host index was not read ahead for the '
                                'flush\'s embedding tables (please report this)')
         return found.astype(rows.dtype)
 
     def table(self, weight, ctx):
+        """The rows of ``weight`` for the flush's ids (one ``take``, made
+        at first use and recorded by autograd like any op)."""
         array = self.arrays.get(weight.name)
         if array is None:
             array = self.arrays[weight.name] = mx.nd.take(
@@ -261,7 +264,7 @@ class FlushTables:
                 rows = host_rows(_item_rows(nodes, item))
                 if rows is not None:
                     ids.append(rows.ravel())
-        return np.unique(np.concatenate(ids))
+        return np.unique(np.concatenate(ids)) if ids else np.zeros(0, np.float32)
 
 
 def finish_nodes_py(nodes, arrays, rows=None):

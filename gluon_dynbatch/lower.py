@@ -49,8 +49,9 @@ __all__ = ['StepProgram', 'step_program', 'FlushProgram', 'flush_program', 'shar
 class StepProgram:
     """A compiled step: its ``symbol``, the ``cached_op`` and, for each of
     its inputs, where the value comes from: ``('src', (item, part))``,
-    ``('idx', item)``, ``('inverse', None)`` (see :func:`share_host_part`)
-    or ``('param', Parameter)``."""
+    ``('idx', item)``, ``('inverse', None)`` (see :func:`share_host_part`),
+    ``('table', Parameter)`` (see :func:`read_tables`) or ``('param',
+    Parameter)``."""
     __slots__ = ('symbol', 'cached_op', 'feeds')
 
     def __init__(self, symbol, feeds):
@@ -65,7 +66,9 @@ def step_program(sig, pattern):
     ``'direct'``, ``'take'``, ``'unique'`` or ``'distinct'`` (host rows,
     distinct; outputs per call, or per distinct row: see
     :func:`share_host_part`), ``parts`` the number of arrays whose
-    concatenation is the source), built once and cached on ``sig``."""
+    concatenation is the source; host indices read through the flush's
+    embedding tables add ``'table'``, see :func:`read_tables`), built once
+    and cached on ``sig``."""
     program = sig.programs.get(pattern)
     if program is None:
         program = sig.programs[pattern] = _build(sig, pattern)
@@ -217,11 +220,7 @@ def read_tables(symbol, host):
             node['inputs'] = [[moved[e[0]], e[1], 0] for e in node['inputs']]
         moved[old] = len(out)
         out.append(node)
-    graph['heads'] = [[moved[e[0]], e[1], 0] for e in graph['heads']]
-    graph['nodes'] = out
-    graph['arg_nodes'] = [i for i, node in enumerate(out) if node['op'] == 'null']
-    graph.pop('node_row_ptr', None)
-    return mx.sym.load_json(json.dumps(graph))
+    return _load(graph, out, [[moved[e[0]], e[1], 0] for e in graph['heads']])
 
 
 def share_host_part(symbol, host, shared, expand_outputs=True):
@@ -261,10 +260,15 @@ def share_host_part(symbol, host, shared, expand_outputs=True):
             node['inputs'] = [[moved[e[0]], e[1], 0] for e in node['inputs']]
         moved[old] = len(out)
         out.append(node)
-    graph['heads'] = [expand(entry) if expand_outputs else [moved[entry[0]], entry[1], 0]
-                      for entry in graph['heads']]
-    graph['nodes'] = out
-    graph['arg_nodes'] = [i for i, node in enumerate(out) if node['op'] == 'null']
+    return _load(graph, out, [expand(entry) if expand_outputs else [moved[entry[0]], entry[1], 0]
+                              for entry in graph['heads']])
+
+
+def _load(graph, nodes, heads):
+    """The symbol of a symbol's JSON ``graph`` rebuilt with new ``nodes``
+    (in topological order) and ``heads``."""
+    graph.update(nodes=nodes, heads=heads,
+                 arg_nodes=[i for i, node in enumerate(nodes) if node['op'] == 'null'])
     graph.pop('node_row_ptr', None)
     return mx.sym.load_json(json.dumps(graph))
 
