@@ -399,6 +399,7 @@ class DynBatchBlock(Block):
         self._signatures = {}
         self._families = {}
         self._pad_checked = set()
+        self._padded = {}       # tuple of signatures -> their padded signature
 
     def __call__(self, *args):
         # Replaced by its C version where the extension is built (see
@@ -472,7 +473,17 @@ class DynBatchBlock(Block):
 
     def padded_signature(self, sigs):
         """The signature that runs calls of ``sigs`` (one family) together:
-        each list argument padded to its longest length in the group."""
+        each list argument padded to its longest length in the group.
+        Remembered per tuple of signatures: depth grouping asks for every
+        mixed step of every flush (SICK minibatch 25: depth planning 0.15
+        -> 0.10 ms)."""
+        sigs = tuple(sigs)
+        sig = self._padded.get(sigs)
+        if sig is None:
+            sig = self._padded[sigs] = self._padded_signature(sigs)
+        return sig
+
+    def _padded_signature(self, sigs):
         first = sigs[0]
         lengths = [max(len(s.fmt[i]) for s in sigs) if item != 0 else 0
                    for i, item in enumerate(first.fmt)]
