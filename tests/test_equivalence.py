@@ -349,3 +349,35 @@ def test_embedding_reads_finds_only_pure_lookups():
                                          sparse_grad=True)])
     assert embedding_reads(out, {'ids', 'other', 'rs'}, {'w', 's'}) == {'ids': ['w']}
     assert embedding_reads(out, {'ids'}, set()) == {}     # weight without gradient
+
+
+class BagOfWords(gluon.HybridBlock):
+    """A window of token ids per call: (1, 3) host rows."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.embed = nn.Embedding(7, 4)
+            self.dense = nn.Dense(2, in_units=4)
+
+    def hybrid_forward(self, F, window, h):
+        return F.Activation(self.dense(F.sum(self.embed(window), axis=1)), act_type='tanh') * h
+
+
+@pytest.mark.parametrize('strategy', ['depth', 'auto'])
+def test_windows_of_ids_share_rows_and_tables(strategy):
+    """Multi-column host rows: distinct windows keyed bit for bit, and in
+    training every id of every window read through the flush's table."""
+    block = dyb.DynBatchBlock(BagOfWords())
+    block.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(4)
+    windows = [rng.randint(7, size=(1, 3)).astype('float32') for _ in range(4)]
+    calls = [windows[rng.randint(4)] for _ in range(30)]
+    hs = [mx.nd.array(rng.uniform(-1, 1, (1, 2))) for _ in range(30)]
+
+    def forward():
+        outs = [block(w, h) for w, h in zip(calls, hs)]
+        return outs + [block(w, out) for w, out in zip(calls, outs)]
+    assert_same(run_both(forward, [block], inputs=hs, strategy=strategy))
+    patterns = [p for sig in block.signatures() for p in sig.programs]
+    assert any(p[0][:1] == ('unique',) and p[0][2:] == ('table',) for p in patterns)
