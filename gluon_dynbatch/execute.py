@@ -259,7 +259,7 @@ class FlushTables:
         for step in self.steps:
             nodes, sig = step.nodes, step.sig
             host = [item for item, fmt in enumerate(sig.fmt) if fmt == 0 and
-                    isinstance(nodes[0].leaves[nodes[0].sig.item_pos(item)], np.ndarray)]
+                    _host_first(nodes, item)]
             for item in self.reads(sig, host) if host else ():
                 rows = host_rows(_item_rows(nodes, item))
                 if rows is not None:
@@ -277,6 +277,13 @@ def finish_nodes_py(nodes, arrays, rows=None):
         node.row = i if rows is None else int(rows[i])
         node.state = DONE
         node.leaves = None
+
+
+def _host_first(nodes, item):
+    """Whether the first node's argument ``item`` is a host (numpy) row:
+    the cheap test for which way a step's argument is gathered."""
+    first = nodes[0]
+    return isinstance(first.leaves[first.sig.item_pos(item)], np.ndarray)
 
 
 def _item_rows(nodes, item):
@@ -301,8 +308,7 @@ def _gather_item(nodes, sig, item, ctx):
     fmt = sig.fmt[item]
     width = leaf_count(fmt)      # a nested list is gathered as its flat leaves
     fast = accel.gather_item
-    first = nodes[0]
-    if fast is not None and not isinstance(first.leaves[first.sig.item_pos(item)], np.ndarray):
+    if fast is not None and not _host_first(nodes, item):
         zero = None if fmt == 0 else _zero_row(sig, item, ctx)
         found = fast(nodes, lambda s: (s.item_pos(item), leaf_count(s.fmt[item])), width,
                      zero, ZeroRow)
