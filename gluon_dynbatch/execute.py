@@ -232,8 +232,9 @@ class FlushTables:
     save and keeps the plain lookups."""
 
     def __init__(self, steps):
-        self.steps = steps
-        self.tokens = None      # sorted distinct ids read through tables, set at first use
+        # every id, read before any step runs: a step that ran has dropped
+        # its arguments
+        self.tokens = self._read_ahead(steps)
         self.arrays = {}        # weight name -> its table
 
     def reads(self, sig, items):
@@ -251,8 +252,6 @@ class FlushTables:
 
     def positions(self, rows):
         """Host indices ``rows`` as positions in the flush's tables."""
-        if self.tokens is None:
-            self.tokens = self._read_ahead()
         found = np.searchsorted(self.tokens, rows)
         if not (found < len(self.tokens)).all() or \
                 not np.array_equal(self.tokens[found], rows):
@@ -269,10 +268,10 @@ class FlushTables:
                 weight.data(ctx), to_device(self.tokens, ctx), mode='clip')
         return array
 
-    def _read_ahead(self):
-        """Every id that a step of the flush reads through a table."""
+    def _read_ahead(self, steps):
+        """Every id that one of ``steps`` reads through a table, sorted."""
         ids = []
-        for step in self.steps:
+        for step in steps:
             nodes, sig = step.nodes, step.sig
             host = [item for item, fmt in enumerate(sig.fmt) if fmt == 0 and
                     _host_first(nodes, item)]

@@ -339,6 +339,38 @@ def test_training_reads_embeddings_through_flush_tables(strategy):
     assert not any(p[1][2:] for p in patterns)
 
 
+class Project(gluon.HybridBlock):
+    """No host data: its steps read no table."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.dense = nn.Dense(3, in_units=3)
+
+    def hybrid_forward(self, F, h):
+        return F.Activation(self.dense(h), act_type='tanh')
+
+
+@pytest.mark.parametrize('strategy', ['depth', 'agenda', 'auto'])
+def test_tables_when_the_first_step_reads_none(strategy):
+    """The flush's tables know every id before any step runs: the first
+    step here reads no ids, and when the tables were filled at the first
+    step that did, the finished step had already dropped its arguments
+    (a TypeError)."""
+    project, lookups = dyb.DynBatchBlock(Project()), dyb.DynBatchBlock(Lookups())
+    for block in (project, lookups):
+        block.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(6)
+    calls = [(np.array([rng.randint(6)], 'float32'), np.array([rng.randint(6)], 'float32'))
+             for _ in range(12)]
+    hs = [mx.nd.array(rng.uniform(-1, 1, (1, 3))) for _ in range(12)]
+
+    def forward():
+        return [lookups(ids, other, project(h)) for (ids, other), h in zip(calls, hs)]
+    assert_same(run_both(forward, [project, lookups], inputs=hs, strategy=strategy))
+    assert any(p[0][2:] == ('table',) for sig in lookups.signatures() for p in sig.programs)
+
+
 def test_embedding_reads_finds_only_pure_lookups():
     from gluon_dynbatch.lower import embedding_reads
     ids, other, w = mx.sym.var('ids'), mx.sym.var('other'), mx.sym.var('w')
