@@ -43,15 +43,16 @@ import mxnet as mx
 from .trace import leaf_count
 
 __all__ = ['StepProgram', 'step_program', 'FlushProgram', 'flush_program', 'share_host_part',
-           'host_part', 'embedding_reads', 'read_tables']
+           'host_part', 'embedding_reads', 'read_tables', 'HostSplit', 'host_split',
+           'split_host_part', 'hoisted_rest']
 
 
 class StepProgram:
     """A compiled step: its ``symbol``, the ``cached_op`` and, for each of
     its inputs, where the value comes from: ``('src', (item, part))``,
     ``('idx', item)``, ``('inverse', None)`` (see :func:`share_host_part`),
-    ``('table', Parameter)`` (see :func:`read_tables`) or ``('param',
-    Parameter)``."""
+    ``('table', Parameter)`` (see :func:`read_tables`), ``('hoisted',
+    position)`` (see :func:`hoisted_rest`) or ``('param', Parameter)``."""
     __slots__ = ('symbol', 'cached_op', 'feeds')
 
     def __init__(self, symbol, feeds):
@@ -65,7 +66,8 @@ def step_program(sig, pattern):
     argument: None for an empty list, else ``(how, parts)``: ``how`` is
     ``'direct'``, ``'take'``, ``'unique'`` or ``'distinct'`` (host rows,
     distinct; outputs per call, or per distinct row: see
-    :func:`share_host_part`), ``parts`` the number of arrays whose
+    :func:`share_host_part`) or ``'hoisted'`` (host rows whose part of the
+    block ran for the whole flush: see :func:`split_host_part`), ``parts`` the number of arrays whose
     concatenation is the source; host indices read through the flush's
     embedding tables add ``'table'``, see :func:`read_tables`), built once
     and cached on ``sig``."""
@@ -114,6 +116,10 @@ def _build(sig, pattern):
                                 if name.startswith(TABLE)}
         symbol = share_host_part(symbol, set(unique), shared,
                                  expand_outputs='unique' in unique.values())
+    hoisted = tuple(item for item, way in enumerate(pattern)
+                    if way is not None and way[0] == 'hoisted')
+    if hoisted:
+        symbol = hoisted_rest(symbol, host_split(sig, hoisted).boundary)
     feeds = []
     for name in symbol.list_inputs():
         if name in params:
@@ -122,6 +128,8 @@ def _build(sig, pattern):
             feeds.append(('inverse', None))
         elif name.startswith(TABLE):
             feeds.append(('table', params[name[len(TABLE):]]))
+        elif name.startswith(HOISTED):
+            feeds.append(('hoisted', int(name[len(HOISTED):])))
         elif name.startswith('src'):
             feeds.append(('src', tuple(int(n) for n in name[3:].split('_'))))
         else:
@@ -262,6 +270,131 @@ def share_host_part(symbol, host, shared, expand_outputs=True):
         out.append(node)
     return _load(graph, out, [expand(entry) if expand_outputs else [moved[entry[0]], entry[1], 0]
                               for entry in graph['heads']])
+
+
+class HostSplit:
+    """The host part of a symbol cut out as its own program (see
+    :func:`split_host_part`): ``symbol`` computes the ``boundary`` values
+    (``(op name, output)`` in ``symbol``'s output order) from the host
+    inputs and parameters; ``host_names`` are its host inputs in the order
+    they were given; ``key`` is equal for two splits exactly when their
+    symbols compute the same values from the same parameters (op names
+    aside), so one run serves the steps of both.  :func:`host_split` adds
+    the ``cached_op`` and its ``feeds`` (``('host', position in
+    host_names)`` or ``('param', Parameter)``)."""
+    __slots__ = ('key', 'symbol', 'boundary', 'host_names', 'cached_op', 'feeds')
+
+    def __init__(self, key, symbol, boundary, host_names):
+        self.key, self.symbol, self.boundary, self.host_names = key, symbol, boundary, host_names
+        self.cached_op = self.feeds = None
+
+
+HOISTED = 'dynbatch_hoisted'
+"""Prefix of the inputs that bring a step program the values of its host
+part, computed once per flush (see :func:`split_host_part`)."""
+
+
+def host_split(sig, items):
+    """The :class:`HostSplit` of ``sig`` for its host arguments ``items``
+    (top-level argument numbers), or None; made once per signature."""
+    items = tuple(items)
+    found = sig.host_splits.get(items, False)
+    if found is False:
+        names = [sig.data_names[sig.item_pos(item)] for item in items]
+        params = {p.name: p for _, p in sig.param_slots}
+        found = sig.host_splits[items] = split_host_part(sig.symbol, names, set(params))
+        if found is not None:
+            found.cached_op = mx.nd.CachedOp(found.symbol)
+            found.feeds = [('host', names.index(name)) if name in names else
+                           ('param', params[name]) for name in found.symbol.list_inputs()]
+    return found
+
+
+def split_host_part(symbol, host, shared):
+    """A :class:`HostSplit` of the ops of ``symbol`` that depend on the
+    inputs named in ``host`` (a sequence) and on ``shared`` ones alone, or
+    None when there are none, or when a host input itself (not an op on it)
+    is read by the rest.
+
+    A flush runs that part once over the distinct host rows of all the
+    steps whose splits have the same key (at SICK minibatch 256, the
+    embedding and ``i2h`` GEMM of 510 distinct tokens instead of 930 rows
+    summed over the steps that each deduplicated their own), and each step
+    program reads the values by ``take`` (:func:`hoisted_rest`)."""
+    host = list(host)
+    graph = json.loads(symbol.tojson())
+    nodes = graph['nodes']
+    kinds = _host_kinds(nodes, set(host), shared)
+    boundary = []
+    for node in [n for n, kind in zip(nodes, kinds) if kind == 'other'] + \
+            [{'inputs': graph['heads']}]:
+        for entry in node['inputs']:
+            if kinds[entry[0]] == 'host' and (entry[0], entry[1]) not in boundary:
+                boundary.append((entry[0], entry[1]))
+    if not boundary or any(nodes[old]['op'] == 'null' for old, _ in boundary):
+        return None
+    keep, stack = set(), [old for old, _ in boundary]
+    while stack:
+        old = stack.pop()
+        if old not in keep:
+            keep.add(old)
+            stack += [entry[0] for entry in nodes[old]['inputs']]
+    out, moved, canonical = [], {}, []
+    for old, node in enumerate(nodes):
+        if old not in keep:
+            continue
+        node = dict(node, inputs=[[moved[e[0]], e[1], 0] for e in node['inputs']])
+        moved[old] = len(out)
+        out.append(node)
+        name = None if node['op'] != 'null' else \
+            'host%d' % host.index(node['name']) if node['name'] in host else node['name']
+        canonical.append((node['op'], name, sorted(node.get('attrs', {}).items()),
+                          node['inputs']))
+    heads = [[moved[old], index, 0] for old, index in boundary]
+    key = json.dumps([canonical, heads])
+    return HostSplit(key, _load(graph, out, heads),
+                     [(nodes[old]['name'], index) for old, index in boundary], host)
+
+
+def hoisted_rest(symbol, boundary):
+    """``symbol`` with each value of ``boundary`` (``(op name, output)``,
+    see :class:`HostSplit`) read from input ``HOISTED + position``, taken by
+    :data:`INVERSE`: the ops that made those values are gone."""
+    graph = json.loads(symbol.tojson())
+    nodes = graph['nodes']
+    named = {}
+    for old, node in enumerate(nodes):
+        if node['op'] != 'null':
+            named.setdefault(node['name'], []).append(old)
+    wanted = {}
+    for position, (name, index) in enumerate(boundary):
+        if len(named.get(name, ())) != 1:
+            raise RuntimeError('gluon_dynbatch: op %r of a step program is not found once '
+                               '(please report this)' % name)
+        wanted[(named[name][0], index)] = position
+    out, moved, taken = [], {}, {}
+
+    def entry_for(entry):
+        position = wanted.get((entry[0], entry[1]))
+        if position is None:
+            return [moved[entry[0]], entry[1], 0]
+        if position not in taken:
+            if INVERSE not in moved:
+                moved[INVERSE] = len(out)
+                out.append({'op': 'null', 'name': INVERSE, 'inputs': []})
+            out.append({'op': 'null', 'name': HOISTED + str(position), 'inputs': []})
+            taken[position] = len(out)
+            out.append({'op': 'take', 'name': 'dynbatch_hoist%d' % position,
+                        'attrs': {'axis': '0', 'mode': 'clip'},
+                        'inputs': [[len(out) - 1, 0, 0], [moved[INVERSE], 0, 0]]})
+        return [taken[position], 0, 0]
+
+    for old, node in enumerate(nodes):
+        node = dict(node)
+        node['inputs'] = [entry_for(entry) for entry in node['inputs']]
+        moved[old] = len(out)
+        out.append(node)
+    return _load(graph, out, [entry_for(entry) for entry in graph['heads']])
 
 
 def _load(graph, nodes, heads):

@@ -94,6 +94,7 @@ class TracedSignature:
         self.zero_rows = {}     # padding rows of its list arguments (see execute.py)
         self.host_parts = {}    # host items -> whether ops depend on them alone (execute.py)
         self.table_reads = {}   # host items -> embeddings they index (execute.FlushTables)
+        self.host_splits = {}   # host items -> lower.HostSplit or None (execute.FlushHoist)
 
     def item_pos(self, item):
         """Position among the flat leaves of top-level argument ``item``'s

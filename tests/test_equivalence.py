@@ -47,10 +47,16 @@ def random_pairs(rng, n, max_size=15, max_arity=8, vocab=40):
 
 @pytest.mark.parametrize('strategy', STRATEGIES)
 @pytest.mark.parametrize('pad_lists', [True, False])
-def test_tree_lstm_random_pairs(strategy, pad_lists):
+@pytest.mark.parametrize('hoist', [True, False])
+def test_tree_lstm_random_pairs(strategy, pad_lists, hoist, monkeypatch):
+    """Every strategy, node steps of every arity sharing one run of the
+    embedding and ``i2h`` per flush (hoist) or each running its own."""
+    set_hoisting(monkeypatch, hoist)
     node, head = make_tree_model(pad_lists=pad_lists)
     pairs = random_pairs(np.random.RandomState(3), 8)
     assert_same(run_both(pair_forward(node, head, pairs), [node, head], strategy=strategy))
+    ways = {way[0] for sig in node.signatures() for p in sig.programs for way in p if way}
+    assert ('hoisted' in ways) == (hoist and strategy in ('depth', 'agenda', 'auto'))
 
 
 class MeanOfChildren(gluon.HybridBlock):
@@ -226,9 +232,19 @@ def test_numeric_gradient_of_batched_graph():
     np.testing.assert_allclose(analytic, numeric, rtol=1e-5, atol=1e-8)
 
 
-def ran_on_distinct_rows(dblock):
-    """Whether a step of ``dblock`` ran on distinct host rows (lower.py)."""
-    return any(way is not None and way[0] == 'unique'
+def set_hoisting(monkeypatch, on):
+    """Steps share their host part's run (execute.FlushHoist) however few
+    their rows, or never."""
+    if on:
+        monkeypatch.setattr(dyb.execute, 'HOIST_ROWS', 0)
+    else:
+        monkeypatch.setattr(dyb.execute, 'FlushHoist', lambda steps: None)
+
+
+def ran_on_distinct_rows(dblock, ways=('unique', 'hoisted')):
+    """Whether a step of ``dblock`` ran on distinct host rows (lower.py):
+    its own (``'unique'``) or its group's (``'hoisted'``, execute.FlushHoist)."""
+    return any(way is not None and way[0] in ways
                for sig in dblock.signatures() for pattern in sig.programs for way in pattern)
 
 
@@ -249,10 +265,13 @@ class HostFeatures(gluon.HybridBlock):
 
 
 @pytest.mark.parametrize('strategy', ['depth', 'agenda', 'cached', 'auto'])
-def test_repeated_host_rows_run_once_with_same_results(strategy):
+@pytest.mark.parametrize('hoist', [True, False])
+def test_repeated_host_rows_run_once_with_same_results(strategy, hoist, monkeypatch):
     """Steps whose host rows repeat run their host-only ops on the distinct
-    rows (two host arguments keyed together, -0.0 apart from 0.0); results
-    and gradients still equal per-sample execution."""
+    rows (two host arguments keyed together, -0.0 apart from 0.0), once for
+    both steps (FlushHoist) or each step on its own; results and gradients
+    still equal per-sample execution."""
+    set_hoisting(monkeypatch, hoist)
     block = dyb.DynBatchBlock(HostFeatures())
     block.initialize(mx.init.Uniform(0.5))
     rng = np.random.RandomState(0)
@@ -270,7 +289,9 @@ def test_repeated_host_rows_run_once_with_same_results(strategy):
         return outs
     for _ in range(3 if strategy == 'cached' else 1):   # miss, replay, compile
         assert_same(run_both(forward, [block], inputs=hs, strategy=strategy))
-    assert ran_on_distinct_rows(block)
+    # a cached plan learns or replays row layouts: each step on its own rows
+    hoisted = hoist and strategy != 'cached'
+    assert ran_on_distinct_rows(block, ways=('hoisted',) if hoisted else ('unique',))
 
 
 class EmbedDropout(gluon.HybridBlock):
@@ -371,6 +392,29 @@ def test_tables_when_the_first_step_reads_none(strategy):
     assert any(p[0][2:] == ('table',) for sig in lookups.signatures() for p in sig.programs)
 
 
+def test_host_part_key_ignores_op_names_and_the_rest():
+    """Two symbols whose ops on the host input match (op names aside) get
+    one key whatever the rest; another weight gives another key; a host
+    input read by the rest itself cannot be split."""
+    from gluon_dynbatch.lower import hoisted_rest, split_host_part
+    ids, w, v, h = (mx.sym.var(n) for n in ('ids', 'w', 'v', 'h'))
+
+    def cell(weight, rest):
+        hidden = mx.sym.FullyConnected(mx.sym.Embedding(ids, weight, input_dim=5, output_dim=4),
+                                       num_hidden=3, no_bias=True, weight=v)
+        return rest(hidden)
+    first = cell(w, lambda x: x + h)
+    one = split_host_part(first, ['ids'], {'w', 'v'})
+    two = split_host_part(cell(w, lambda x: mx.sym.tanh(x * h) * h), ['ids'], {'w', 'v'})
+    other = split_host_part(cell(mx.sym.var('w2'), lambda x: x + h), ['ids'], {'w2', 'v'})
+    assert one.key == two.key != other.key
+    assert sorted(one.symbol.list_inputs()) == ['ids', 'v', 'w']
+    rest = hoisted_rest(first, one.boundary)
+    assert sorted(rest.list_inputs()) == ['dynbatch_hoisted0', 'dynbatch_inverse', 'h']
+    reads_ids = mx.sym.Embedding(ids, w, input_dim=5, output_dim=4) * h + ids
+    assert split_host_part(reads_ids, ['ids'], {'w'}) is None
+
+
 def test_embedding_reads_finds_only_pure_lookups():
     from gluon_dynbatch.lower import embedding_reads
     ids, other, w = mx.sym.var('ids'), mx.sym.var('other'), mx.sym.var('w')
@@ -396,10 +440,14 @@ class BagOfWords(gluon.HybridBlock):
         return F.Activation(self.dense(F.sum(self.embed(window), axis=1)), act_type='tanh') * h
 
 
+@pytest.mark.parametrize('hoist', [True, False])
 @pytest.mark.parametrize('strategy', ['depth', 'auto'])
-def test_windows_of_ids_share_rows_and_tables(strategy):
-    """Multi-column host rows: distinct windows keyed bit for bit, and in
-    training every id of every window read through the flush's table."""
+def test_windows_of_ids_share_rows_and_tables(strategy, hoist, monkeypatch):
+    """Multi-column host rows: distinct windows keyed bit for bit, the two
+    steps' host part run once for both (FlushHoist) or, without that, by
+    each step on its distinct rows with, in training, every id of every
+    window read through the flush's table."""
+    set_hoisting(monkeypatch, hoist)
     block = dyb.DynBatchBlock(BagOfWords())
     block.initialize(mx.init.Uniform(0.5))
     rng = np.random.RandomState(4)
@@ -412,4 +460,7 @@ def test_windows_of_ids_share_rows_and_tables(strategy):
         return outs + [block(w, out) for w, out in zip(calls, outs)]
     assert_same(run_both(forward, [block], inputs=hs, strategy=strategy))
     patterns = [p for sig in block.signatures() for p in sig.programs]
-    assert any(p[0][:1] == ('unique',) and p[0][2:] == ('table',) for p in patterns)
+    if hoist:
+        assert any(p[0] == ('hoisted', 1) for p in patterns)
+    else:
+        assert any(p[0][:1] == ('unique',) and p[0][2:] == ('table',) for p in patterns)
