@@ -438,3 +438,24 @@ def test_cached_plan_not_yet_timed_keeps_running():
     record.best_ms['cached'] = 20.0
     record.sightings = 0
     assert not auto._cached_measured_best('summary')
+
+
+def test_rival_run_slowed_by_a_build_is_timed_again():
+    """The run that times the best other strategy against a cached plan
+    counts only if it built no step program (a build costs more than whole
+    steps); otherwise the rival runs again at the next sighting."""
+    from gluon_dynbatch.lower import BUILT
+    from gluon_dynbatch.plan import Plan
+    auto = dyb.Auto(model=dyb.CostModel())
+    auto._seen['summary'] = 3                       # a repeating summary, stored
+    record = auto._repeat('summary')
+    record.cached_runs = auto.cached_trials
+    assert auto._cached_measured_best('summary') is None    # time the rival now
+    for built, kept in ((BUILT[0] - 1, False), (BUILT[0], True)):
+        auto.last = {'predicted_ms': 1.0, 'fingerprint': 'summary', 'choice': 'depth',
+                     'built': built, 'kind': frozenset(), 'raw_run_ms': 1.0, 'depth_steps': 0}
+        auto.observe(Plan('depth', ()), [0.004], 0.001, [])
+        assert ('depth' in record.best_ms) == kept
+        assert record.rival_timed == kept
+        if not kept:
+            assert auto._cached_measured_best('summary') is None   # the rival again
