@@ -317,7 +317,7 @@ class _HoistGroup:
         total = len(self.columns[0])
         _, self.first, self.inverse = np.unique(_row_keys(self.columns), return_index=True,
                                                 return_inverse=True)
-        self.worth = total >= 8 and len(self.first) <= SHARE_BELOW * total
+        self.worth = total >= HOIST_ROWS and len(self.first) <= SHARE_BELOW * total
         self.hoisted = None
 
     def for_step(self, number):

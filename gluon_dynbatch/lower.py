@@ -24,6 +24,13 @@ batching rules check that), so a row's result depends on that row alone
 and equal rows give equal results: the outputs are those of running every
 row.  Stochastic ops (``Dropout``) are never shared.
 
+Steps of different signatures often share that part (every Tree-LSTM node
+step embeds its token and applies ``i2h``, whatever its arity):
+:func:`split_host_part` cuts it out with a key, a flush runs it once for
+all the steps with that key over their distinct rows together
+(:class:`~gluon_dynbatch.execute.FlushHoist`), and each step program reads
+its rows of the results by ``take`` (``'hoisted'``, :func:`hoisted_rest`).
+
 When every output of a step depends on host data alone (a Tree-LSTM leaf:
 its token and nothing else), the outputs can stay one row per distinct
 host row (``'distinct'`` in the pattern): nodes with equal host rows then
