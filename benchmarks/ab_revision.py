@@ -34,6 +34,9 @@ def parse_args(argv=None):
                                                      'train 256'],
                    help="'<infer|train> <minibatch size>' pairs")
     p.add_argument('--strategy', default='auto')
+    p.add_argument('--engine', default='NaiveEngine',
+                   choices=['NaiveEngine', 'ThreadedEnginePerDevice', 'ThreadedEngine'],
+                   help='MXNET_ENGINE_TYPE for both sides')
     p.add_argument('--repeats', type=int, default=5)
     p.add_argument('--pairs', type=int, default=1500, help='pairs timed per repeat and side')
     p.add_argument('--data', default=None)
@@ -62,7 +65,7 @@ def load_revision(rev):
 
 def main(argv=None):
     args = parse_args(argv)
-    os.environ['MXNET_ENGINE_TYPE'] = 'NaiveEngine'
+    os.environ['MXNET_ENGINE_TYPE'] = args.engine
     os.environ['OMP_NUM_THREADS'] = os.environ['MKL_NUM_THREADS'] = '1'
     sys.path.insert(0, HERE)
     import numpy as np  # pylint: disable=import-outside-toplevel
@@ -89,8 +92,8 @@ def main(argv=None):
     sides = {'revision': OldForm(old, old.DynBatchBlock(ctx.node), old.DynBatchBlock(ctx.head),
                                  args.strategy),
              'working tree': bt.DynBatchForm(dyb, ctx.dnode, ctx.dhead, args.strategy)}
-    print('MXNET_ENGINE_TYPE=NaiveEngine OMP_NUM_THREADS=1; revision %s vs working tree, '
-          'strategy %s' % (args.rev, args.strategy), flush=True)
+    print('MXNET_ENGINE_TYPE=%s OMP_NUM_THREADS=1; revision %s vs working tree, '
+          'strategy %s' % (args.engine, args.rev, args.strategy), flush=True)
     for name, module in (('revision', old), ('working tree', dyb)):
         accel = getattr(module, 'accel', None)
         print('%s: %s' % (name, accel.STATUS if accel else 'pure Python (no accel module)'))
