@@ -21,8 +21,8 @@ from .graph import DONE, LazyValue
 from .lower import embedding_reads, host_part, host_split, step_program
 from .trace import leaf_count
 
-__all__ = ['run_plan', 'run_step', 'FlushTables', 'FlushHoist', 'collect', 'gather_rows', 'pad_leaves',
-           'to_device', 'threaded_engine', 'ZeroRow']
+__all__ = ['run_plan', 'run_step', 'FlushTables', 'FlushHoist', 'collect', 'gather_rows',
+           'pad_leaves', 'to_device', 'threaded_engine', 'ZeroRow']
 
 NDArray = mx.nd.NDArray
 

@@ -74,10 +74,10 @@ def step_program(sig, pattern):
     ``'direct'``, ``'take'``, ``'unique'`` or ``'distinct'`` (host rows,
     distinct; outputs per call, or per distinct row: see
     :func:`share_host_part`) or ``'hoisted'`` (host rows whose part of the
-    block ran for the whole flush: see :func:`split_host_part`), ``parts`` the number of arrays whose
-    concatenation is the source; host indices read through the flush's
-    embedding tables add ``'table'``, see :func:`read_tables`), built once
-    and cached on ``sig``."""
+    block ran for the whole flush: see :func:`split_host_part`), ``parts``
+    the number of arrays whose concatenation is the source; host indices
+    read through the flush's embedding tables add ``'table'``, see
+    :func:`read_tables`), built once and cached on ``sig``."""
     program = sig.programs.get(pattern)
     if program is None:
         program = sig.programs[pattern] = _build(sig, pattern)
