@@ -80,11 +80,25 @@ def test_wrong_pad_lists_claim_is_caught():
             block(x, [a, b])
 
 
-def test_tree_lstm_with_row_sparse_embedding_gradient():
+@pytest.mark.parametrize('hoist', [True, False])
+def test_tree_lstm_with_row_sparse_embedding_gradient(hoist, monkeypatch):
+    set_hoisting(monkeypatch, hoist)
     node, head = make_tree_model(sparse_grad=True)
     pairs = random_pairs(np.random.RandomState(7), 6)
     assert node.block.embedding.weight.grad().stype == 'row_sparse'
     assert_same(run_both(pair_forward(node, head, pairs), [node, head]))
+    assert ran_on_distinct_rows(node, ways=('hoisted',)) == hoist
+
+
+def test_tree_lstm_with_frozen_embedding_hoisted(monkeypatch):
+    """A frozen embedding in the shared host part: no gradient reaches it,
+    the others equal per-sample."""
+    set_hoisting(monkeypatch, True)
+    node, head = make_tree_model()
+    node.block.embedding.weight.grad_req = 'null'
+    pairs = random_pairs(np.random.RandomState(8), 6)
+    assert_same(run_both(pair_forward(node, head, pairs), [node, head]))
+    assert ran_on_distinct_rows(node, ways=('hoisted',))
 
 
 def test_tree_lstm_on_sick_trees():
