@@ -116,7 +116,7 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hois
     (None) and are gathered the long way every time."""
     sig, nodes = step.sig, step.nodes
     learned = [] if where is not None else None
-    pattern, sources, indices = [], {}, {}
+    pattern, sources, indices, uploads = [], {}, {}, {}
     for item, fmt in enumerate(sig.fmt):
         width = leaf_count(fmt)
         how = recipe[item] if recipe is not None else None
@@ -140,7 +140,13 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hois
         else:
             sources[item], index, distinct, zero = _gather_item(nodes, sig, item, ctx)
             if index is not None:
-                index = to_device(index, ctx)
+                # arguments read from the same nodes (a Tree-LSTM's child h
+                # and c lists) have equal indices: one upload serves them
+                key = (index.shape, index.tobytes())
+                uploaded = uploads.get(key)
+                if uploaded is None:
+                    uploaded = uploads[key] = to_device(index, ctx)
+                index = uploaded
             if learned is not None:
                 learned.append(_recipe_part(fmt, distinct, index, where, zero))
         if index is not None and len(sources[item]) > 2:
