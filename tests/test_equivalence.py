@@ -57,6 +57,10 @@ def test_tree_lstm_random_pairs(strategy, pad_lists, hoist, monkeypatch):
     assert_same(run_both(pair_forward(node, head, pairs), [node, head], strategy=strategy))
     ways = {way[0] for sig in node.signatures() for p in sig.programs for way in p if way}
     assert ('hoisted' in ways) == (hoist and strategy in ('depth', 'agenda', 'auto'))
+    # gathered sources come in powers of two parts (few programs per signature)
+    parts = {way[1] for sig in node.signatures() for p in sig.programs for way in p
+             if way and way[0] == 'take'}
+    assert all(n & (n - 1) == 0 for n in parts)
 
 
 class MeanOfChildren(gluon.HybridBlock):
