@@ -356,6 +356,14 @@ class Lookups(gluon.HybridBlock):
         return F.Activation(self.a(ids) + self.b(ids) + mixed, act_type='tanh') * h
 
 
+def lookup_calls(rng, count):
+    """Arguments of ``count`` calls of :class:`Lookups`: two host id rows
+    per call, and a user NDArray row each."""
+    calls = [(np.array([rng.randint(6)], 'float32'), np.array([rng.randint(6)], 'float32'))
+             for _ in range(count)]
+    return calls, [mx.nd.array(rng.uniform(-1, 1, (1, 3))) for _ in range(count)]
+
+
 @pytest.mark.parametrize('strategy', ['depth', 'cached', 'auto'])
 def test_training_reads_embeddings_through_flush_tables(strategy):
     """In training, host ids read only by embeddings index a per-flush
@@ -363,10 +371,7 @@ def test_training_reads_embeddings_through_flush_tables(strategy):
     as numbers do not.  Results and gradients equal per-sample."""
     block = dyb.DynBatchBlock(Lookups())
     block.initialize(mx.init.Uniform(0.5))
-    rng = np.random.RandomState(2)
-    calls = [(np.array([rng.randint(6)], 'float32'), np.array([rng.randint(6)], 'float32'))
-             for _ in range(30)]
-    hs = [mx.nd.array(rng.uniform(-1, 1, (1, 3))) for _ in range(30)]
+    calls, hs = lookup_calls(np.random.RandomState(2), 30)
 
     def forward():
         outs = [block(ids, other, h) for (ids, other), h in zip(calls, hs)]
@@ -399,10 +404,7 @@ def test_tables_when_the_first_step_reads_none(strategy):
     project, lookups = dyb.DynBatchBlock(Project()), dyb.DynBatchBlock(Lookups())
     for block in (project, lookups):
         block.initialize(mx.init.Uniform(0.5))
-    rng = np.random.RandomState(6)
-    calls = [(np.array([rng.randint(6)], 'float32'), np.array([rng.randint(6)], 'float32'))
-             for _ in range(12)]
-    hs = [mx.nd.array(rng.uniform(-1, 1, (1, 3))) for _ in range(12)]
+    calls, hs = lookup_calls(np.random.RandomState(6), 12)
 
     def forward():
         return [lookups(ids, other, project(h)) for (ids, other), h in zip(calls, hs)]
