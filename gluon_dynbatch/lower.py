@@ -258,13 +258,8 @@ def share_host_part(symbol, host, shared, expand_outputs=True):
             return [moved[old], index, 0]
         key = (old, index)
         if key not in expanded:
-            if INVERSE not in moved:
-                moved[INVERSE] = len(out)
-                out.append({'op': 'null', 'name': INVERSE, 'inputs': []})
-            expanded[key] = len(out)
-            out.append({'op': 'take', 'name': 'dynbatch_expand%d' % len(expanded),
-                        'attrs': {'axis': '0', 'mode': 'clip'},
-                        'inputs': [[moved[old], index, 0], [moved[INVERSE], 0, 0]]})
+            expanded[key] = _take_by_inverse(out, moved, [moved[old], index, 0],
+                                             'dynbatch_expand%d' % (len(expanded) + 1))
         return [expanded[key], 0, 0]
 
     for old, node in enumerate(nodes):
@@ -283,16 +278,15 @@ class HostSplit:
     """The host part of a symbol cut out as its own program (see
     :func:`split_host_part`): ``symbol`` computes the ``boundary`` values
     (``(op name, output)`` in ``symbol``'s output order) from the host
-    inputs and parameters; ``host_names`` are its host inputs in the order
-    they were given; ``key`` is equal for two splits exactly when their
+    inputs and parameters; ``key`` is equal for two splits exactly when their
     symbols compute the same values from the same parameters (op names
     aside), so one run serves the steps of both.  :func:`host_split` adds
-    the ``cached_op`` and its ``feeds`` (``('host', position in
-    host_names)`` or ``('param', Parameter)``)."""
-    __slots__ = ('key', 'symbol', 'boundary', 'host_names', 'cached_op', 'feeds')
+    the ``cached_op`` and its ``feeds`` (``('host', position among the
+    host inputs)`` or ``('param', Parameter)``)."""
+    __slots__ = ('key', 'symbol', 'boundary', 'cached_op', 'feeds')
 
-    def __init__(self, key, symbol, boundary, host_names):
-        self.key, self.symbol, self.boundary, self.host_names = key, symbol, boundary, host_names
+    def __init__(self, key, symbol, boundary):
+        self.key, self.symbol, self.boundary = key, symbol, boundary
         self.cached_op = self.feeds = None
 
 
@@ -360,7 +354,7 @@ def split_host_part(symbol, host, shared):
     heads = [[moved[old], index, 0] for old, index in boundary]
     key = json.dumps([canonical, heads])
     return HostSplit(key, _load(graph, out, heads),
-                     [(nodes[old]['name'], index) for old, index in boundary], host)
+                     [(nodes[old]['name'], index) for old, index in boundary])
 
 
 def hoisted_rest(symbol, boundary):
@@ -386,14 +380,9 @@ def hoisted_rest(symbol, boundary):
         if position is None:
             return [moved[entry[0]], entry[1], 0]
         if position not in taken:
-            if INVERSE not in moved:
-                moved[INVERSE] = len(out)
-                out.append({'op': 'null', 'name': INVERSE, 'inputs': []})
             out.append({'op': 'null', 'name': HOISTED + str(position), 'inputs': []})
-            taken[position] = len(out)
-            out.append({'op': 'take', 'name': 'dynbatch_hoist%d' % position,
-                        'attrs': {'axis': '0', 'mode': 'clip'},
-                        'inputs': [[len(out) - 1, 0, 0], [moved[INVERSE], 0, 0]]})
+            taken[position] = _take_by_inverse(out, moved, [len(out) - 1, 0, 0],
+                                               'dynbatch_hoist%d' % position)
         return [taken[position], 0, 0]
 
     for old, node in enumerate(nodes):
@@ -402,6 +391,18 @@ def hoisted_rest(symbol, boundary):
         moved[old] = len(out)
         out.append(node)
     return _load(graph, out, [entry_for(entry) for entry in graph['heads']])
+
+
+def _take_by_inverse(out, moved, source, name):
+    """Append to the JSON nodes ``out`` a ``take`` of entry ``source`` by
+    the input :data:`INVERSE` (added to ``out`` at first use, its position
+    kept in ``moved``); return the take's position."""
+    if INVERSE not in moved:
+        moved[INVERSE] = len(out)
+        out.append({'op': 'null', 'name': INVERSE, 'inputs': []})
+    out.append({'op': 'take', 'name': name, 'attrs': {'axis': '0', 'mode': 'clip'},
+                'inputs': [source, [moved[INVERSE], 0, 0]]})
+    return len(out) - 1
 
 
 def _load(graph, nodes, heads):
