@@ -439,7 +439,9 @@ class DynBatchBlock(Block):
             sig = self._signatures.get(key)     # traced by another thread meanwhile
             if sig is not None:
                 return sig
-            with ctx:
+            # a copy: a Context keeps the one it replaces on itself, so
+            # entering the user's own current Context again would lose theirs
+            with mx.Context(ctx):
                 sig = trace_signature(next(_SIG_IDS), self.block, fmt, shapes, dtypes)
             sig.ctx, sig.fmt, sig.dblock, sig.in_shapes, sig.key = ctx, fmt, self, shapes, key
             sig.out_info = [(shape, dtype, ctx)

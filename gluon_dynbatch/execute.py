@@ -671,8 +671,8 @@ def to_device(host, ctx):
     for every op queued on the worker before it, so each step waited for
     the one before and Python could not prepare the next step while the
     last one ran (SICK minibatch 25, ``ThreadedEnginePerDevice``: 14.9 ->
-    13.1 ms)."""
-    if ctx.device_type == 'cpu' and threaded_engine():
+    13.1 ms).  (``from_numpy`` makes arrays on ``cpu(0)`` only.)"""
+    if ctx.device_type == 'cpu' and ctx.device_id == 0 and threaded_engine():
         return mx.nd.from_numpy(np.ascontiguousarray(host), zero_copy=True)
     array = mx.nd.empty(host.shape, ctx=ctx, dtype=host.dtype)
     array._sync_copyfrom(host)

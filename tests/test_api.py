@@ -426,3 +426,17 @@ def test_host_buffers_may_be_reused_once_the_scope_closes():
     buf[:] = 0
     for outs in (host, mixed):
         np.testing.assert_allclose(dyb.concat_rows(outs).asnumpy(), expected, rtol=1e-5)
+
+
+def test_tracing_inside_a_context_block_restores_the_default_context():
+    """A call traced inside the user's ``with ctx:`` leaves the default
+    context as it was once the ``with`` ends (an MXNet Context keeps the
+    context it replaced on itself, so it must not be entered twice)."""
+    block = dyb.DynBatchBlock(nn.Dense(2, in_units=3))
+    block.initialize(ctx=mx.cpu(1))
+    before = mx.current_context()
+    with mx.cpu(1):
+        with dyb.batching():
+            out = block(np.ones((1, 3), np.float32))
+        assert out.context == mx.cpu(1)
+    assert mx.current_context() == before
