@@ -11,7 +11,9 @@ functions in C:
   (:func:`~.plan.count_groups_py`), one pass at the flush;
 * :func:`depth_groups` - :func:`~.plan.depth_groups_py` (depth grouping);
 * :func:`structure_key` - :func:`~.plan.structure_key_py` (cached plans hash
-  every flush);
+  every flush) as int32 words in bytes, and :class:`Tape`, which a scope
+  holds to write those words as calls are recorded (and to sum the time
+  recording takes), so that a flush has its structure key without a pass;
 * :func:`gather_index` - where each row of a step's argument lives (the
   lazy-value case of :func:`~.execute.collect`), and :func:`gather_item`
   the same for a list argument read straight from the step's nodes (the
@@ -37,12 +39,12 @@ import numpy as np
 from .graph import LazyValue, Node
 from .trace import _ZEROS, regroup
 
-__all__ = ['record', 'count_groups', 'depth_groups', 'structure_key', 'gather_index',
+__all__ = ['record', 'count_groups', 'depth_groups', 'structure_key', 'Tape', 'gather_index',
            'gather_item', 'host_rows', 'finish_nodes', 'enable', 'STATUS']
 
-FUNCTIONS = ('record', 'count_groups', 'depth_groups', 'structure_key', 'gather_index',
+FUNCTIONS = ('record', 'count_groups', 'depth_groups', 'structure_key', 'Tape', 'gather_index',
              'gather_item', 'host_rows', 'finish_nodes')
-record = count_groups = depth_groups = structure_key = None
+record = count_groups = depth_groups = structure_key = Tape = None
 gather_index = gather_item = host_rows = finish_nodes = None
 
 

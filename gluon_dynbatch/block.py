@@ -54,6 +54,8 @@ class BatchingScope:
         self.groups = {}     # (depth, family) -> calls
         self.used = {}       # (depth, family) -> calls read by later calls of the flush
         self.unsafe = 0      # calls that must run alone
+        # the C recorder's structure key and time (accel.Tape); None in pure Python
+        self.tape = accel.Tape() if accel.Tape else None
 
     def record(self, dblock, args):
         """Record one call of ``dblock``; return its lazy result(s).
@@ -76,6 +78,8 @@ class BatchingScope:
         else:
             self.unsafe += 1
         self.pending.append(node)
+        if self.tape is not None:
+            self.tape.add(node)
         out_fmt = sig.out_fmt
         if out_fmt == 0:
             result = LazyValue(node, 0)
@@ -87,19 +91,33 @@ class BatchingScope:
         self.record_s += _clock() - start
         return result
 
-    def flush(self):
-        """Plan and run every pending call."""
-        if not self.pending:
-            return
+    def take(self):
+        """``(nodes, summary)``: the pending calls, which the scope forgets,
+        and their :func:`~.plan.summarize` summary, whose ``'structure'`` is
+        their structure key when the tape wrote it (else None)."""
         nodes, self.pending = self.pending, []
+        structure = None
+        if self.tape is not None:
+            structure, seconds, written = self.tape.take()
+            self.record_s += seconds
+            if written != len(nodes):       # e.g. recorded while the C recorder was off
+                structure = None
         # what depth grouping will make: the C recorder leaves the counting
         # to one pass here (part of recording's time), the Python one counts
         # as it goes
         counted = _clock()
         summary = summarize(nodes, None if accel.count_groups else
                             (self.groups, self.used, self.unsafe))
+        summary['structure'] = structure
         self.record_s += _clock() - counted
         self.groups, self.used, self.unsafe = {}, {}, 0
+        return nodes, summary
+
+    def flush(self):
+        """Plan and run every pending call."""
+        if not self.pending:
+            return
+        nodes, summary = self.take()
         record_ms, self.record_s = self.record_s * 1e3, 0.0
         timed = not threaded_engine() or next(_FLUSHES) % TIMED_EVERY == 0
         try:
@@ -122,6 +140,8 @@ class BatchingScope:
         _fail(self.pending)
         self.pending = []
         self.groups, self.used, self.unsafe = {}, {}, 0
+        if self.tape is not None:
+            self.tape.take()
 
 
 def _fail(nodes):

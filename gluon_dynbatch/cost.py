@@ -143,8 +143,7 @@ class CostModel:
                 with private_scope('depth') as scope:
                     for _ in range(n):
                         block(x)
-                    nodes = list(scope.pending)
-                    scope.pending = []
+                    nodes, _ = scope.take()
                     plan = ByDepth().plan(nodes)
                     start = time.perf_counter()
                     run_plan(plan)
@@ -158,11 +157,11 @@ class CostModel:
             chains = [block(x) for _ in range(20)]
             for _ in range(19):
                 chains = [block(c) for c in chains]
-            nodes = list(scope.pending)
+            nodes, summary = scope.take()
             for name, strategy in (('per-sample', PerSample()), ('depth', ByDepth()),
                                    ('agenda', Agenda()), ('cached', CachedPlan())):
                 start = time.perf_counter()
-                strategy.plan(nodes)
+                strategy.plan(nodes, summary)
                 self.analyse_us[name] = (time.perf_counter() - start) * 1e6 / len(nodes)
         self.calibrated = True
         return self
@@ -301,7 +300,7 @@ class Auto(Strategy):
             ranked.insert(0 if verdict else len(ranked), 'cached')
         plan = None
         if ranked[0] == 'cached':
-            key, entry = self.cached.lookup(nodes)
+            key, entry = self.cached.lookup(nodes, summary)
             if entry is not None:
                 plan = self._refreshed(fingerprint, key, entry, nodes)
                 if plan is not None:
@@ -318,7 +317,7 @@ class Auto(Strategy):
             start = time.perf_counter()
             plan = STRATEGIES[name].plan(nodes)
             self.model.observe_analysis(name, time.perf_counter() - start, len(nodes))
-            plan = self._remember(fingerprint, nodes, plan, name)
+            plan = self._remember(summary, nodes, plan, name)
         if name != 'cached' and verdict is False:
             # (a structure seen before: a probe would learn nothing new)
             self._probe(nodes, summary, name, kind)
@@ -425,16 +424,17 @@ class Auto(Strategy):
         self._seen[fingerprint] = len(fresh.steps)
         return Plan(fresh.strategy, fresh.steps, self.cached.store(key, fresh))
 
-    def _remember(self, fingerprint, nodes, plan, name):
+    def _remember(self, summary, nodes, plan, name):
         """Store ``plan`` in the cache when its summary is seen the second
         time; returns the plan to run (carrying the cache entry's recipes,
         so this very run fills them in)."""
         if name == 'per-sample':
             return plan
+        fingerprint = summary['fingerprint']
         if fingerprint in self._seen:
             if self._seen[fingerprint] is not None:
                 return plan                 # stored already
-            key, _ = self.cached.lookup(nodes)
+            key, _ = self.cached.lookup(nodes, summary)
             recipes = self.cached.store(key, plan)
             self._seen[fingerprint] = len(plan.steps)
             return Plan(plan.strategy, plan.steps, recipes)

@@ -236,13 +236,14 @@ def summarize(nodes, counts=None):
     """What depth grouping will make of a flush, known before planning:
     ``depth_steps`` and a ``fingerprint`` (calls per merged (depth, family)
     group), from ``counts`` (see :func:`count_groups_py`) or, by default,
-    counted from the nodes."""
+    counted from the nodes.  Its ``structure`` is None: a scope puts there
+    the :func:`structure_key` its tape wrote while recording."""
     if counts is None:
         counts = (accel.count_groups or count_groups_py)(nodes)
     groups, used, alone = counts
     groups = merge_sinks(groups, used)
     return {'depth_steps': len(groups) + alone,
-            'fingerprint': (frozenset(groups.items()), alone)}
+            'fingerprint': (frozenset(groups.items()), alone), 'structure': None}
 
 
 class Agenda(Strategy):
@@ -345,15 +346,18 @@ class CachedPlan(Strategy):
         self.hits = self.misses = 0
         self.last_compile_s = 0.0
 
-    def lookup(self, nodes):
-        """``(key, cached entry or None)``."""
-        key = structure_key(nodes)
+    def lookup(self, nodes, summary=None):
+        """``(key, cached entry or None)``; the key is the summary's
+        ``structure`` when the scope's tape wrote it."""
+        key = summary and summary.get('structure')
+        if key is None:
+            key = structure_key(nodes)
         return key, self.cache.get(key)
 
     def plan(self, nodes, summary=None, key=None):
         self.last_compile_s = 0.0
         if key is None:
-            key, entry = self.lookup(nodes)
+            key, entry = self.lookup(nodes, summary)
         else:
             entry = self.cache.get(key)
         if entry is None:
