@@ -351,6 +351,166 @@ static PyTypeObject TapeType = {
     .tp_new = PyType_GenericNew,
 };
 
+/* ------------------------------------------------------- signature memo */
+
+/* Finding a call's signature through DynBatchBlock._signatures means
+ * building its key (a tuple of the argument format, every leaf's shape,
+ * the dtype and the context) and hashing and comparing it: a fifth of a
+ * recorded call.  The memo finds it from words read straight off the
+ * arguments instead: per list argument its length, per lazy leaf its
+ * producer's signature id and output index (ids are never reused), per
+ * numpy leaf its shape and dtype object, and the default context when no
+ * leaf names one.  Equal words give an equal key, so the memo maps them to
+ * the signature the key found.  Entries hold the block and the signature
+ * by weak references (the memo keeps no model alive; a dead one's entry
+ * reads None and misses) and the dtype objects they name by strong ones,
+ * so no address in an entry's words is reused while the entry lives. */
+#define MEMO_SIZE 256
+#define MEMO_WORDS 48
+#define NUMPY_WORD (-1)
+#define CONTEXT_WORD (-2)
+#define LIST_WORD (-3)          /* minus the list's length */
+
+typedef struct {
+    uint64_t hash;
+    PyObject *block_ref, *sig_ref, *dtypes;
+    Py_ssize_t n;
+    int64_t words[MEMO_WORDS];
+} MemoEntry;
+
+static MemoEntry memo[MEMO_SIZE];
+
+typedef struct {
+    int64_t words[MEMO_WORDS];
+    PyObject *dtypes[MEMO_WORDS];       /* borrowed: the leaves hold them */
+    Py_ssize_t n, n_dtypes;
+    int lazy;
+} CallWords;
+
+static inline int push_call_word(CallWords *cw, int64_t value)
+{
+    if (cw->n == MEMO_WORDS) return 0;
+    cw->words[cw->n++] = value;
+    return 1;
+}
+
+/* Append ``leaf`` to ``leaves`` and its words to ``cw``, updating the
+ * call's depth and the producers to mark used as record_args does; 1 if
+ * done, 0 if the call is not one for the memo, -1 on error. */
+static int leaf_words(CallWords *cw, PyObject *leaf, PyObject *leaves, long *depth,
+                      PyObject **marks, Py_ssize_t *n_marks)
+{
+    if (PyList_Append(leaves, leaf)) return -1;
+    if (Py_TYPE(leaf) == LazyValueType) {
+        PyObject *producer = SLOT(leaf, lv_node);
+        long state = small_int(SLOT(producer, n_state));
+        SigInfo *info = state == PENDING || state == DONE ? sig_info(SLOT(producer, n_sig)) : NULL;
+        long index = info ? PyLong_AsLong(SLOT(leaf, lv_index)) : -1;
+        if (index < 0 || !push_call_word(cw, info->sig_id) || !push_call_word(cw, index)) {
+            PyErr_Clear();
+            return 0;
+        }
+        cw->lazy = 1;
+        if (state == PENDING) {
+            long d = small_int(SLOT(producer, n_depth));
+            if (d >= *depth) *depth = d + 1;
+            if (SLOT(producer, n_used) != Py_True)
+                marks[(*n_marks)++] = producer;
+        }
+        return 1;
+    }
+    if (Py_TYPE(leaf) != NumpyType) return 0;
+    PyObject *shape = PyObject_GetAttr(leaf, s_shape);
+    PyObject *descr = shape ? PyObject_GetAttr(leaf, s_dtype) : NULL;
+    int ok = descr != NULL && PyTuple_Check(shape) && push_call_word(cw, NUMPY_WORD)
+        && push_call_word(cw, PyTuple_GET_SIZE(shape));
+    for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(shape); i++)
+        ok = push_call_word(cw, PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i)));
+    ok = ok && !PyErr_Occurred() && push_call_word(cw, (int64_t)(intptr_t)descr);
+    if (ok) cw->dtypes[cw->n_dtypes++] = descr;
+    Py_XDECREF(shape);
+    Py_XDECREF(descr);      /* the array keeps its dtype alive */
+    PyErr_Clear();
+    return ok;
+}
+
+/* Flatten ``args`` into ``leaves`` and their words into ``cw`` (and the
+ * depth and marks, as leaf_words); 1, 0 or -1 as leaf_words. */
+static int call_words(CallWords *cw, PyObject *const *args, Py_ssize_t nargs, PyObject *leaves,
+                      long *depth, PyObject **marks, Py_ssize_t *n_marks)
+{
+    cw->n = cw->n_dtypes = 0;
+    cw->lazy = 0;
+    if (!push_call_word(cw, nargs)) return 0;
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        PyObject *arg = args[i];
+        int rc;
+        if (PyList_CheckExact(arg) || PyTuple_CheckExact(arg)) {
+            Py_ssize_t len = PySequence_Fast_GET_SIZE(arg);
+            PyObject **elems = PySequence_Fast_ITEMS(arg);
+            if (!push_call_word(cw, LIST_WORD - len)) return 0;
+            for (Py_ssize_t j = 0; j < len; j++)
+                if ((rc = leaf_words(cw, elems[j], leaves, depth, marks, n_marks)) != 1)
+                    return rc;
+        } else if ((rc = leaf_words(cw, arg, leaves, depth, marks, n_marks)) != 1) {
+            return rc;
+        }
+    }
+    if (!cw->lazy) {
+        PyObject *ctx = default_context();
+        PyObject *ctx_key = ctx ? context_key(ctx) : NULL;
+        Py_XDECREF(ctx);
+        if (ctx_key == NULL) { PyErr_Clear(); return 0; }
+        int ok = push_call_word(cw, CONTEXT_WORD)
+            && push_call_word(cw, PyLong_AsLongLong(PyTuple_GET_ITEM(ctx_key, 0)))
+            && push_call_word(cw, PyLong_AsLongLong(PyTuple_GET_ITEM(ctx_key, 1)));
+        Py_DECREF(ctx_key);
+        if (!ok || PyErr_Occurred()) { PyErr_Clear(); return 0; }
+    }
+    return 1;
+}
+
+static uint64_t call_hash(const CallWords *cw, PyObject *dblock)
+{
+    uint64_t h = (uint64_t)(uintptr_t)dblock * 0x9E3779B97F4A7C15ull;
+    for (Py_ssize_t i = 0; i < cw->n; i++)
+        h = (h ^ (uint64_t)cw->words[i]) * 0x100000001B3ull;
+    return h ^ (h >> 31);
+}
+
+/* The signature memoized for these words (borrowed), or NULL. */
+static PyObject *memo_get(PyObject *dblock, const CallWords *cw, uint64_t hash)
+{
+    MemoEntry *e = &memo[hash % MEMO_SIZE];
+    if (e->sig_ref == NULL || e->hash != hash || e->n != cw->n
+        || memcmp(e->words, cw->words, cw->n * sizeof(int64_t))
+        || PyWeakref_GET_OBJECT(e->block_ref) != dblock)
+        return NULL;
+    PyObject *sig = PyWeakref_GET_OBJECT(e->sig_ref);
+    return sig == Py_None ? NULL : sig;
+}
+
+static void memo_put(PyObject *dblock, const CallWords *cw, uint64_t hash, PyObject *sig)
+{
+    PyObject *block_ref = PyWeakref_NewRef(dblock, NULL);
+    PyObject *sig_ref = block_ref ? PyWeakref_NewRef(sig, NULL) : NULL;
+    PyObject *dtypes = sig_ref ? PyTuple_New(cw->n_dtypes) : NULL;
+    if (dtypes == NULL) {               /* not weak-referenceable: no memo */
+        Py_XDECREF(block_ref); Py_XDECREF(sig_ref);
+        PyErr_Clear();
+        return;
+    }
+    for (Py_ssize_t i = 0; i < cw->n_dtypes; i++)
+        PyTuple_SET_ITEM(dtypes, i, Py_NewRef(cw->dtypes[i]));
+    MemoEntry *e = &memo[hash % MEMO_SIZE];
+    e->hash = hash;
+    e->n = cw->n;
+    memcpy(e->words, cw->words, cw->n * sizeof(int64_t));
+    Py_XSETREF(e->block_ref, block_ref);
+    Py_XSETREF(e->sig_ref, sig_ref);
+    Py_XSETREF(e->dtypes, dtypes);
+}
+
 /* ------------------------------------------------------------- record */
 
 /* Flatten ``args`` (a tuple) into ``leaves``; the nesting format, or NULL
@@ -417,6 +577,23 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
     if (tape == NULL || !Py_IS_TYPE(tape, &TapeType)) BAIL(fallback);
     leaves = PyList_New(0);
     if (leaves == NULL) BAIL(error);
+    CallWords words;
+    uint64_t hash = 0;
+    int memo_rc = call_words(&words, args, nargs, leaves, &depth, marks, &n_marks);
+    if (memo_rc < 0) BAIL(error);
+    if (memo_rc == 1) {
+        hash = call_hash(&words, dblock);
+        sig = memo_get(dblock, &words, hash);
+        if (sig != NULL) {
+            Py_INCREF(sig);
+            goto have_signature;
+        }
+    }
+    /* the key's way, from the start */
+    Py_SETREF(leaves, PyList_New(0));
+    if (leaves == NULL) BAIL(error);
+    depth = 0;
+    n_marks = 0;
     fmt = flatten_flat(args, nargs, leaves);
     if (fmt == NULL) BAIL(fallback);
     Py_ssize_t n = PyList_GET_SIZE(leaves);
@@ -520,6 +697,9 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
         sig = PyObject_CallMethodObjArgs(dblock, s_trace, key, fmt, ctx, NULL);
         if (sig == NULL) BAIL(error);
     }
+    if (memo_rc == 1)
+        memo_put(dblock, &words, hash, sig);
+have_signature:
     for (Py_ssize_t i = 0; i < n_marks; i++)
         mark_used(marks[i]);
 

@@ -13,11 +13,12 @@ from mxnet import gluon
 
 import gluon_dynbatch as dyb
 from gluon_dynbatch import accel
-from gluon_dynbatch.block import BatchingScope, private_scope
+from gluon_dynbatch.block import BatchingScope, _signature_key, private_scope
 from gluon_dynbatch.execute import ZeroRow, collect, host_array, run_plan
 from gluon_dynbatch.graph import LazyValue
 from gluon_dynbatch.models import ChildSumTreeLSTMCell
 from gluon_dynbatch.plan import ByDepth, count_groups_py, depth_groups_py, structure_key_py
+from gluon_dynbatch.trace import flatten
 
 from helpers import AcrossBatch, DenseAddLists, TwoOutputs, assert_same, run_both
 
@@ -274,20 +275,69 @@ def test_host_rows_match_numpy_and_defer_the_unusual():
     assert host_array(rows + [mx.nd.ones((1, 4))], mx.cpu()) is None
 
 
-def test_recording_keeps_no_model_alive():
-    """The C recorder caches what it reads of signatures, by weak reference:
-    a model deleted by the user is freed."""
+@pytest.mark.parametrize('make_input', [lambda: mx.nd.ones((1, 3)),
+                                        lambda: np.ones((1, 3), np.float32)])
+def test_recording_keeps_no_model_alive(make_input):
+    """The C recorder caches what it reads of signatures, and which
+    signature a call's arguments found, by weak reference: a model deleted
+    by the user is freed."""
     import gc
     import weakref
     cell = dyb.DynBatchBlock(ChildSumTreeLSTMCell(3, 3))
     cell.initialize()
-    with dyb.batching():
-        h, c = cell(mx.nd.ones((1, 3)), [], [])
-        cell(mx.nd.ones((1, 3)), [h], [c])
+    for _ in range(2):
+        with dyb.batching():
+            h, c = cell(make_input(), [], [])
+            cell(make_input(), [h], [c])
     alive = weakref.ref(cell.block)
     del cell, h, c
     gc.collect()
     assert alive() is None
+
+
+class AddItems(mx.gluon.HybridBlock):
+    """``relu(x)`` plus every item of a list: any shape, any dtype."""
+
+    def hybrid_forward(self, F, x, items):
+        out = F.relu(x)
+        for item in items:
+            out = out + item
+        return out
+
+
+@needs_extension
+def test_each_call_gets_the_signature_its_key_names():
+    """The C recorder finds a repeated call's signature from words read
+    off its arguments (a memo), not from the key: every recorded node's
+    signature is still the one its key names, across dtypes (byte orders
+    included), shapes, list lengths and default contexts, for first and
+    repeated calls, and for two blocks with the same arguments."""
+    blocks = [dyb.DynBatchBlock(AddItems()) for _ in range(2)]
+    calls = []
+    with private_scope('depth') as scope:
+        for _ in range(2):
+            for ctx in (mx.cpu(0), mx.cpu(1)):
+                with ctx:
+                    for dtype in ('float32', '>f4', 'float64'):
+                        for shape in ((1, 3), (1, 4)):
+                            for block in blocks:
+                                x = np.ones(shape, dtype)
+                                made = []
+                                for width in (0, 1, 2, 1):
+                                    args = (x, made[-width:] if width else [])
+                                    made.append(block(*args))
+                                    calls.append((block, ctx, args))
+        nodes, _ = scope.take()
+    assert len(nodes) == len(calls)
+    sigs = set()
+    for node, (block, ctx, args) in zip(nodes, calls):
+        leaves = []
+        fmt = flatten(args, leaves)
+        with ctx:
+            key = _signature_key(block, fmt, leaves)[0]
+        assert node.sig is block._signatures[key]
+        sigs.add(node.sig)
+    assert len(sigs) == 2 * 2 * 2 * 2 * 3   # blocks, contexts, dtypes, shapes, widths
 
 
 def test_errors_come_from_the_python_version():
