@@ -50,6 +50,7 @@ static PyObject *s_out_info, *s_batch_safe, *s_group_key, *s_out_fmt,
 enum { PENDING = 0, DONE = 1, FAILED = 2 };
 
 static int configured = 0;
+static int numpy_fields_read = 0;  /* see NumpyFields */
 
 /* ---------------------------------------------------------------- set-up */
 
@@ -69,12 +70,14 @@ static int slot_offset(PyTypeObject *type, const char *name, Py_ssize_t *offset)
     return 0;
 }
 
+static int probe_numpy_fields(PyObject *probe);
+
 static PyObject *configure(PyObject *self, PyObject *args)
 {
-    PyObject *lazy, *node, *ndarray, *numpy_type;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!OOOO!", &PyType_Type, &lazy, &PyType_Type, &node,
+    PyObject *lazy, *node, *ndarray, *numpy_type, *probe;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!OOOO!O", &PyType_Type, &lazy, &PyType_Type, &node,
                           &PyType_Type, &ndarray, &PyType_Type, &numpy_type, &current_context,
-                          &default_ctx_holder, &group_outputs, &PyTuple_Type, &zeros_fmt))
+                          &default_ctx_holder, &group_outputs, &PyTuple_Type, &zeros_fmt, &probe))
         return NULL;
     LazyValueType = (PyTypeObject *)lazy;
     NodeType = (PyTypeObject *)node;
@@ -92,8 +95,9 @@ static PyObject *configure(PyObject *self, PyObject *args)
         || slot_offset(NodeType, "used", &n_used) || slot_offset(NodeType, "arrays", &n_arrays)
         || slot_offset(NodeType, "row", &n_row))
         return NULL;
+    numpy_fields_read = Py_TYPE(probe) == NumpyType && probe_numpy_fields(probe);
     configured = 1;
-    Py_RETURN_NONE;
+    return PyBool_FromLong(numpy_fields_read);
 }
 
 /* ------------------------------------------------------------- helpers */
@@ -371,6 +375,19 @@ static PyTypeObject TapeType = {
 #define CONTEXT_WORD (-2)
 #define LIST_WORD (-3)          /* minus the list's length */
 
+/* A numpy array's fields as numpy's own C macros read them (the start of
+ * PyArrayObject_fields, fixed because compiled extensions read it); read
+ * here only if configure() found a probe array's shape and dtype there. */
+typedef struct {
+    PyObject_HEAD
+    char *data;
+    int nd;
+    Py_ssize_t *dimensions;
+    Py_ssize_t *strides;
+    PyObject *base;
+    PyObject *descr;
+} NumpyFields;
+
 typedef struct {
     uint64_t hash;
     PyObject *block_ref, *sig_ref, *dtypes;
@@ -397,10 +414,10 @@ static inline int push_call_word(CallWords *cw, int64_t value)
 /* Append ``leaf`` to ``leaves`` and its words to ``cw``, updating the
  * call's depth and the producers to mark used as record_args does; 1 if
  * done, 0 if the call is not one for the memo, -1 on error. */
-static int leaf_words(CallWords *cw, PyObject *leaf, PyObject *leaves, long *depth,
-                      PyObject **marks, Py_ssize_t *n_marks)
+static int leaf_words(CallWords *cw, PyObject *leaf, PyObject *leaves, Py_ssize_t *n_leaves,
+                      long *depth, PyObject **marks, Py_ssize_t *n_marks)
 {
-    if (PyList_Append(leaves, leaf)) return -1;
+    PyList_SET_ITEM(leaves, (*n_leaves)++, Py_NewRef(leaf));
     if (Py_TYPE(leaf) == LazyValueType) {
         PyObject *producer = SLOT(leaf, lv_node);
         long state = small_int(SLOT(producer, n_state));
@@ -420,6 +437,15 @@ static int leaf_words(CallWords *cw, PyObject *leaf, PyObject *leaves, long *dep
         return 1;
     }
     if (Py_TYPE(leaf) != NumpyType) return 0;
+    if (numpy_fields_read) {
+        const NumpyFields *array = (const NumpyFields *)leaf;
+        int ok = push_call_word(cw, NUMPY_WORD) && push_call_word(cw, array->nd);
+        for (int i = 0; ok && i < array->nd; i++)
+            ok = push_call_word(cw, array->dimensions[i]);
+        ok = ok && push_call_word(cw, (int64_t)(intptr_t)array->descr);
+        if (ok) cw->dtypes[cw->n_dtypes++] = array->descr;
+        return ok;
+    }
     PyObject *shape = PyObject_GetAttr(leaf, s_shape);
     PyObject *descr = shape ? PyObject_GetAttr(leaf, s_dtype) : NULL;
     int ok = descr != NULL && PyTuple_Check(shape) && push_call_word(cw, NUMPY_WORD)
@@ -434,11 +460,17 @@ static int leaf_words(CallWords *cw, PyObject *leaf, PyObject *leaves, long *dep
     return ok;
 }
 
-/* Flatten ``args`` into ``leaves`` and their words into ``cw`` (and the
- * depth and marks, as leaf_words); 1, 0 or -1 as leaf_words. */
-static int call_words(CallWords *cw, PyObject *const *args, Py_ssize_t nargs, PyObject *leaves,
+/* Flatten ``args`` into ``*leaves`` (a new list) and their words into
+ * ``cw`` (and the depth and marks, as leaf_words); 1, 0 or -1 as
+ * leaf_words. */
+static int call_words(CallWords *cw, PyObject *const *args, Py_ssize_t nargs, PyObject **leaves,
                       long *depth, PyObject **marks, Py_ssize_t *n_marks)
 {
+    Py_ssize_t count = 0, n_leaves = 0;
+    for (Py_ssize_t i = 0; i < nargs; i++)
+        count += PyList_CheckExact(args[i]) || PyTuple_CheckExact(args[i]) ?
+            PySequence_Fast_GET_SIZE(args[i]) : 1;
+    if ((*leaves = PyList_New(count)) == NULL) return -1;
     cw->n = cw->n_dtypes = 0;
     cw->lazy = 0;
     if (!push_call_word(cw, nargs)) return 0;
@@ -450,9 +482,10 @@ static int call_words(CallWords *cw, PyObject *const *args, Py_ssize_t nargs, Py
             PyObject **elems = PySequence_Fast_ITEMS(arg);
             if (!push_call_word(cw, LIST_WORD - len)) return 0;
             for (Py_ssize_t j = 0; j < len; j++)
-                if ((rc = leaf_words(cw, elems[j], leaves, depth, marks, n_marks)) != 1)
+                if ((rc = leaf_words(cw, elems[j], *leaves, &n_leaves, depth, marks,
+                                     n_marks)) != 1)
                     return rc;
-        } else if ((rc = leaf_words(cw, arg, leaves, depth, marks, n_marks)) != 1) {
+        } else if ((rc = leaf_words(cw, arg, *leaves, &n_leaves, depth, marks, n_marks)) != 1) {
             return rc;
         }
     }
@@ -509,6 +542,20 @@ static void memo_put(PyObject *dblock, const CallWords *cw, uint64_t hash, PyObj
     Py_XSETREF(e->block_ref, block_ref);
     Py_XSETREF(e->sig_ref, sig_ref);
     Py_XSETREF(e->dtypes, dtypes);
+}
+
+/* Whether ``probe`` (numpy.empty((2, 3, 5))) has its shape and dtype where
+ * NumpyFields says. */
+static int probe_numpy_fields(PyObject *probe)
+{
+    const NumpyFields *array = (const NumpyFields *)probe;
+    if ((size_t)Py_TYPE(probe)->tp_basicsize < sizeof(NumpyFields))
+        return 0;
+    PyObject *descr = PyObject_GetAttr(probe, s_dtype);
+    Py_XDECREF(descr);              /* only its address is compared */
+    PyErr_Clear();
+    return descr != NULL && array->descr == descr && array->nd == 3
+        && array->dimensions[0] == 2 && array->dimensions[1] == 3 && array->dimensions[2] == 5;
 }
 
 /* ------------------------------------------------------------- record */
@@ -575,11 +622,9 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
 
     tape = PyObject_GetAttr(scope, s_tape);
     if (tape == NULL || !Py_IS_TYPE(tape, &TapeType)) BAIL(fallback);
-    leaves = PyList_New(0);
-    if (leaves == NULL) BAIL(error);
     CallWords words;
     uint64_t hash = 0;
-    int memo_rc = call_words(&words, args, nargs, leaves, &depth, marks, &n_marks);
+    int memo_rc = call_words(&words, args, nargs, &leaves, &depth, marks, &n_marks);
     if (memo_rc < 0) BAIL(error);
     if (memo_rc == 1) {
         hash = call_hash(&words, dblock);
@@ -590,7 +635,7 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
         }
     }
     /* the key's way, from the start */
-    Py_SETREF(leaves, PyList_New(0));
+    Py_XSETREF(leaves, PyList_New(0));
     if (leaves == NULL) BAIL(error);
     depth = 0;
     n_marks = 0;
@@ -1302,7 +1347,7 @@ error:
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
      "configure(LazyValue, Node, NDArray, numpy.ndarray, current_context, Context._default_ctx, "
-     "group_outputs, zeros)"},
+     "group_outputs, zeros, numpy.empty((2, 3, 5))) -> whether numpy fields are read directly"},
     {"record", (PyCFunction)(void (*)(void))record, METH_FASTCALL,
      "record(scope, dblock, args): lazy result(s), or None to run the Python version"},
     {"structure_key", structure_key, METH_O, "structure_key(nodes): see plan.structure_key"},

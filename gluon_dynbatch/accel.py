@@ -61,8 +61,10 @@ def _load():
         return 'pure Python (GLUON_DYNBATCH_PURE_PYTHON is set)'
     try:
         from . import _speedups  # pylint: disable=import-outside-toplevel
-        _speedups.configure(LazyValue, Node, mx.nd.NDArray, np.ndarray, mx.current_context,
-                            mx.context.Context._default_ctx, _group_outputs, _ZEROS)
+        NUMPY_FIELDS[0] = _speedups.configure(
+            LazyValue, Node, mx.nd.NDArray, np.ndarray, mx.current_context,
+            mx.context.Context._default_ctx, _group_outputs, _ZEROS,
+            np.empty((2, 3, 5), np.float32))
     except (ImportError, TypeError) as err:
         return 'pure Python (C extension unavailable: %s)' % err
     _LOADED.update({name: getattr(_speedups, name) for name in FUNCTIONS + ('call_method',)})
@@ -71,6 +73,9 @@ def _load():
 
 
 _LOADED = {}
+NUMPY_FIELDS = [False]
+"""Whether the recorder reads numpy arrays' shape and dtype from the array
+structure (checked on a probe array) instead of through attributes."""
 _CALL = {}      # the block class, its Python __call__ and its C __call__
 
 

@@ -311,7 +311,10 @@ def test_each_call_gets_the_signature_its_key_names():
     off its arguments (a memo), not from the key: every recorded node's
     signature is still the one its key names, across dtypes (byte orders
     included), shapes, list lengths and default contexts, for first and
-    repeated calls, and for two blocks with the same arguments."""
+    repeated calls, and for two blocks with the same arguments.  (With the
+    numpy in use the recorder reads shapes and dtypes from the arrays'
+    fields.)"""
+    assert accel.NUMPY_FIELDS[0]
     blocks = [dyb.DynBatchBlock(AddItems()) for _ in range(2)]
     calls = []
     with private_scope('depth') as scope:
