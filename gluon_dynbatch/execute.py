@@ -9,12 +9,15 @@ per argument.  Every op here is an ordinary recorded NDArray op or CachedOp
 call, so ``autograd`` sees the batched execution and ``backward()`` reaches
 the parameters and any user NDArrays fed in.
 """
+import ctypes
 import operator
 import os
 import time
 
 import mxnet as mx
 import numpy as np
+from mxnet.base import _LIB, NDArrayHandle, check_call, mx_uint
+from mxnet.ndarray.ndarray import _DTYPE_NP_TO_MX, _int64_enabled
 
 from . import accel
 from .graph import DONE, LazyValue
@@ -674,9 +677,25 @@ def to_device(host, ctx):
     13.1 ms).  (``from_numpy`` makes arrays on ``cpu(0)`` only.)"""
     if ctx.device_type == 'cpu' and ctx.device_id == 0 and threaded_engine():
         return mx.nd.from_numpy(np.ascontiguousarray(host), zero_copy=True)
-    array = mx.nd.empty(host.shape, ctx=ctx, dtype=host.dtype)
-    array._sync_copyfrom(host)
+    # ``mx.nd.empty`` + ``_sync_copyfrom`` made the same two C calls with
+    # 12 us of Python checks around them; this is 6 us (~230 uploads per
+    # SICK minibatch of 256)
+    host = np.ascontiguousarray(host)
+    handle = NDArrayHandle()
+    shape = host.shape
+    check_call(_CREATE_ARRAY((_SHAPE_INT * len(shape))(*shape), len(shape), ctx.device_typeid,
+                             ctx.device_id, 0, _DTYPE_NP_TO_MX[host.dtype.type],
+                             ctypes.byref(handle)))
+    array = NDArray(handle)         # owns the handle from here on
+    check_call(_LIB.MXNDArraySyncCopyFromCPU(handle, ctypes.c_void_p(host.ctypes.data),
+                                             ctypes.c_size_t(host.size)))
     return array
+
+
+if _int64_enabled():
+    _CREATE_ARRAY, _SHAPE_INT = _LIB.MXNDArrayCreateEx64, ctypes.c_int64
+else:
+    _CREATE_ARRAY, _SHAPE_INT = _LIB.MXNDArrayCreateEx, mx_uint
 
 
 _ENGINE = []

@@ -440,3 +440,21 @@ def test_tracing_inside_a_context_block_restores_the_default_context():
             out = block(np.ones((1, 3), np.float32))
         assert out.context == mx.cpu(1)
     assert mx.current_context() == before
+
+
+@pytest.mark.parametrize('engine_threaded', [False, True])
+def test_uploads_keep_values_dtypes_shapes_and_contexts(monkeypatch, engine_threaded):
+    """``to_device`` (host data to an NDArray, by MXNet's C calls or by
+    wrapping numpy memory) gives the array it was handed, on the context
+    asked for, whichever way the engine makes it go."""
+    from gluon_dynbatch import execute
+    monkeypatch.setattr(execute, '_ENGINE', [engine_threaded])
+    rng = np.random.RandomState(0)
+    for host in (np.arange(7, dtype=np.int32), rng.rand(3, 4).astype(np.float32),
+                 rng.rand(2, 1, 5), np.arange(12, dtype=np.int64).reshape(3, 4)[:, ::2],
+                 np.zeros((0, 3), np.float32)):
+        for ctx in (mx.cpu(0), mx.cpu(1)):
+            array = execute.to_device(host, ctx)
+            assert array.context == ctx
+            assert array.dtype == host.dtype and array.shape == host.shape
+            np.testing.assert_array_equal(array.asnumpy(), host)
