@@ -13,6 +13,7 @@
  *                                   (a Tape writes them while recording)
  *   gather_index(leaves, ZeroRow)-> the lazy-value case of execute.collect
  *   host_rows(leaves)            -> numpy leaves' bytes, concatenated
+ *   host_item(nodes, span_of)    -> the same for one argument of every node
  *   finish_nodes(nodes, arrays)  -> execute.finish_nodes_py
  *
  * Each is an exact copy of the Python function named for the common case
@@ -386,7 +387,10 @@ typedef struct {
     Py_ssize_t *strides;
     PyObject *base;
     PyObject *descr;
+    int flags;
 } NumpyFields;
+
+#define NUMPY_C_CONTIGUOUS 0x1
 
 typedef struct {
     uint64_t hash;
@@ -553,9 +557,17 @@ static int probe_numpy_fields(PyObject *probe)
         return 0;
     PyObject *descr = PyObject_GetAttr(probe, s_dtype);
     Py_XDECREF(descr);              /* only its address is compared */
+    int ok = descr != NULL && array->descr == descr && array->nd == 3
+        && array->dimensions[0] == 2 && array->dimensions[1] == 3 && array->dimensions[2] == 5
+        && (array->flags & NUMPY_C_CONTIGUOUS);
+    /* and its transpose, a view, is not C-contiguous */
+    PyObject *view = ok ? PyObject_GetAttrString(probe, "T") : NULL;
+    ok = view != NULL && Py_TYPE(view) == Py_TYPE(probe)
+        && ((const NumpyFields *)view)->nd == 3 && ((const NumpyFields *)view)->dimensions[0] == 5
+        && !(((const NumpyFields *)view)->flags & NUMPY_C_CONTIGUOUS);
+    Py_XDECREF(view);
     PyErr_Clear();
-    return descr != NULL && array->descr == descr && array->nd == 3
-        && array->dimensions[0] == 2 && array->dimensions[1] == 3 && array->dimensions[2] == 5;
+    return ok;
 }
 
 /* ------------------------------------------------------------- record */
@@ -1082,47 +1094,119 @@ error:
 
 /* --------------------------------------------------------- host_rows */
 
+/* Host rows being concatenated: numpy arrays of the first one's format and
+ * size, C-contiguous.  np.concatenate of thousands of one-row arrays (a
+ * token id per call) costs ~0.4 us a row, a buffer request per row ~0.1 us;
+ * with NumpyFields a row that matches the first one's dtype object and
+ * shape is copied straight from its data. */
+typedef struct {
+    Py_ssize_t rows, size;
+    char format[16];
+    const NumpyFields *first;       /* borrowed: the caller's leaves hold it */
+    PyObject *out;
+    char *dest;
+} HostRows;
+
+/* Copy ``leaf`` as row ``i``: 0 done, 1 not a row like the first, -1 error. */
+static int host_row(HostRows *h, PyObject *leaf, Py_ssize_t i)
+{
+    if (Py_TYPE(leaf) != NumpyType) return 1;
+    const NumpyFields *array = (const NumpyFields *)leaf;
+    if (h->first != NULL && array->descr == h->first->descr && array->nd == h->first->nd
+        && (array->flags & NUMPY_C_CONTIGUOUS)
+        && !memcmp(array->dimensions, h->first->dimensions, array->nd * sizeof(Py_ssize_t))) {
+        memcpy(h->dest + i * h->size, array->data, h->size);
+        return 0;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(leaf, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)) {
+        PyErr_Clear();
+        return 1;
+    }
+    const char *fmt = view.format ? view.format : "B";
+    if (h->out == NULL) {
+        h->size = view.len;
+        if (strlen(fmt) >= sizeof(h->format) ||
+            (h->out = PyBytes_FromStringAndSize(NULL, h->size * h->rows)) == NULL) {
+            PyBuffer_Release(&view);
+            return PyErr_Occurred() ? -1 : 1;
+        }
+        strcpy(h->format, fmt);
+        h->dest = PyBytes_AS_STRING(h->out);
+        if (numpy_fields_read && (array->flags & NUMPY_C_CONTIGUOUS))
+            h->first = array;
+    } else if (view.len != h->size || strcmp(fmt, h->format) != 0) {
+        PyBuffer_Release(&view);
+        return 1;
+    }
+    memcpy(h->dest + i * h->size, view.buf, h->size);
+    PyBuffer_Release(&view);
+    return 0;
+}
+
 /* The bytes of the numpy arrays ``leaves`` (C-contiguous, one format and
- * size), concatenated; None otherwise.  np.concatenate of thousands of
- * one-row arrays (a token id per call) costs ~0.4 us a row. */
+ * size), concatenated; None otherwise. */
 static PyObject *host_rows(PyObject *self, PyObject *leaves)
 {
     if (!configured || !PyList_Check(leaves) || PyList_GET_SIZE(leaves) == 0)
         Py_RETURN_NONE;
-    Py_ssize_t n = PyList_GET_SIZE(leaves), size = -1;
-    char format[16] = "";
-    PyObject *out = NULL;
-    char *dest = NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *leaf = PyList_GET_ITEM(leaves, i);
-        Py_buffer view;
-        if (Py_TYPE(leaf) != NumpyType ||
-            PyObject_GetBuffer(leaf, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)) {
-            PyErr_Clear();
-            goto fallback;
+    HostRows h = {PyList_GET_SIZE(leaves), 0, "", NULL, NULL, NULL};
+    for (Py_ssize_t i = 0; i < h.rows; i++) {
+        int rc = host_row(&h, PyList_GET_ITEM(leaves, i), i);
+        if (rc) {
+            Py_XDECREF(h.out);
+            if (rc < 0) return NULL;
+            Py_RETURN_NONE;
         }
-        const char *fmt = view.format ? view.format : "B";
-        if (size < 0) {
-            size = view.len;
-            if (strlen(fmt) >= sizeof(format) ||
-                (out = PyBytes_FromStringAndSize(NULL, size * n)) == NULL) {
-                PyBuffer_Release(&view);
-                if (PyErr_Occurred()) return NULL;
-                goto fallback;
-            }
-            strcpy(format, fmt);
-            dest = PyBytes_AS_STRING(out);
-        } else if (view.len != size || strcmp(fmt, format) != 0) {
-            PyBuffer_Release(&view);
-            goto fallback;
-        }
-        memcpy(dest + i * size, view.buf, size);
-        PyBuffer_Release(&view);
     }
-    return out;
+    return h.out;
+}
+
+/* host_rows of one argument (not a list) of every node, found where
+ * ``span_of(sig)`` says, ``(position, 1)``: execute._item_rows and
+ * host_rows in one pass. */
+static PyObject *host_item(PyObject *self, PyObject *args)
+{
+    PyObject *nodes, *span_of;
+    PyObject *sigs[SPAN_CACHE];
+    Py_ssize_t pos[SPAN_CACHE], len;
+    int known = 0;
+    if (!PyArg_ParseTuple(args, "OO", &nodes, &span_of))
+        return NULL;
+    if (!configured || !(PyList_Check(nodes) || PyTuple_Check(nodes))
+        || PySequence_Fast_GET_SIZE(nodes) == 0)
+        Py_RETURN_NONE;
+    HostRows h = {PySequence_Fast_GET_SIZE(nodes), 0, "", NULL, NULL, NULL};
+    for (Py_ssize_t i = 0; i < h.rows; i++) {
+        PyObject *node = PySequence_Fast_ITEMS(nodes)[i];
+        if (Py_TYPE(node) != NodeType) goto fallback;
+        PyObject *sig = SLOT(node, n_sig), *leaves = SLOT(node, n_leaves);
+        if (leaves == NULL || !PyList_Check(leaves)) goto fallback;
+        int k = 0;
+        while (k < known && sigs[k] != sig) k++;
+        if (k == known) {
+            if (known == SPAN_CACHE) goto fallback;
+            PyObject *span = PyObject_CallOneArg(span_of, sig);
+            if (span == NULL) goto error;
+            int ok = PyArg_ParseTuple(span, "nn", &pos[k], &len);
+            Py_DECREF(span);
+            if (!ok) goto error;
+            if (len != 1) goto fallback;
+            sigs[k] = sig;          /* borrowed: the node keeps it */
+            known++;
+        }
+        if (pos[k] < 0 || pos[k] >= PyList_GET_SIZE(leaves)) goto fallback;
+        int rc = host_row(&h, PyList_GET_ITEM(leaves, pos[k]), i);
+        if (rc < 0) goto error;
+        if (rc > 0) goto fallback;
+    }
+    return h.out;
 fallback:
-    Py_XDECREF(out);
+    Py_XDECREF(h.out);
     Py_RETURN_NONE;
+error:
+    Py_XDECREF(h.out);
+    return NULL;
 }
 
 /* ------------------------------------------------------- finish_nodes */
@@ -1358,6 +1442,8 @@ static PyMethodDef methods[] = {
     {"call_method", call_method, METH_VARARGS,
      "call_method(DynBatchBlock, thread-local holding .scope, python_call(dblock, args))"},
     {"host_rows", host_rows, METH_O, "host_rows(numpy leaves): their bytes concatenated, or None"},
+    {"host_item", host_item, METH_VARARGS,
+     "host_item(nodes, span_of): host_rows of one argument of every node, or None"},
     {"finish_nodes", finish_nodes, METH_VARARGS,
      "finish_nodes(nodes, arrays, rows=None): see execute.finish_nodes_py"},
     {"count_groups", count_groups, METH_O, "count_groups(nodes): see plan.count_groups_py"},

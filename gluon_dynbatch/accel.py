@@ -18,11 +18,14 @@ functions in C:
   lazy-value case of :func:`~.execute.collect`), and :func:`gather_item`
   the same for a list argument read straight from the step's nodes (the
   common case of ``execute._gather_item``);
-* :func:`host_rows` - host rows (token ids) concatenated;
+* :func:`host_rows` - host rows (token ids) concatenated, and
+  :func:`host_item` the same for one argument read straight from a step's
+  nodes (``execute.host_item_rows``);
 * :func:`finish_nodes` - :func:`~.execute.finish_nodes_py`.
 
-``record``, ``gather_index``, ``gather_item`` and ``host_rows`` return None for anything but
-the common case (``record`` before changing anything), and the caller then
+``record``, ``gather_index``, ``gather_item``, ``host_rows`` and ``host_item``
+return None for anything but the common case (``record`` before changing
+anything), and the caller then
 runs the Python version, which stays the reference and the only place user
 errors are raised.
 
@@ -40,12 +43,12 @@ from .graph import LazyValue, Node
 from .trace import _ZEROS, regroup
 
 __all__ = ['record', 'count_groups', 'depth_groups', 'structure_key', 'Tape', 'gather_index',
-           'gather_item', 'host_rows', 'finish_nodes', 'enable', 'STATUS']
+           'gather_item', 'host_rows', 'host_item', 'finish_nodes', 'enable', 'STATUS']
 
 FUNCTIONS = ('record', 'count_groups', 'depth_groups', 'structure_key', 'Tape', 'gather_index',
-             'gather_item', 'host_rows', 'finish_nodes')
+             'gather_item', 'host_rows', 'host_item', 'finish_nodes')
 record = count_groups = depth_groups = structure_key = Tape = None
-gather_index = gather_item = host_rows = finish_nodes = None
+gather_index = gather_item = host_rows = host_item = finish_nodes = None
 
 
 def _group_outputs(node):

@@ -88,7 +88,8 @@ def run_compiled(plan):
             inputs.append(what)
         else:
             number, item = what
-            inputs.append(host_array(_item_rows(steps[number].nodes, item), ctx))
+            rows = host_item_rows(steps[number].nodes, item)
+            inputs.append(None if rows is None else to_device(rows, ctx))
     outs = program.cached_op(*inputs)
     if isinstance(outs, NDArray):
         outs = [outs]
@@ -138,7 +139,7 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hois
             sources[item] = [outputs[number][out] if number >= 0
                              else _zero_row(sig, item, ctx).arrays[0] for number, out in parts]
         elif how == 'host':
-            sources[item] = [host_rows(_item_rows(nodes, item))]
+            sources[item] = [host_item_rows(nodes, item)]
             index = None
         else:
             sources[item], index, distinct, zero = _gather_item(nodes, sig, item, ctx)
@@ -297,7 +298,7 @@ class FlushHoist:
                 continue
             by_rows = {}
             for number, step, host in members:
-                rows = [host_rows(_item_rows(step.nodes, item)) for item in host]
+                rows = [host_item_rows(step.nodes, item) for item in host]
                 if all(r is not None for r in rows):
                     kinds = tuple((r.dtype.str, r.shape[1:]) for r in rows)
                     by_rows.setdefault(kinds, []).append((number, step.sig, host, rows))
@@ -412,7 +413,7 @@ class FlushTables:
             host = [item for item, fmt in enumerate(sig.fmt) if fmt == 0 and
                     _host_first(nodes, item)]
             for item in self.reads(sig, host) if host else ():
-                rows = host_rows(_item_rows(nodes, item))
+                rows = host_item_rows(nodes, item)
                 if rows is not None:
                     ids.append(rows.ravel())
         return np.unique(np.concatenate(ids)) if ids else np.zeros(0, np.float32)
@@ -447,6 +448,17 @@ def _item_rows(nodes, item):
     return [node.leaves[positions[node.sig]] for node in nodes]
 
 
+def host_item_rows(nodes, item):
+    """``host_rows(_item_rows(nodes, item))``: in one C pass over the nodes
+    when :mod:`~gluon_dynbatch.accel` is active."""
+    fast = accel.host_item
+    data = fast(nodes, lambda s: (s.item_pos(item), 1)) if fast is not None else None
+    if data is None:
+        return host_rows(_item_rows(nodes, item))
+    first = nodes[0].leaves[nodes[0].sig.item_pos(item)]
+    return np.frombuffer(data, dtype=first.dtype).reshape((-1,) + first.shape[1:])
+
+
 def _gather_item(nodes, sig, item, ctx):
     """Where argument ``item`` of every node lives: ``(parts, index,
     distinct, zero)`` with ``parts`` and ``index`` as :func:`collect` gives
@@ -472,12 +484,10 @@ def _gather_item(nodes, sig, item, ctx):
             padded = any(array is zero.arrays[0] for array in distinct)
             return parts, index.reshape(len(nodes), width), distinct, zero if padded else None
     if fmt == 0:
-        rows = _item_rows(nodes, item)
-        if isinstance(rows[0], np.ndarray):
-            host = host_rows(rows)
-            if host is not None:   # sent to the device by run_step
-                return [host], None, None, None
-        parts, index, distinct = collect(rows, ctx)
+        host = host_item_rows(nodes, item) if _host_first(nodes, item) else None
+        if host is not None:   # sent to the device by run_step
+            return [host], None, None, None
+        parts, index, distinct = collect(_item_rows(nodes, item), ctx)
         return (parts, None if index is None else np.asarray(index, dtype=np.int32),
                 distinct, None)
     spans = {s: (s.item_pos(item), leaf_count(s.fmt[item]))

@@ -275,6 +275,44 @@ def test_host_rows_match_numpy_and_defer_the_unusual():
     assert host_array(rows + [mx.nd.ones((1, 4))], mx.cpu()) is None
 
 
+class ListThenX(mx.gluon.HybridBlock):
+    """``x`` plus the items of a list that comes before it: where ``x``
+    sits among a call's leaves depends on the list's length."""
+
+    def hybrid_forward(self, F, items, x):
+        for item in items:
+            x = x + item
+        return x
+
+
+def test_host_item_reads_one_argument_of_every_node_wherever_it_sits():
+    """``execute.host_item_rows`` (one C pass, accel.host_item) gives the
+    host rows of one argument of a step's nodes, also when the nodes'
+    signatures place it differently, and defers anything but numpy rows of
+    one kind to the Python version."""
+    from gluon_dynbatch.execute import host_item_rows
+    block = dyb.DynBatchBlock(ListThenX())
+    rng = np.random.RandomState(0)
+    with private_scope('depth') as scope:
+        kids = [block([], rng.rand(1, 3).astype('float32')) for _ in range(3)]
+        for width in (0, 2, 1, 3, 2):
+            block(kids[:width], rng.rand(1, 3).astype('float32'))
+        block([], rng.rand(1, 3).astype('float32')[:, ::-1])  # not contiguous
+        block([], rng.rand(1, 3))                               # another dtype
+        block([], mx.nd.ones((1, 3)))                           # not host data
+        nodes, _ = scope.take()
+    xs = [node.leaves[-1] for node in nodes]
+    expected = np.concatenate(xs[:-3])
+    got = host_item_rows(nodes[:-3], 1)
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    np.testing.assert_array_equal(got, expected)
+    assert accel.host_item(nodes[:-3], lambda s: (s.item_pos(1), 1)) == expected.tobytes()
+    np.testing.assert_array_equal(host_item_rows(nodes[:-2], 1), np.concatenate(xs[:-2]))
+    assert accel.host_item(nodes[:-2], lambda s: (s.item_pos(1), 1)) is None
+    assert accel.host_item(nodes[:-1], lambda s: (s.item_pos(1), 1)) is None
+    assert host_item_rows(nodes, 1) is None
+
+
 @pytest.mark.parametrize('make_input', [lambda: mx.nd.ones((1, 3)),
                                         lambda: np.ones((1, 3), np.float32)])
 def test_recording_keeps_no_model_alive(make_input):
