@@ -1042,43 +1042,63 @@ error:
  * None when a leaf is not a computed lazy value, a node is not a Node, or
  * a list is longer than ``width`` or short with no ``zero``. */
 #define SPAN_CACHE 8
+/* Where an argument sits in each node's leaves: ``span_of(sig)`` gives
+ * (position, length), asked once per signature (a step has a few). */
+typedef struct {
+    PyObject *span_of;
+    PyObject *sigs[SPAN_CACHE];         /* borrowed: the nodes keep them */
+    Py_ssize_t pos[SPAN_CACHE], len[SPAN_CACHE];
+    int known;
+} Spans;
+
+/* ``node``'s leaves and the argument's span in them: 1; 0 for the Python
+ * version (not a recorded node, too many signatures, a span past the
+ * leaves); -1 on error. */
+static int node_span(Spans *s, PyObject *node, PyObject **leaves, Py_ssize_t *pos,
+                     Py_ssize_t *len)
+{
+    if (Py_TYPE(node) != NodeType) return 0;
+    PyObject *sig = SLOT(node, n_sig);
+    *leaves = SLOT(node, n_leaves);
+    if (*leaves == NULL || !PyList_Check(*leaves)) return 0;
+    int k = 0;
+    while (k < s->known && s->sigs[k] != sig) k++;
+    if (k == s->known) {
+        if (s->known == SPAN_CACHE) return 0;
+        PyObject *span = PyObject_CallOneArg(s->span_of, sig);
+        if (span == NULL) return -1;
+        int ok = PyArg_ParseTuple(span, "nn", &s->pos[k], &s->len[k]);
+        Py_DECREF(span);
+        if (!ok) return -1;
+        s->sigs[k] = sig;
+        s->known++;
+    }
+    *pos = s->pos[k];
+    *len = s->len[k];
+    return *pos >= 0 && *pos + *len <= PyList_GET_SIZE(*leaves);
+}
+
 static PyObject *gather_item(PyObject *self, PyObject *args)
 {
-    PyObject *nodes, *span_of, *zero, *zero_type;
+    PyObject *nodes, *zero, *zero_type;
     Py_ssize_t width;
     Gather g;
-    PyObject *sigs[SPAN_CACHE];
-    Py_ssize_t pos[SPAN_CACHE], len[SPAN_CACHE];
-    int known = 0;
-    if (!PyArg_ParseTuple(args, "OOnOO", &nodes, &span_of, &width, &zero, &zero_type))
+    Spans spans = {NULL};
+    if (!PyArg_ParseTuple(args, "OOnOO", &nodes, &spans.span_of, &width, &zero, &zero_type))
         return NULL;
     if (!configured || !(PyList_Check(nodes) || PyTuple_Check(nodes)) || width <= 0)
         Py_RETURN_NONE;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(nodes);
     if (gather_start(&g, n * width, zero_type)) goto error;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *node = PySequence_Fast_ITEMS(nodes)[i];
-        if (Py_TYPE(node) != NodeType) goto fallback;
-        PyObject *sig = SLOT(node, n_sig), *leaves = SLOT(node, n_leaves);
-        if (leaves == NULL || !PyList_Check(leaves)) goto fallback;
-        int k = 0;
-        while (k < known && sigs[k] != sig) k++;
-        if (k == known) {
-            if (known == SPAN_CACHE) goto fallback;
-            PyObject *span = PyObject_CallOneArg(span_of, sig);
-            if (span == NULL) goto error;
-            int ok = PyArg_ParseTuple(span, "nn", &pos[k], &len[k]);
-            Py_DECREF(span);
-            if (!ok) goto error;
-            sigs[k] = sig;          /* borrowed: the node keeps it */
-            known++;
-        }
-        if (len[k] > width || (len[k] < width && zero == Py_None) ||
-            pos[k] < 0 || pos[k] + len[k] > PyList_GET_SIZE(leaves))
-            goto fallback;
-        PyObject **items = PySequence_Fast_ITEMS(leaves) + pos[k];
+        PyObject *leaves;
+        Py_ssize_t pos, len;
+        int found = node_span(&spans, PySequence_Fast_ITEMS(nodes)[i], &leaves, &pos, &len);
+        if (found < 0) goto error;
+        if (!found || len > width || (len < width && zero == Py_None)) goto fallback;
+        PyObject **items = PySequence_Fast_ITEMS(leaves) + pos;
         for (Py_ssize_t j = 0; j < width; j++) {
-            int rc = gather_leaf(&g, i * width + j, j < len[k] ? items[j] : zero);
+            int rc = gather_leaf(&g, i * width + j, j < len ? items[j] : zero);
             if (rc < 0) goto error;
             if (rc > 0) goto fallback;
         }
@@ -1167,46 +1187,31 @@ static PyObject *host_rows(PyObject *self, PyObject *leaves)
  * host_rows in one pass. */
 static PyObject *host_item(PyObject *self, PyObject *args)
 {
-    PyObject *nodes, *span_of;
-    PyObject *sigs[SPAN_CACHE];
-    Py_ssize_t pos[SPAN_CACHE], len;
-    int known = 0;
-    if (!PyArg_ParseTuple(args, "OO", &nodes, &span_of))
+    PyObject *nodes;
+    Spans spans = {NULL};
+    if (!PyArg_ParseTuple(args, "OO", &nodes, &spans.span_of))
         return NULL;
     if (!configured || !(PyList_Check(nodes) || PyTuple_Check(nodes))
         || PySequence_Fast_GET_SIZE(nodes) == 0)
         Py_RETURN_NONE;
     HostRows h = {PySequence_Fast_GET_SIZE(nodes), 0, "", NULL, NULL, NULL};
     for (Py_ssize_t i = 0; i < h.rows; i++) {
-        PyObject *node = PySequence_Fast_ITEMS(nodes)[i];
-        if (Py_TYPE(node) != NodeType) goto fallback;
-        PyObject *sig = SLOT(node, n_sig), *leaves = SLOT(node, n_leaves);
-        if (leaves == NULL || !PyList_Check(leaves)) goto fallback;
-        int k = 0;
-        while (k < known && sigs[k] != sig) k++;
-        if (k == known) {
-            if (known == SPAN_CACHE) goto fallback;
-            PyObject *span = PyObject_CallOneArg(span_of, sig);
-            if (span == NULL) goto error;
-            int ok = PyArg_ParseTuple(span, "nn", &pos[k], &len);
-            Py_DECREF(span);
-            if (!ok) goto error;
-            if (len != 1) goto fallback;
-            sigs[k] = sig;          /* borrowed: the node keeps it */
-            known++;
+        PyObject *leaves;
+        Py_ssize_t pos, len;
+        int rc = node_span(&spans, PySequence_Fast_ITEMS(nodes)[i], &leaves, &pos, &len);
+        if (rc > 0 && len != 1)
+            rc = 0;
+        if (rc > 0) {       /* host_row: 0 copied, 1 not a row like the first, -1 error */
+            int copied = host_row(&h, PyList_GET_ITEM(leaves, pos), i);
+            rc = copied < 0 ? -1 : copied == 0;
         }
-        if (pos[k] < 0 || pos[k] >= PyList_GET_SIZE(leaves)) goto fallback;
-        int rc = host_row(&h, PyList_GET_ITEM(leaves, pos[k]), i);
-        if (rc < 0) goto error;
-        if (rc > 0) goto fallback;
+        if (rc <= 0) {
+            Py_XDECREF(h.out);
+            if (rc < 0) return NULL;
+            Py_RETURN_NONE;
+        }
     }
     return h.out;
-fallback:
-    Py_XDECREF(h.out);
-    Py_RETURN_NONE;
-error:
-    Py_XDECREF(h.out);
-    return NULL;
 }
 
 /* ------------------------------------------------------- finish_nodes */
