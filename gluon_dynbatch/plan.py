@@ -293,8 +293,11 @@ class Agenda(Strategy):
 
 
 def structure_key(nodes):
-    """Hashable structure of a recorded graph (see :func:`structure_key_py`;
-    computed in C when :mod:`~gluon_dynbatch.accel` is active)."""
+    """Hashable structure of a recorded graph (see :func:`structure_key_py`).
+    With :mod:`~gluon_dynbatch.accel` active it is the same structure as
+    int32 words in bytes, which a scope's tape also writes while recording;
+    the two forms never compare equal, so a cache filled in one mode only
+    misses in the other."""
     fast = accel.structure_key
     if fast is not None and type(nodes) is list:
         return fast(nodes)
