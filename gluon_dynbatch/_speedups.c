@@ -921,38 +921,173 @@ static PyObject *structure_key(PyObject *self, PyObject *nodes)
 
 /* -------------------------------------------------------- gather_index */
 
+/* The leading dimension of MXNet arrays, asked through MXNet's C API
+ * (MXNDArrayGetShapeEx, or its 64-bit twin when MXNet was built with large
+ * tensors), whose address set_shape_reader() is given: ``NDArray.shape``
+ * wraps the same call in ~1 us of Python, and a SICK minibatch of 256 asks
+ * it ~370 times.  Without the address, or for anything but a plain NDArray
+ * with a known shape, ``array.shape[0]``. */
+typedef int (*ShapeReader32)(void *, int *, const int **);
+typedef int (*ShapeReader64)(void *, int *, const int64_t **);
+static void *shape_reader = NULL;
+static int shape_reader_64 = 0;
+static PyObject *s_handle;
+
+static PyObject *set_shape_reader(PyObject *self, PyObject *args)
+{
+    PyObject *address;
+    int is_64;
+    if (!PyArg_ParseTuple(args, "Op", &address, &is_64))
+        return NULL;
+    void *fn = address == Py_None ? NULL : PyLong_AsVoidPtr(address);
+    if (fn == NULL && PyErr_Occurred()) return NULL;
+    shape_reader = fn;
+    shape_reader_64 = is_64;
+    Py_RETURN_NONE;
+}
+
+static void *array_handle(PyObject *array)
+{
+    PyObject *handle = PyObject_GetAttr(array, s_handle);    /* a ctypes c_void_p */
+    PyObject *value = handle ? PyObject_GetAttr(handle, s_value) : NULL;
+    void *ptr = value && value != Py_None ? PyLong_AsVoidPtr(value) : NULL;
+    Py_XDECREF(handle);
+    Py_XDECREF(value);
+    if (ptr == NULL) PyErr_Clear();
+    return ptr;
+}
+
+/* Rows of ``array`` (its leading dimension); -1 with an exception set. */
+static Py_ssize_t leading_rows(PyObject *array)
+{
+    if (shape_reader != NULL && Py_TYPE(array) == NDArrayType) {
+        void *handle = array_handle(array);
+        int ndim = -1;
+        if (handle != NULL && shape_reader_64) {
+            const int64_t *dims;
+            if (((ShapeReader64)shape_reader)(handle, &ndim, &dims) == 0 && ndim > 0)
+                return (Py_ssize_t)dims[0];
+        } else if (handle != NULL) {
+            const int *dims;
+            if (((ShapeReader32)shape_reader)(handle, &ndim, &dims) == 0 && ndim > 0)
+                return (Py_ssize_t)dims[0];
+        }
+    }
+    PyObject *shape = PyObject_GetAttr(array, s_shape);
+    PyObject *first = shape ? PySequence_GetItem(shape, 0) : NULL;
+    Py_ssize_t rows = first ? PyLong_AsSsize_t(first) : -1;
+    Py_XDECREF(shape);
+    Py_XDECREF(first);
+    return rows;
+}
+
 /* Where rows live, collected leaf by leaf: the distinct source arrays in
- * order of first use and, per leaf, its array's number and its row. */
+ * order of first use (found again through a small open-addressing table
+ * keyed by address: a step reads from a few arrays, but a dict of
+ * PyLong ids cost ~60 ns a row) and, per leaf, its array's number and its
+ * row. */
 typedef struct {
-    PyObject *distinct, *seen, *which, *rows, *zero_type, *last_array;
+    PyObject *distinct, *rows, *zero_type, *last_array;
     int *which_out, *rows_out;
     int last_number;
+    PyObject **keys;        /* borrowed: ``distinct`` holds them */
+    int *numbers;
+    Py_ssize_t slots;       /* a power of two, at least twice the distinct arrays */
 } Gather;
 
 static int gather_start(Gather *g, Py_ssize_t n, PyObject *zero_type)
 {
-    g->which = PyBytes_FromStringAndSize(NULL, n * 4);
     g->rows = PyBytes_FromStringAndSize(NULL, n * 4);
+    g->which_out = PyMem_Malloc((n ? n : 1) * sizeof(int));
     g->distinct = PyList_New(0);
-    g->seen = PyDict_New();
     g->zero_type = zero_type;
     g->last_array = NULL;
     g->last_number = -1;
-    if (!g->which || !g->rows || !g->distinct || !g->seen) return -1;
-    g->which_out = (int *)PyBytes_AS_STRING(g->which);
+    g->slots = 16;
+    g->keys = PyMem_Calloc(g->slots, sizeof(PyObject *));
+    g->numbers = PyMem_Malloc(g->slots * sizeof(int));
+    if (!g->rows || !g->which_out || !g->distinct || !g->keys || !g->numbers) {
+        if (!PyErr_Occurred()) PyErr_NoMemory();
+        return -1;
+    }
     g->rows_out = (int *)PyBytes_AS_STRING(g->rows);
     return 0;
 }
 
 static void gather_drop(Gather *g)
 {
-    Py_XDECREF(g->which); Py_XDECREF(g->rows); Py_XDECREF(g->distinct); Py_XDECREF(g->seen);
+    Py_XDECREF(g->rows); Py_XDECREF(g->distinct);
+    PyMem_Free(g->which_out); PyMem_Free(g->keys); PyMem_Free(g->numbers);
 }
 
-static PyObject *gather_result(Gather *g)
+static inline Py_ssize_t gather_slot(Gather *g, PyObject *array)
 {
-    Py_DECREF(g->seen);
-    return Py_BuildValue("(NNN)", g->distinct, g->which, g->rows);
+    Py_ssize_t mask = g->slots - 1, k = ((uintptr_t)array >> 4) & mask;
+    while (g->keys[k] != NULL && g->keys[k] != array) k = (k + 1) & mask;
+    return k;
+}
+
+/* The number of ``array`` among the distinct arrays, added if new; -1 on error. */
+static int gather_number(Gather *g, PyObject *array)
+{
+    Py_ssize_t k = gather_slot(g, array);
+    if (g->keys[k] == array) return g->numbers[k];
+    int number = (int)PyList_GET_SIZE(g->distinct);
+    if (PyList_Append(g->distinct, array)) return -1;
+    g->keys[k] = array;
+    g->numbers[k] = number;
+    if (2 * (number + 1) > g->slots) {        /* grow: rehash the distinct arrays */
+        Py_ssize_t slots = g->slots * 2;
+        PyObject **keys = PyMem_Calloc(slots, sizeof(PyObject *));
+        int *numbers = PyMem_Malloc(slots * sizeof(int));
+        if (!keys || !numbers) {
+            PyMem_Free(keys); PyMem_Free(numbers);
+            PyErr_NoMemory();
+            return -1;
+        }
+        PyMem_Free(g->keys); PyMem_Free(g->numbers);
+        g->keys = keys; g->numbers = numbers; g->slots = slots;
+        for (int j = 0; j <= number; j++) {
+            PyObject *known = PyList_GET_ITEM(g->distinct, j);
+            Py_ssize_t s = gather_slot(g, known);
+            g->keys[s] = known;
+            g->numbers[s] = j;
+        }
+    }
+    return number;
+}
+
+/* (distinct arrays, int32 bytes: each leaf's row in their concatenation,
+ * or None when that is 0, 1, 2, ... over all their rows): what
+ * execute.gather_rows returns, less its copy of the parts. */
+static PyObject *gather_result(Gather *g, Py_ssize_t n)
+{
+    Py_ssize_t count = PyList_GET_SIZE(g->distinct), total = 0;
+    int *offsets = PyMem_Malloc((count ? count : 1) * sizeof(int));
+    if (offsets == NULL) { gather_drop(g); return PyErr_NoMemory(); }
+    for (Py_ssize_t j = 0; j < count; j++) {
+        Py_ssize_t rows = leading_rows(PyList_GET_ITEM(g->distinct, j));
+        if (rows < 0 || total + rows > INT32_MAX) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "gather: more rows than an int32 index holds");
+            PyMem_Free(offsets);
+            gather_drop(g);
+            return NULL;
+        }
+        offsets[j] = (int)total;
+        total += rows;
+    }
+    int in_order = total == n;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int row = g->rows_out[i] + (count > 1 ? offsets[g->which_out[i]] : 0);
+        g->rows_out[i] = row;
+        in_order &= row == i;
+    }
+    PyMem_Free(offsets);
+    PyObject *index = in_order ? Py_NewRef(Py_None) : Py_NewRef(g->rows);
+    PyObject *out = Py_BuildValue("(ON)", g->distinct, index);
+    gather_drop(g);
+    return out;
 }
 
 /* Record leaf ``i``: 0 done, 1 not a computed lazy value or padding row
@@ -977,48 +1112,29 @@ static int gather_leaf(Gather *g, Py_ssize_t i, PyObject *leaf)
         return 1;
     }
     if (arrays == NULL || (!PyList_Check(arrays) && !PyTuple_Check(arrays))) return 1;
-    if (index < 0 || index >= PySequence_Fast_GET_SIZE(arrays) || row < 0) {
+    if (index < 0 || index >= PySequence_Fast_GET_SIZE(arrays) || row < 0 || row > INT32_MAX) {
         PyErr_Clear();
         return 1;
     }
     array = PySequence_Fast_ITEMS(arrays)[index];
-    int number;
-    if (array == g->last_array) {
-        number = g->last_number;
-    } else {
-        PyObject *id = PyLong_FromVoidPtr(array);
-        if (id == NULL) return -1;
-        PyObject *known = PyDict_GetItemWithError(g->seen, id);
-        if (known != NULL) {
-            number = (int)PyLong_AsLong(known);
-        } else if (PyErr_Occurred()) {
-            Py_DECREF(id);
-            return -1;
-        } else {
-            number = (int)PyList_GET_SIZE(g->distinct);
-            PyObject *num = PyLong_FromLong(number);
-            int rc = num == NULL || PyDict_SetItem(g->seen, id, num) ||
-                     PyList_Append(g->distinct, array);
-            Py_XDECREF(num);
-            if (rc) { Py_DECREF(id); return -1; }
-        }
-        Py_DECREF(id);
+    if (array != g->last_array) {
+        int number = gather_number(g, array);
+        if (number < 0) return -1;
         g->last_array = array;
         g->last_number = number;
     }
-    g->which_out[i] = number;
+    g->which_out[i] = g->last_number;
     g->rows_out[i] = (int)row;
     return 0;
 }
 
 /* For computed lazy values (or padding rows: anything with the same two
- * slots whose producer has ``arrays`` and ``row``): (distinct source arrays
- * in order of first use, int32 bytes: per leaf its distinct array's number,
- * int32 bytes: per leaf its row).  None when a leaf is anything else. */
+ * slots whose producer has ``arrays`` and ``row``): see gather_result.
+ * None when a leaf is anything else. */
 static PyObject *gather_index(PyObject *self, PyObject *args)
 {
     PyObject *leaves, *zero_type;
-    Gather g;
+    Gather g = {NULL};
     if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &leaves, &zero_type))
         return NULL;
     if (!configured) Py_RETURN_NONE;
@@ -1029,7 +1145,7 @@ static PyObject *gather_index(PyObject *self, PyObject *args)
         if (rc < 0) goto error;
         if (rc > 0) { gather_drop(&g); Py_RETURN_NONE; }
     }
-    return gather_result(&g);
+    return gather_result(&g, n);
 error:
     gather_drop(&g);
     return NULL;
@@ -1082,7 +1198,7 @@ static PyObject *gather_item(PyObject *self, PyObject *args)
 {
     PyObject *nodes, *zero, *zero_type;
     Py_ssize_t width;
-    Gather g;
+    Gather g = {NULL};
     Spans spans = {NULL};
     if (!PyArg_ParseTuple(args, "OOnOO", &nodes, &spans.span_of, &width, &zero, &zero_type))
         return NULL;
@@ -1103,7 +1219,7 @@ static PyObject *gather_item(PyObject *self, PyObject *args)
             if (rc > 0) goto fallback;
         }
     }
-    return gather_result(&g);
+    return gather_result(&g, n * width);
 fallback:
     gather_drop(&g);
     Py_RETURN_NONE;
@@ -1441,7 +1557,9 @@ static PyMethodDef methods[] = {
      "record(scope, dblock, args): lazy result(s), or None to run the Python version"},
     {"structure_key", structure_key, METH_O, "structure_key(nodes): see plan.structure_key"},
     {"gather_index", gather_index, METH_VARARGS,
-     "gather_index(leaves, ZeroRow): (distinct arrays, int32 bytes, int32 bytes) or None"},
+     "gather_index(leaves, ZeroRow): (distinct arrays, int32 row bytes or None) or None"},
+    {"set_shape_reader", set_shape_reader, METH_VARARGS,
+     "set_shape_reader(address of MXNDArrayGetShapeEx[64] or None, is_64)"},
     {"gather_item", gather_item, METH_VARARGS,
      "gather_item(nodes, span_of, width, zero or None, ZeroRow): as gather_index, or None"},
     {"call_method", call_method, METH_VARARGS,
@@ -1473,7 +1591,7 @@ PyMODINIT_FUNC PyInit__speedups(void)
     INTERN(s_shape, "shape"); INTERN(s_dtype, "dtype"); INTERN(s_type, "type");
     INTERN(s_context, "context"); INTERN(s_device_typeid, "device_typeid");
     INTERN(s_device_id, "device_id"); INTERN(s_sig_id, "sig_id"); INTERN(s_arrays, "arrays");
-    INTERN(s_value, "value"); INTERN(s_scope, "scope");
+    INTERN(s_value, "value"); INTERN(s_scope, "scope"); INTERN(s_handle, "handle");
     int_zero = PyLong_FromLong(0);
     int_one = PyLong_FromLong(1);
     pair_fmt = Py_BuildValue("(ii)", 0, 0);

@@ -15,9 +15,11 @@ functions in C:
   holds to write those words as calls are recorded (and to sum the time
   recording takes), so that a flush has its structure key without a pass;
 * :func:`gather_index` - where each row of a step's argument lives (the
-  lazy-value case of :func:`~.execute.collect`), and :func:`gather_item`
-  the same for a list argument read straight from the step's nodes (the
-  common case of ``execute._gather_item``);
+  lazy-value case of :func:`~.execute.collect`: the source arrays and each
+  row's position in their concatenation, with the sources' rows counted
+  through MXNet's C API), and :func:`gather_item` the same for a list
+  argument read straight from the step's nodes (the common case of
+  ``execute._gather_item``);
 * :func:`host_rows` - host rows (token ids) concatenated, and
   :func:`host_item` the same for one argument read straight from a step's
   nodes (``execute.host_item_rows``);
@@ -68,11 +70,25 @@ def _load():
             LazyValue, Node, mx.nd.NDArray, np.ndarray, mx.current_context,
             mx.context.Context._default_ctx, _group_outputs, _ZEROS,
             np.empty((2, 3, 5), np.float32))
+        _speedups.set_shape_reader(*_shape_reader())
     except (ImportError, TypeError) as err:
         return 'pure Python (C extension unavailable: %s)' % err
     _LOADED.update({name: getattr(_speedups, name) for name in FUNCTIONS + ('call_method',)})
     enable(True)
     return 'C extension'
+
+
+def _shape_reader():
+    """The address of MXNet's C function that reads an array's shape, and
+    whether it is the 64-bit one (MXNet built with large tensors), for the
+    gathers to count rows without ``NDArray.shape``'s Python."""
+    # pylint: disable=import-outside-toplevel
+    import ctypes
+    from mxnet.base import _LIB
+    from mxnet.ndarray.ndarray import _int64_enabled
+    wide = bool(_int64_enabled())
+    function = _LIB.MXNDArrayGetShapeEx64 if wide else _LIB.MXNDArrayGetShapeEx
+    return ctypes.cast(function, ctypes.c_void_p).value, wide
 
 
 _LOADED = {}

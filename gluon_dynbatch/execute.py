@@ -476,7 +476,10 @@ def _gather_item(nodes, sig, item, ctx):
         found = fast(nodes, lambda s: (s.item_pos(item), leaf_count(s.fmt[item])), width,
                      zero, ZeroRow)
         if found is not None:
-            parts, index, distinct = _numbered_rows(*found)
+            parts, index = found
+            distinct = parts
+            if index is not None:
+                index = np.frombuffer(index, dtype=np.int32)
             if fmt == 0:
                 return parts, index, distinct, None
             if index is None:
@@ -590,7 +593,8 @@ def collect(leaves, ctx):
     if fast is not None and type(leaves) is list:
         found = fast(leaves, ZeroRow)      # None unless all are lazy values / padding
         if found is not None:
-            return _numbered_rows(*found)
+            parts, index = found
+            return parts, None if index is None else np.frombuffer(index, np.int32), parts
     try:
         arrays = [leaf._node.arrays[leaf._index] for leaf in leaves]
         rows = [leaf._node.row for leaf in leaves]
@@ -606,25 +610,6 @@ def collect(leaves, ctx):
                               else leaf)
                 rows.append(0)
     return gather_rows(arrays, rows)
-
-
-def _numbered_rows(distinct, which, rows):
-    """What :func:`gather_rows` returns, from the ``distinct`` arrays and,
-    per row, its array's number there and its row in that array (int32
-    bytes, from :func:`~gluon_dynbatch.accel.gather_index`)."""
-    index = np.frombuffer(rows, dtype=np.int32)
-    if len(distinct) == 1:
-        rows_in_parts = distinct[0].shape[0]
-    else:
-        sizes = [array.shape[0] for array in distinct]
-        rows_in_parts = sum(sizes)
-        offsets = np.cumsum([0] + sizes[:-1]).astype(np.int32)
-        index = offsets[np.frombuffer(which, dtype=np.int32)] + index
-    count = len(index)
-    if rows_in_parts == count and index[0] == 0 and index[-1] == count - 1 \
-            and (index == np.arange(count)).all():
-        index = None
-    return distinct, index, distinct
 
 
 def host_array(leaves, ctx):

@@ -260,6 +260,57 @@ def test_padded_list_gathers_match_python():
     assert 'padded' in gathers_match_python(ops)
 
 
+
+def rows_of(arrays, picks):
+    """Lazy values reading row ``row`` of ``arrays[which]`` for each
+    ``(which, row)`` of ``picks``, as a step's outputs are read."""
+    from gluon_dynbatch.graph import Node
+    leaves = []
+    for which, row in picks:
+        node = Node(None, None, 0, None)
+        node.arrays, node.row = [arrays[which]], row
+        leaves.append(LazyValue(node, 0))
+    return leaves
+
+
+@needs_extension
+@pytest.mark.parametrize('reader', ['mxnet', 'shape attribute'])
+def test_gather_counts_rows_of_many_sources(reader):
+    """The C gather numbers rows across many source arrays of different
+    lengths (more than its first table of sources holds), counting each
+    source's rows through MXNet's C API or, without it, ``.shape``, and
+    says "in order" (index None) only when the rows are exactly all rows
+    of the sources in order."""
+    from gluon_dynbatch import _speedups
+    rng = np.random.RandomState(0)
+    arrays = [mx.nd.array(rng.rand(count, 2)) for count in rng.randint(1, 6, size=40)]
+    everything = [(which, row) for which, array in enumerate(arrays)
+                  for row in range(array.shape[0])]
+    shuffled = [everything[i] for i in rng.permutation(len(everything))]
+    if reader != 'mxnet':
+        _speedups.set_shape_reader(None, False)
+    try:
+        for picks in (shuffled, shuffled[:50] * 2, everything, everything[:-1],
+                      everything[1:], [everything[0]] * 3):
+            leaves = rows_of(arrays, picks)
+            found = []
+            for on in (True, False):
+                accel.enable(on)
+                try:
+                    parts, index, distinct = collect(leaves, mx.cpu())
+                finally:
+                    accel.enable(True)
+                found.append((parts, None if index is None else list(index)))
+            assert [id(a) for a in found[0][0]] == [id(a) for a in found[1][0]]
+            assert found[0][1] == found[1][1]
+            assert (found[0][1] is None) == (picks == everything)
+            source = np.concatenate([part.asnumpy() for part in found[0][0]])
+            expected = np.stack([arrays[which].asnumpy()[row] for which, row in picks])
+            gathered_rows = source if found[0][1] is None else source[found[0][1]]
+            np.testing.assert_array_equal(gathered_rows, expected)
+    finally:
+        _speedups.set_shape_reader(*accel._shape_reader())
+
 @needs_extension
 def test_host_rows_match_numpy_and_defer_the_unusual():
     rng = np.random.RandomState(0)
