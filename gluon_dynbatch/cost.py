@@ -29,7 +29,7 @@ import mxnet as mx
 
 from .execute import run_plan
 from .lower import BUILT
-from .plan import (PADDING_COST, STRATEGIES, Agenda, ByDepth, CachedPlan, PerSample, Plan,
+from .plan import (PADDING_COST, STRATEGIES, Agenda, ByDepth, CachedPlan, PerSample,
                    Strategy, summarize)
 
 __all__ = ['CostModel', 'Auto', 'default_cost_model']
@@ -387,13 +387,16 @@ class Auto(Strategy):
     def _cached_measured_best(self, fingerprint):
         """True when the stored plan of this summary should run: while it
         has run fewer than ``cached_trials`` times (it gets faster as it is
-        reused: recipes, then compiled, whose first call is slow), then while
-        its best time is within 5% of the best other strategy's, and on every
+        reused: its first run learns recipes, then they replay, then it is
+        compiled, whose first call is slow), then while its best time is
+        within 5% of the best other strategy's, and on every
         ``probe_every``-th sighting of the summary, to measure it again.
         None once, right after the trials: the best other strategy should
         run, plainly, to be timed (the only other time measured is the run
-        that stored the plan, slowed by learning its recipes: at SICK
-        minibatch 256 auto kept a compiled plan 9% slower than depth)."""
+        that stored the plan, which may have built step programs or missed
+        the timing of a threaded engine; when the storing run learned the
+        recipes, it was slowed by that, and auto kept a compiled plan 9%
+        slower than depth at SICK minibatch 256)."""
         record = self._repeat(fingerprint)
         record.sightings += 1
         if record.cached_runs < self.cached_trials:
@@ -422,12 +425,14 @@ class Auto(Strategy):
         record.best_ms.pop('cached', None)
         record.cached_runs = 0
         self._seen[fingerprint] = len(fresh.steps)
-        return Plan(fresh.strategy, fresh.steps, self.cached.store(key, fresh))
+        self.cached.store(key, fresh)
+        return fresh
 
     def _remember(self, summary, nodes, plan, name):
         """Store ``plan`` in the cache when its summary is seen the second
-        time; returns the plan to run (carrying the cache entry's recipes,
-        so this very run fills them in)."""
+        time; returns the plan to run, as planned: its recipes are learned
+        when the cached plan first runs (learning them here slowed this run,
+        which also times ``name`` for the repeating summary)."""
         if name == 'per-sample':
             return plan
         fingerprint = summary['fingerprint']
@@ -435,9 +440,9 @@ class Auto(Strategy):
             if self._seen[fingerprint] is not None:
                 return plan                 # stored already
             key, _ = self.cached.lookup(nodes, summary)
-            recipes = self.cached.store(key, plan)
+            self.cached.store(key, plan)
             self._seen[fingerprint] = len(plan.steps)
-            return Plan(plan.strategy, plan.steps, recipes)
+            return plan
         if len(self._seen) < self.memory:
             self._seen[fingerprint] = None
         return plan

@@ -333,7 +333,9 @@ class CachedPlan(Strategy):
     device) instead of per row.  On a miss, plan with ``fallback`` and
     remember the result (at most ``capacity`` structures).
 
-    A structure that comes back ``compile_after`` times is compiled into one
+    The first run of a stored plan (its first hit) learns its recipes; a
+    miss runs like the fallback's plan.  A structure that has come back
+    ``compile_after`` times, its recipes learned, is compiled into one
     CachedOp for the whole plan (:func:`~.lower.flush_program`; the time it
     takes is reported as ``compile_ms``); at most ``max_compiled`` such
     programs are kept, the least recently used dropped first."""
@@ -366,12 +368,17 @@ class CachedPlan(Strategy):
         if entry is None:
             self.misses += 1
             plan = self.fallback.plan(nodes)
-            recipes = self.store(key, plan)
-            return Plan(self.name + '-miss:' + plan.strategy, plan.steps, recipes)
+            self.store(key, plan)
+            # runs as the fallback's plan would, recipes unlearned: learning
+            # them fixes the row layout (no shared host part, no distinct
+            # rows), which at SICK minibatch 256 made a miss 30% slower than
+            # depth, and most structures never come back
+            return Plan(self.name + '-miss:' + plan.strategy, plan.steps)
         self.hits += 1
         entry.hits += 1
         steps = tuple(BatchStep(sig, rows(nodes)) for sig, rows in entry.steps)
-        if entry.program is None and entry.hits >= self.compile_after and not entry.uncompilable:
+        if entry.program is None and entry.hits >= self.compile_after and \
+                not entry.uncompilable and None not in entry.recipes:
             self._compile(key, entry, steps)
         if entry.program is not None:
             self.compiled.move_to_end(key)
@@ -393,7 +400,8 @@ class CachedPlan(Strategy):
 
     def store(self, key, plan):
         """Remember ``plan`` under structure ``key``; returns the entry's
-        recipes list, filled in by the first run of a plan that carries it."""
+        recipes list (None per step until learned), filled in by the first
+        run of a plan that carries it (its first hit)."""
         if key in self.cache:                  # replacing a stale plan
             self.compiled.pop(key, None)
         elif len(self.cache) >= self.capacity:

@@ -197,6 +197,41 @@ def test_cached_plan_recipes_follow_new_data_and_gradients():
     assert any(part not in (None, 'host') for r in recipes for part in r)  # gathers reused
 
 
+def test_a_miss_runs_as_its_fallback_and_the_first_hit_learns_recipes():
+    """A miss stores its plan but runs it as the fallback would (no
+    recipes: the flush may share host parts and distinct rows); the first
+    hit learns the recipes, and only then can the plan be compiled."""
+    from gluon_dynbatch.models import TreeLSTMNode
+    node = TreeLSTMNode(20, 6, 4)
+    node.initialize(mx.init.Xavier())
+    dnode = dyb.DynBatchBlock(node)
+    rng = np.random.RandomState(5)
+    trees = [random_tree(rng, n, 3) for n in (3, 7, 12)]
+    cached = dyb.CachedPlan(compile_after=1)
+    plans = []
+    plan_with_cache = cached.plan
+    cached.plan = lambda *args, **kwargs: plans.append(plan_with_cache(*args, **kwargs)) \
+        or plans[-1]
+
+    def enc(t, ids):
+        ch = [enc(c, ids) for c in t.children]
+        return dnode(ids[t.idx:t.idx + 1], [h for h, _ in ch], [c for _, c in ch])
+    learned = []
+    for _ in range(3):
+        ids = rng.randint(0, 20, 12).astype(np.float32)
+        with dyb.batching(cached):
+            got = [enc(t, ids)[0] for t in trees]
+        want = [enc(t, ids)[0] for t in trees]
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-5, atol=1e-6)
+        entry, = cached.cache.values()
+        learned.append(sum(recipe is not None for recipe in entry.recipes))
+    steps = len(entry.recipes)
+    assert [plan.strategy for plan in plans] == ['cached-miss:depth', 'cached',
+                                                 'cached-compiled']
+    assert plans[0].recipes is None and plans[1].recipes is entry.recipes
+    assert learned == [0, steps, steps]
+
 def test_cached_plan_reads_new_user_arrays():
     """Arguments fed from user NDArrays have no recipe: a hit gathers them
     anew, so new values give new results."""
