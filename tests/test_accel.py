@@ -181,18 +181,25 @@ def test_gathers_match_python(ops):
     zero = ZeroRow((1, 3), np.float32, mx.cpu())
     leaves = values[::-1] + [zero] + values
     found = []
-    for on in (True, False):
-        accel.enable(on)
-        try:
-            parts, index, distinct = collect(leaves, mx.cpu())
-        finally:
-            accel.enable(True)
+    for parts, index, distinct in collected_both_ways(leaves):
         source = np.concatenate([part.asnumpy() for part in parts])
         rows = source if index is None else source[np.asarray(index)]
         found.append((rows, None if index is None else list(index), [id(a) for a in distinct]))
     np.testing.assert_array_equal(found[0][0], found[1][0])
     assert found[0][1:] == found[1][1:]
     assert accel.gather_index(values + [mx.nd.ones((1, 3))], ZeroRow) is None   # Python's case
+
+
+def collected_both_ways(leaves):
+    """``collect(leaves)`` by the C gather, then by Python."""
+    found = []
+    for on in (True, False):
+        accel.enable(on)
+        try:
+            found.append(collect(leaves, mx.cpu()))
+        finally:
+            accel.enable(True)
+    return found
 
 
 def gathered(parts, index):
@@ -293,14 +300,8 @@ def test_gather_counts_rows_of_many_sources(reader):
         for picks in (shuffled, shuffled[:50] * 2, everything, everything[:-1],
                       everything[1:], [everything[0]] * 3):
             leaves = rows_of(arrays, picks)
-            found = []
-            for on in (True, False):
-                accel.enable(on)
-                try:
-                    parts, index, distinct = collect(leaves, mx.cpu())
-                finally:
-                    accel.enable(True)
-                found.append((parts, None if index is None else list(index)))
+            found = [(parts, None if index is None else list(index))
+                     for parts, index, _ in collected_both_ways(leaves)]
             assert [id(a) for a in found[0][0]] == [id(a) for a in found[1][0]]
             assert found[0][1] == found[1][1]
             assert (found[0][1] is None) == (picks == everything)

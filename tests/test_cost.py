@@ -197,25 +197,33 @@ def test_cached_plan_recipes_follow_new_data_and_gradients():
     assert any(part not in (None, 'host') for r in recipes for part in r)  # gathers reused
 
 
+def small_tree_lstm(vocab, embed, seed, sizes):
+    """A Tree-LSTM node (hidden size 4) wrapped in DynBatchBlock, a random
+    state, random trees of ``sizes`` nodes (at most 3 children) and
+    ``enc(tree, ids)``, the per-sample recursion over a tree."""
+    from gluon_dynbatch.models import TreeLSTMNode
+    node = TreeLSTMNode(vocab, embed, 4)
+    node.initialize(mx.init.Xavier())
+    dnode = dyb.DynBatchBlock(node)
+    rng = np.random.RandomState(seed)
+    trees = [random_tree(rng, n, 3) for n in sizes]
+
+    def enc(t, ids):
+        ch = [enc(c, ids) for c in t.children]
+        return dnode(ids[t.idx:t.idx + 1], [h for h, _ in ch], [c for _, c in ch])
+    return node, rng, trees, enc
+
+
 def test_a_miss_runs_as_its_fallback_and_the_first_hit_learns_recipes():
     """A miss stores its plan but runs it as the fallback would (no
     recipes: the flush may share host parts and distinct rows); the first
     hit learns the recipes, and only then can the plan be compiled."""
-    from gluon_dynbatch.models import TreeLSTMNode
-    node = TreeLSTMNode(20, 6, 4)
-    node.initialize(mx.init.Xavier())
-    dnode = dyb.DynBatchBlock(node)
-    rng = np.random.RandomState(5)
-    trees = [random_tree(rng, n, 3) for n in (3, 7, 12)]
+    _, rng, trees, enc = small_tree_lstm(20, 6, 5, (3, 7, 12))
     cached = dyb.CachedPlan(compile_after=1)
     plans = []
     plan_with_cache = cached.plan
     cached.plan = lambda *args, **kwargs: plans.append(plan_with_cache(*args, **kwargs)) \
         or plans[-1]
-
-    def enc(t, ids):
-        ch = [enc(c, ids) for c in t.children]
-        return dnode(ids[t.idx:t.idx + 1], [h for h, _ in ch], [c for _, c in ch])
     learned = []
     for _ in range(3):
         ids = rng.randint(0, 20, 12).astype(np.float32)
@@ -258,17 +266,8 @@ def test_compiled_plan_outputs_stay_valid_across_flushes():
     """A compiled plan (static memory) gives every flush fresh outputs:
     values read after later flushes of the same structure, and gradients of
     several flushes recorded before one backward, match per-sample."""
-    from gluon_dynbatch.models import TreeLSTMNode
-    node = TreeLSTMNode(30, 5, 4)
-    node.initialize(mx.init.Xavier())
-    dnode = dyb.DynBatchBlock(node)
-    rng = np.random.RandomState(9)
-    trees = [random_tree(rng, n, 3) for n in (2, 6, 11)]
+    node, rng, trees, enc = small_tree_lstm(30, 5, 9, (2, 6, 11))
     cached = dyb.CachedPlan(compile_after=1)
-
-    def enc(t, ids):
-        ch = [enc(c, ids) for c in t.children]
-        return dnode(ids[t.idx:t.idx + 1], [h for h, _ in ch], [c for _, c in ch])
     all_ids = [rng.randint(0, 30, 12).astype(np.float32) for _ in range(4)]
     kept = []
     with autograd.record():
