@@ -616,6 +616,22 @@ static PyObject *flatten_flat(PyObject *const *args, Py_ssize_t n, PyObject *lea
     return fmt;
 }
 
+/* A field of the scope (a new reference): straight from its slot when it
+ * is a BatchingScope (see call_method), else by attribute; NULL with an
+ * exception set when unset. */
+static PyTypeObject *ScopeType;
+static Py_ssize_t sc_tape, sc_pending;
+
+static PyObject *scope_field(PyObject *scope, Py_ssize_t offset, PyObject *name)
+{
+    if (Py_TYPE(scope) != ScopeType)
+        return PyObject_GetAttr(scope, name);
+    PyObject *value = SLOT(scope, offset);
+    if (value == NULL)
+        PyErr_SetObject(PyExc_AttributeError, name);
+    return Py_XNewRef(value);
+}
+
 #define BAIL(label) do { goto label; } while (0)
 
 /* BatchingScope.record for the common case; None when the Python version
@@ -632,7 +648,7 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
     Py_ssize_t n_marks = 0;
     long depth = 0;
 
-    tape = PyObject_GetAttr(scope, s_tape);
+    tape = scope_field(scope, sc_tape, s_tape);
     if (tape == NULL || !Py_IS_TYPE(tape, &TapeType)) BAIL(fallback);
     CallWords words;
     uint64_t hash = 0;
@@ -760,7 +776,7 @@ have_signature:
     for (Py_ssize_t i = 0; i < n_marks; i++)
         mark_used(marks[i]);
 
-    pending = PyObject_GetAttr(scope, s_pending);
+    pending = scope_field(scope, sc_pending, s_pending);
     if (pending == NULL) BAIL(error);
     if (!PyList_Check(pending)) {
         PyErr_SetString(PyExc_TypeError, "scope.pending is not a list");
@@ -875,12 +891,19 @@ static PyMethodDef block_call_def = {
     "(DynBatchBlock.__call__ in C; see gluon_dynbatch.accel)."
 };
 
-/* call_method(cls, local, call_py): a __call__ method for ``cls`` */
+/* call_method(cls, local, call_py, scope_cls): a __call__ method for
+ * ``cls``; scopes of ``scope_cls`` have their fields read from its slots */
 static PyObject *call_method(PyObject *self, PyObject *args)
 {
-    PyObject *cls, *local, *fallback;
-    if (!PyArg_ParseTuple(args, "O!OO", &PyType_Type, &cls, &local, &fallback))
+    PyObject *cls, *local, *fallback, *scope_cls;
+    if (!PyArg_ParseTuple(args, "O!OOO!", &PyType_Type, &cls, &local, &fallback,
+                          &PyType_Type, &scope_cls))
         return NULL;
+    if (slot_offset((PyTypeObject *)scope_cls, "tape", &sc_tape)
+        || slot_offset((PyTypeObject *)scope_cls, "pending", &sc_pending))
+        return NULL;
+    Py_INCREF(scope_cls);
+    Py_XSETREF(ScopeType, (PyTypeObject *)scope_cls);
     Py_INCREF(local); Py_XSETREF(local_state, local);
     Py_INCREF(fallback); Py_XSETREF(call_py, fallback);
     return PyDescr_NewMethod((PyTypeObject *)cls, &block_call_def);
@@ -1563,7 +1586,8 @@ static PyMethodDef methods[] = {
     {"gather_item", gather_item, METH_VARARGS,
      "gather_item(nodes, span_of, width, zero or None, ZeroRow): as gather_index, or None"},
     {"call_method", call_method, METH_VARARGS,
-     "call_method(DynBatchBlock, thread-local holding .scope, python_call(dblock, args))"},
+     "call_method(DynBatchBlock, thread-local holding .scope, python_call(dblock, args), "
+     "BatchingScope)"},
     {"host_rows", host_rows, METH_O, "host_rows(numpy leaves): their bytes concatenated, or None"},
     {"host_item", host_item, METH_VARARGS,
      "host_item(nodes, span_of): host_rows of one argument of every node, or None"},

@@ -98,15 +98,16 @@ structure (checked on a probe array) instead of through attributes."""
 _CALL = {}      # the block class, its Python __call__ and its C __call__
 
 
-def attach_call(cls, local):
+def attach_call(cls, local, scope_cls):
     """Give ``cls`` (DynBatchBlock) the C ``__call__`` while the C versions
-    are enabled: it reads the open scope from ``local`` and records, and
-    runs the Python ``__call__`` for anything it defers."""
+    are enabled: it reads the open scope (a ``scope_cls``, whose slots it
+    reads directly) from ``local`` and records, and runs the Python
+    ``__call__`` for anything it defers."""
     python_call = cls.__dict__['__call__']
     _CALL.update(cls=cls, python=python_call)
     if 'call_method' in _LOADED:
         _CALL['c'] = _LOADED['call_method'](
-            cls, local, lambda dblock, args: python_call(dblock, *args))
+            cls, local, lambda dblock, args: python_call(dblock, *args), scope_cls)
     enable(record is not None)
 
 

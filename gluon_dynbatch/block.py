@@ -45,7 +45,11 @@ def current_scope():
 
 
 class BatchingScope:
-    """Holds the calls recorded since the last flush, and runs them."""
+    """Holds the calls recorded since the last flush, and runs them.
+
+    Its fields are ``__slots__``: the C recorder reads ``tape`` and
+    ``pending`` at every call, straight from the slots."""
+    __slots__ = ('strategy', 'pending', 'record_s', 'groups', 'used', 'unsafe', 'tape')
 
     def __init__(self, strategy):
         self.strategy = strategy
@@ -546,4 +550,4 @@ class DynBatchBlock(Block):
         return 'DynBatchBlock(%r)' % (self.block,)
 
 
-accel.attach_call(DynBatchBlock, _LOCAL)
+accel.attach_call(DynBatchBlock, _LOCAL, BatchingScope)
