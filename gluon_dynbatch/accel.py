@@ -6,9 +6,11 @@ minibatch of 256.  ``_speedups.c`` does the common case of the hot
 functions in C:
 
 * :func:`record` - :meth:`~.block.BatchingScope.record`, called straight
-  from a C ``DynBatchBlock.__call__`` (no Python frame per call), which
-  leaves counting the calls per group to :func:`count_groups`
-  (:func:`~.plan.count_groups_py`), one pass at the flush;
+  from a C ``DynBatchBlock.__call__`` (no Python frame per call; it finds
+  the open scope in a C ``ScopeSlot``, see :func:`scope_holder`, and reads
+  the scope's slots directly), which leaves counting the calls per group
+  to :func:`count_groups` (:func:`~.plan.count_groups_py`), one pass at
+  the flush;
 * :func:`depth_groups` - :func:`~.plan.depth_groups_py` (depth grouping);
 * :func:`structure_key` - :func:`~.plan.structure_key_py` (cached plans hash
   every flush) as int32 words in bytes, and :class:`Tape`, which a scope
@@ -74,6 +76,7 @@ def _load():
     except (ImportError, TypeError) as err:
         return 'pure Python (C extension unavailable: %s)' % err
     _LOADED.update({name: getattr(_speedups, name) for name in FUNCTIONS + ('call_method',)})
+    _EXTRAS['ScopeSlot'] = _speedups.ScopeSlot
     enable(True)
     return 'C extension'
 
@@ -92,10 +95,21 @@ def _shape_reader():
 
 
 _LOADED = {}
+_EXTRAS = {}        # what the extension offers beyond FUNCTIONS, used whether enabled or not
 NUMPY_FIELDS = [False]
 """Whether the recorder reads numpy arrays' shape and dtype from the array
 structure (checked on a probe array) instead of through attributes."""
 _CALL = {}      # the block class, its Python __call__ and its C __call__
+
+
+def scope_holder():
+    """Where each thread's open scope is kept (``.scope``): the C
+    ``ScopeSlot`` when the extension is built (the C ``__call__`` reads it
+    without an attribute lookup), else a ``threading.local()``."""
+    if 'ScopeSlot' in _EXTRAS:
+        return _EXTRAS['ScopeSlot']()
+    import threading  # pylint: disable=import-outside-toplevel
+    return threading.local()
 
 
 def attach_call(cls, local, scope_cls):

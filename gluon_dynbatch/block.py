@@ -26,7 +26,7 @@ from .trace import flatten, leaf_count, regroup, trace_signature
 __all__ = ['DynBatchBlock', 'batching', 'concat_rows', 'current_scope', 'private_scope']
 
 NDArray = mx.nd.NDArray
-_LOCAL = threading.local()
+_LOCAL = accel.scope_holder()     # .scope: this thread's open scope
 _SIG_IDS = itertools.count()
 _TRACING = threading.RLock()    # see DynBatchBlock._trace
 _PAIR = (0, 0)

@@ -482,3 +482,35 @@ def test_pure_python_tree_lstm_equals_per_sample(pure_python, strategy):
     assert_same(run_both(pair_forward(node, head, pairs), [node, head], strategy=strategy))
     patterns = {way[0] for sig in node.signatures() for p in sig.programs for way in p if way}
     assert {'hoisted', 'distinct'} <= patterns
+
+
+@needs_extension
+def test_scope_slot_keeps_one_value_per_thread_and_lets_it_go():
+    """The C holder of each thread's open scope behaves as a
+    ``threading.local()`` would: unset reads None, another thread sees its
+    own value, and a value set back to None is released."""
+    import threading
+    import weakref
+    from gluon_dynbatch import _speedups
+
+    class Marker:
+        pass
+    slot = _speedups.ScopeSlot()
+    assert slot.scope is None
+    marker = Marker()
+    gone = weakref.ref(marker)
+    slot.scope = marker
+    seen = []
+
+    def other_thread():
+        seen.append(slot.scope)
+        slot.scope = Marker()
+        seen.append(type(slot.scope))
+        slot.scope = None
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    thread.join()
+    assert seen == [None, Marker] and slot.scope is marker
+    slot.scope = None
+    del marker
+    assert gone() is None and slot.scope is None
