@@ -860,9 +860,6 @@ static PyObject *record(PyObject *self, PyObject *const *argv, Py_ssize_t argc)
 
 /* ------------------------------------------------------------ __call__ */
 
-/* DynBatchBlock.__call__ in C: inside a scope, record (no Python frame at
- * all for the common case, which measured a third of a recorded call);
- * otherwise, or when record_args defers, the Python __call__ (call_py). */
 /* ScopeSlot: each thread's open scope, as ``threading.local()`` holding
  * ``scope`` would keep it, in thread-specific storage that the C
  * ``__call__`` reads directly (a thread-local's attribute lookup cost ~30
@@ -938,6 +935,9 @@ static PyTypeObject ScopeSlotType = {
 
 static PyObject *local_state, *call_py, *s_scope;
 
+/* DynBatchBlock.__call__ in C: inside a scope, record (no Python frame at
+ * all for the common case, which measured a third of a recorded call);
+ * otherwise, or when record_args defers, the Python __call__ (call_py). */
 static PyObject *block_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *scope = !configured ? NULL
