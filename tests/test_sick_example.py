@@ -169,14 +169,14 @@ def test_script_end_to_end_both_modes(sick_dir, tmp_path):
                        '--train-limit', 50, '--dev-limit', 30, '--test-limit', 30,
                        '--no-progress', '--out', out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert 'NaiveEngine' in proc.stdout and 'OMP_NUM_THREADS=1' in proc.stdout
+    assert 'ThreadedEnginePerDevice' in proc.stdout and 'OMP_NUM_THREADS=1' in proc.stdout
 
     results = json.loads((out / 'results.json').read_text())
     settings = results['settings']
     assert settings['epochs'] == 2 and settings['train_limit'] == 50
     assert settings['n_train'] == 50 and settings['n_dev'] == 30 and settings['n_test'] == 30
     assert settings['batch_size'] == 25 and settings['mode'] == 'both'
-    assert results['env']['MXNET_ENGINE_TYPE'] == 'NaiveEngine'
+    assert results['env']['MXNET_ENGINE_TYPE'] == 'ThreadedEnginePerDevice'
     assert results['env']['OMP_NUM_THREADS'] == '1'
     assert results['versions']['mxnet'] == mx.__version__
     assert results['versions']['numpy'] == np.__version__
