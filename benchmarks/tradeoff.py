@@ -24,10 +24,15 @@ plus ``plain``: the same per-sample code called outside any scope, i.e. plain
 imperative Gluon) the script measures, from ``dyb.stats()``, record, analysis
 and run milliseconds and the number of batched calls, and the wall time of the
 whole minibatch; medians over repeats after warm-up, strategies interleaved
-in every repeat, in a new (seeded) order each time: a strategy runs faster
-right after another batched run of the same minibatch (warm caches and
-MXNet's memory pool: ~10% at B=16), so a fixed cyclic order, where each
-strategy always follows the same one, favoured some.  ``plain`` and ``per-sample`` only run on graphs of
+in every repeat, in a new (seeded) order each time.  A run is faster right
+after a batched run of the same minibatch (its inputs in cache, MXNet's
+memory pool primed: ~10% at B=16, ~25% on the bushy graphs) than first on
+a new minibatch or after ``plain``.  So in each repeat ``plain`` and
+``per-sample`` run first, then one untimed ``depth`` run, then the batched
+strategies: each of those follows a batched run of the same minibatch.  (A
+fixed cyclic order made each strategy always follow the same one; a
+shuffled order of all of them gave each a random share of cold runs, and
+auto, running depth's very plan on the bushy graphs, measured 1.15x depth.)  ``plain`` and ``per-sample`` only run on graphs of
 at most ``--per-sample-cap`` nodes (they cost ~0.1-0.3 ms per node).
 
 Every strategy's outputs are compared with the reference (``plain`` where it
@@ -82,7 +87,7 @@ def build_parser():
     p.add_argument('--quick', action='store_true', help='smoke run (< 40 s)')
     p.add_argument('--repeats', type=int, default=None,
                    help='measured repeats per workload, at least (default 7; quick 3); '
-                        'small SICK minibatches get more (64 / B, quick 24 / B)')
+                        'small SICK minibatches get more (256 / B, quick 24 / B)')
     p.add_argument('--per-sample-cap', type=int, default=None,
                    help='largest graph (nodes) on which plain and per-sample run '
                         '(default 4500; quick 1500)')
@@ -538,8 +543,9 @@ def median(values):
 
 
 def measure(mx, dyb, workload, cfg, tol):
-    """Warm up, then run every strategy on every measured minibatch, in a
-    new seeded order each time; return the per-strategy summary and the equivalence check."""
+    """Warm up, then run every strategy on every measured minibatch (the
+    unbatched ones first, then an untimed depth run, then the batched ones,
+    each group in a new seeded order); return the per-strategy summary and the equivalence check."""
     from gluon_dynbatch.plan import CachedPlan
     auto = dyb.STRATEGIES['auto']
     cached = CachedPlan()
@@ -576,24 +582,34 @@ def measure(mx, dyb, workload, cfg, tol):
     shuffle = random.Random(len(workload.batches))
     reference = PLAIN if PLAIN in order else 'depth'
     diffs = {name: 0.0 for name in order if name != reference}
-    for r, batch in enumerate(workload.batches):
-        rot = shuffle.sample(order, len(order))
+    unbatched = [name for name in order if name in (PLAIN, 'per-sample')]
+    batched = [name for name in order if name not in unbatched]
+
+    def timed(name, batch, outs):
+        out, total, st = one(name, batch)
+        outs[name] = out
+        last = st['last']
+        row = {'total_ms': total, 'nodes': st['nodes'], 'steps': st['steps'],
+               'flushes': st['flushes'], 'record_ms': st['record_ms'],
+               'analyse_ms': st['analyse_ms'], 'run_ms': st['run_ms']}
+        if name == 'auto':
+            row['choice'] = last.get('choice')
+            row['plan'] = last.get('strategy')
+            row['predicted_ms'] = last.get('predicted_ms')
+            row['predictions_ms'] = last.get('predictions_ms')
+        elif name == 'cached':
+            row['plan'] = last.get('strategy')
+        samples[name].append(row)
+
+    for batch in workload.batches:
         outs = {}
-        for name in rot:
-            out, total, st = one(name, batch)
-            outs[name] = out
-            last = st['last']
-            row = {'total_ms': total, 'nodes': st['nodes'], 'steps': st['steps'],
-                   'flushes': st['flushes'], 'record_ms': st['record_ms'],
-                   'analyse_ms': st['analyse_ms'], 'run_ms': st['run_ms']}
-            if name == 'auto':
-                row['choice'] = last.get('choice')
-                row['plan'] = last.get('strategy')
-                row['predicted_ms'] = last.get('predicted_ms')
-                row['predictions_ms'] = last.get('predictions_ms')
-            elif name == 'cached':
-                row['plan'] = last.get('strategy')
-            samples[name].append(row)
+        for name in shuffle.sample(unbatched, len(unbatched)):
+            timed(name, batch, outs)
+        # untimed, so that every timed batched run follows a batched run of
+        # the same minibatch (see the module's docstring)
+        workload.run(dyb.STRATEGIES['depth'], batch)
+        for name in shuffle.sample(batched, len(batched)):
+            timed(name, batch, outs)
         ref = outs[reference]
         for name, out in outs.items():
             if name == reference:
