@@ -260,8 +260,8 @@ class Auto(Strategy):
         self.last = {}
         self._seen = {}      # summary fingerprint -> steps of its stored plan (None: seen once)
         self._ratios = {}    # set of families -> agenda steps / depth steps
-        self._run_factors = {}  # set of families -> {strategy: measured / predicted run}
-        self._last_run = {}     # (set of families, strategy) -> flush number it last ran
+        self._run_factors = {}  # (set of families, size) -> {strategy: measured / predicted}
+        self._last_run = {}     # ((set of families, size), strategy) -> flush it last ran
         self._repeating = {}    # fingerprint -> _Repeating, for summaries with a stored plan
         self._next_probe = {}   # kind of graph -> flush number of its next probe
         self._probe_gap = {}    # kind of graph -> flushes between its probes
@@ -291,9 +291,14 @@ class Auto(Strategy):
         kind = frozenset(family for _, family in groups)    # which blocks are in play
         raw = self.model.predict(len(nodes), summary['depth_steps'],
                                  self._seen.get(fingerprint), groups, self._ratios.get(kind))
-        predictions = self._corrected(raw, kind)
+        # run factors are learned per kind of graph and size (calls, within a
+        # factor of two): the linear model's error changes with the size, and
+        # a factor learned on graphs of 5,000 calls kept depth priced 1.3x at
+        # 80, so auto ran agenda there (same steps, more analysis) unopposed
+        sized = (kind, len(nodes).bit_length())
+        predictions = self._corrected(raw, sized)
         ranked = sorted(predictions, key=lambda k: sum(predictions[k]))
-        self._explore(ranked, predictions, kind)
+        self._explore(ranked, predictions, sized)
         verdict = self._cached_measured_best(fingerprint) if 'cached' in predictions else False
         if verdict is not False:    # True: run it; None: time the best other
             ranked.remove('cached')
@@ -324,33 +329,34 @@ class Auto(Strategy):
         self.choices[name] = self.choices.get(name, 0) + 1
         self.last = {'choice': name, 'predicted_ms': sum(predictions[name]),
                      'raw_run_ms': raw[name][1], 'built': BUILT[0],
-                     'depth_steps': summary['depth_steps'], 'kind': kind,
+                     'depth_steps': summary['depth_steps'], 'kind': kind, 'sized': sized,
                      'fingerprint': fingerprint,
                      'predictions_ms': {k: round(sum(v), 3) for k, v in predictions.items()}}
         return plan
 
-    def _corrected(self, predictions, kind):
+    def _corrected(self, predictions, sized):
         """``predictions`` with each strategy's run time scaled by what its
-        runs on this kind of graph measured against their prediction (see
-        :meth:`_observe_run`).  The step model is linear in steps and rows;
+        runs on this kind and size of graph (``sized``) measured against
+        their prediction (see :meth:`_observe_run`).  The step model is linear in steps and rows;
         it misses, e.g., that agenda's fewer, larger steps cost less per row
         (on ragged chains it called depth and agenda a tie that agenda won
-        by 10%).  A strategy not yet run on this kind gets the mean factor of
-        those that were, so that none is favoured for being measured."""
-        factors = self._run_factors.get(kind)
+        by 10%).  A strategy not yet run on this kind and size gets the mean
+        factor of those that were, so that none is favoured for being
+        measured."""
+        factors = self._run_factors.get(sized)
         if not factors:
             return predictions
         common = sum(factors.values()) / len(factors)
         return {name: (analyse, run * factors.get(name, common))
                 for name, (analyse, run) in predictions.items()}
 
-    def _explore(self, ranked, predictions, kind):
+    def _explore(self, ranked, predictions, sized):
         """Run the runner-up among depth/agenda (moving it to the front of
         ``ranked``) when it is predicted within ``explore_within`` (10%) of
-        the best and has not run on this kind of graph yet, or not for
-        ``16 * probe_every`` flushes: otherwise a near-tie that the
+        the best and has not run on this kind and size of graph yet, or not
+        for ``16 * probe_every`` flushes: otherwise a near-tie that the
         prediction gets wrong is never found out."""
-        factors = self._run_factors.get(kind)
+        factors = self._run_factors.get(sized)
         best = ranked[0]
         if not self.explore_within or not factors or best not in ('depth', 'agenda'):
             return
@@ -358,23 +364,23 @@ class Auto(Strategy):
         if other not in predictions or \
                 sum(predictions[other]) > (1 + self.explore_within) * sum(predictions[best]):
             return
-        last_run = self._last_run.get((kind, other))
+        last_run = self._last_run.get((sized, other))
         if last_run is None or self._flushes - last_run >= 16 * self.probe_every:
             ranked.remove(other)
             ranked.insert(0, other)
 
     def _observe_run(self, name, run_ms):
-        """Move the run factor of ``name`` on this kind of graph toward
-        measured / predicted (``run_ms`` None: the flush was not timed).
-        Flushes that built a step program are skipped (building one costs
-        more than whole steps), and each ratio is clipped to [0.5, 2]: one
-        outlier cannot lock a strategy out."""
-        kind = self.last['kind']
-        self._last_run[(kind, name)] = self._flushes
+        """Move the run factor of ``name`` on this kind and size of graph
+        toward measured / predicted (``run_ms`` None: the flush was not
+        timed).  Flushes that built a step program are skipped (building one
+        costs more than whole steps), and each ratio is clipped to [0.5, 2]:
+        one outlier cannot lock a strategy out."""
+        sized = self.last['sized']
+        self._last_run[(sized, name)] = self._flushes
         if run_ms is None or BUILT[0] != self.last['built'] or self.last['raw_run_ms'] <= 0:
             return
         ratio = min(2.0, max(0.5, run_ms / self.last['raw_run_ms']))
-        factors = self._run_factors.setdefault(kind, {})
+        factors = self._run_factors.setdefault(sized, {})
         old = factors.get(name, ratio)
         factors[name] = old + 0.3 * (ratio - old)
 

@@ -365,7 +365,7 @@ def test_auto_does_not_probe_a_structure_it_runs_cached(monkeypatch):
 
 
 def test_auto_scales_run_predictions_by_what_it_measured(monkeypatch):
-    """Per kind of graph, a strategy's run prediction is scaled by its
+    """Per kind and size of graph, a strategy's run prediction is scaled by its
     measured / predicted run time (clipped to [0.5, 2], skipping flushes
     that built a step program); an unmeasured strategy gets the mean
     factor; a runner-up within 10% and never measured runs once."""
@@ -386,7 +386,7 @@ def test_auto_scales_run_predictions_by_what_it_measured(monkeypatch):
     auto._explore(ranked, auto._corrected(close, 'k'), 'k')
     assert ranked[0] == 'agenda'
 
-    auto.last = {'kind': 'k', 'built': lower.BUILT[0], 'raw_run_ms': 10.0}
+    auto.last = {'sized': 'k', 'built': lower.BUILT[0], 'raw_run_ms': 10.0}
     auto._observe_run('agenda', 100.0)              # an outlier: clipped to 2
     assert auto._run_factors['k']['agenda'] == 2.0
     auto._observe_run('agenda', 5.0)
@@ -394,6 +394,28 @@ def test_auto_scales_run_predictions_by_what_it_measured(monkeypatch):
     auto.last['built'] -= 1                         # a step program was built meanwhile
     auto._observe_run('depth', 50.0)
     assert auto._run_factors['k']['depth'] == 0.5
+
+
+def test_run_factors_are_learned_per_size_of_graph():
+    """A run factor corrects predictions for graphs of the size (calls,
+    within a factor of two) it was measured on, not for others: the step
+    model's error changes with the size (a factor from 5,000-call graphs
+    once priced depth 1.3x at 80 calls, and auto ran agenda there)."""
+    block = dyb.DynBatchBlock(nn.Dense(3, in_units=3))
+    block.initialize()
+    auto = dyb.Auto(model=dyb.CostModel(), small=1, explore_within=0)
+    sized = {}
+    for n in (40, 5):
+        with dyb.batching(auto):
+            [block(mx.nd.ones((1, 3))) for _ in range(n)]
+        sized[n] = auto.last['sized']
+        auto.last['built'] = lower.BUILT[0]
+        auto._observe_run(auto.last['choice'], 2.0 * auto.last['raw_run_ms'])
+    assert sized[40][1] == 6 and sized[5][1] == 3 and sized[40][0] == sized[5][0]
+    assert auto._run_factors[sized[40]] == {'depth': 2.0}
+    assert auto._run_factors[sized[5]] == {'depth': 2.0}
+    raw = {'depth': (1.0, 10.0), 'agenda': (3.0, 10.0)}
+    assert auto._corrected(raw, (sized[5][0], 9)) == raw     # a size not measured yet
 
 
 def test_cached_plan_reads_new_host_lists():
@@ -487,7 +509,8 @@ def test_rival_run_slowed_by_a_build_is_timed_again():
     assert auto._cached_measured_best('summary') is None    # time the rival now
     for built, kept in ((BUILT[0] - 1, False), (BUILT[0], True)):
         auto.last = {'predicted_ms': 1.0, 'fingerprint': 'summary', 'choice': 'depth',
-                     'built': built, 'kind': frozenset(), 'raw_run_ms': 1.0, 'depth_steps': 0}
+                     'built': built, 'kind': frozenset(), 'sized': (frozenset(), 0),
+                     'raw_run_ms': 1.0, 'depth_steps': 0}
         auto.observe(Plan('depth', ()), [0.004], 0.001, [])
         assert ('depth' in record.best_ms) == kept
         assert record.rival_timed == kept
