@@ -371,8 +371,8 @@ class CachedPlan(Strategy):
             self.store(key, plan)
             # runs as the fallback's plan would, recipes unlearned: learning
             # them fixes the row layout (no shared host part, no distinct
-            # rows), which at SICK minibatch 256 made a miss 30% slower than
-            # depth, and most structures never come back
+            # rows), which at SICK minibatch 256 made a miss 14% slower than
+            # depth in one process, and most structures never come back
             return Plan(self.name + '-miss:' + plan.strategy, plan.steps)
         self.hits += 1
         entry.hits += 1
@@ -399,9 +399,8 @@ class CachedPlan(Strategy):
             oldest.program = None
 
     def store(self, key, plan):
-        """Remember ``plan`` under structure ``key``; returns the entry's
-        recipes list (None per step until learned), filled in by the first
-        run of a plan that carries it (its first hit)."""
+        """Remember ``plan`` under structure ``key``, its recipes (None per
+        step) to be learned by its first hit."""
         if key in self.cache:                  # replacing a stale plan
             self.compiled.pop(key, None)
         elif len(self.cache) >= self.capacity:
@@ -411,7 +410,6 @@ class CachedPlan(Strategy):
         entry = _Entry([(step.sig, _picker([n.pos for n in step.nodes])) for step in plan.steps],
                        [None] * len(plan.steps))
         self.cache[key] = entry
-        return entry.recipes
 
 
 def _picker(positions):
