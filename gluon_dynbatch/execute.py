@@ -25,7 +25,7 @@ from .lower import embedding_reads, host_part, host_split, step_program
 from .trace import leaf_count
 
 __all__ = ['run_plan', 'run_step', 'FlushTables', 'FlushHoist', 'collect', 'gather_rows',
-           'pad_leaves', 'to_device', 'threaded_engine', 'ZeroRow']
+           'pad_leaves', 'to_device', 'threaded_engine', 'ZeroRow', 'flush_hoists']
 
 NDArray = mx.nd.NDArray
 
@@ -48,10 +48,9 @@ def run_plan(plan, wait=False):
     recipes = plan.recipes
     outputs = []                                  # per step, its output arrays
     where = {} if recipes is not None else None   # id(output) -> (step, output index)
-    # hoisting changes the row layout with the data: not where recipes are;
-    # and per-sample execution stays the unbatched baseline
-    hoist = FlushHoist(plan.steps) if recipes is None and plan.strategy != 'per-sample' \
-        else None
+    # a hoisted step's outputs keep one row per call, so recipes replay with
+    # it too; per-sample execution stays the unbatched baseline
+    hoist = FlushHoist(plan.steps) if plan.strategy != 'per-sample' else None
     tables = FlushTables(plan.steps, hoist.groups if hoist is not None else ()) \
         if mx.autograd.is_recording() else None
     if wait:
@@ -74,18 +73,27 @@ def run_plan(plan, wait=False):
 
 def run_compiled(plan):
     """Run a plan compiled into one :class:`~.lower.FlushProgram`: read the
-    host rows of this flush, call it once, hand each step's outputs to its
-    nodes.  Returns the total seconds spread evenly over the steps (there is
-    no per-step time to measure)."""
+    host rows of this flush (and the distinct rows of its hoisted groups),
+    call it once, hand each step's outputs to its nodes.  Returns the total
+    seconds spread evenly over the steps (there is no per-step time to
+    measure)."""
     start = time.perf_counter()
     program, steps = plan.program, plan.steps
     ctx = program.ctx
+    groups = [_HoistGroup([(number, steps[number].sig, items,
+                            [host_item_rows(steps[number].nodes, item) for item in items])
+                           for number, items, _ in members], 0) for members in program.hoists]
+    distinct = [group.distinct(ctx) for group in groups]
     inputs = []
     for kind, what in program.feeds:
         if kind == 'param':
             inputs.append(what.data(ctx))
         elif kind == 'const':
             inputs.append(what)
+        elif kind == 'hoist_rows':
+            inputs.append(distinct[what[0]][what[1]])
+        elif kind == 'hoist_inverse':
+            inputs.append(to_device(groups[what].inverse, ctx))
         else:
             number, item = what
             rows = host_item_rows(steps[number].nodes, item)
@@ -131,6 +139,8 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hois
             continue
         if hoisted is not None and item in hoisted.items:
             pattern.append(('hoisted', 1))
+            if learned is not None:
+                learned.append('host')
             continue
         if learned is not None and how is not None:
             learned.append(how)
@@ -202,6 +212,9 @@ def _pad_parts(parts, sig, item, ctx):
     parts += [filler] * ((1 << (count - 1).bit_length()) - count)
 
 
+SHARE_ROWS = 8
+"""Fewest host rows for which a step runs its host-only ops on the distinct rows."""
+
 SHARE_BELOW = 0.8
 """A step runs its host-only ops on the distinct host rows (see
 :mod:`~gluon_dynbatch.lower`) when there are at most this fraction of its
@@ -224,7 +237,7 @@ def _share_host_rows(sig, items, sources, pattern, distinct_outputs):
     worth, outputs_host = found
     rows = [sources[item][0] for item in items]
     count = len(rows[0])
-    if not worth or count < 8:
+    if not worth or count < SHARE_ROWS:
         return None
     _, first, inverse = np.unique(_row_keys(rows), return_index=True, return_inverse=True)
     if len(first) > SHARE_BELOW * count:
@@ -279,9 +292,13 @@ class FlushHoist:
     deduplicating their own rows (:func:`_share_host_rows`, still used for
     steps alone in their group).  A group runs when its first step does,
     and only when it has :data:`HOIST_ROWS` rows that repeat (see
-    :data:`SHARE_BELOW`)."""
+    :data:`SHARE_BELOW`).
 
-    def __init__(self, steps):
+    With ``alone``, a step whose part no other step shares forms a group
+    of its own when its rows repeat enough (as in :func:`_share_host_rows`,
+    which a compiled plan cannot call: see :func:`flush_hoists`)."""
+
+    def __init__(self, steps, alone=False):
         groups = {}
         for number, step in enumerate(steps):
             nodes, sig = step.nodes, step.sig
@@ -294,7 +311,9 @@ class FlushHoist:
                 groups.setdefault((split.key, sig.ctx), []).append((number, step, host))
         self.groups = {}      # step number -> its _HoistGroup
         for members in groups.values():
-            if len(members) < 2 or sum(len(step.nodes) for _, step, _ in members) < HOIST_ROWS:
+            fewest = SHARE_ROWS if alone and len(members) == 1 else HOIST_ROWS
+            if (len(members) < 2 and not alone) or \
+                    sum(len(step.nodes) for _, step, _ in members) < fewest:
                 continue
             by_rows = {}
             for number, step, host in members:
@@ -303,7 +322,7 @@ class FlushHoist:
                     kinds = tuple((r.dtype.str, r.shape[1:]) for r in rows)
                     by_rows.setdefault(kinds, []).append((number, step.sig, host, rows))
             for group in by_rows.values():
-                hoist = _HoistGroup(group) if len(group) > 1 else None
+                hoist = _HoistGroup(group, fewest) if len(group) > 1 or alone else None
                 if hoist is not None and hoist.worth:
                     for member in group:
                         self.groups[member[0]] = hoist
@@ -318,17 +337,23 @@ class FlushHoist:
 class _HoistGroup:
     """Steps (``(number, sig, host items, host rows)``) whose host parts
     have one key: their distinct rows, whether they repeat enough
-    (``worth``), and the part's run, made at the first :meth:`for_step`."""
+    (``worth``: at least ``fewest`` rows, see :data:`SHARE_BELOW`), and the
+    part's run, made at the first :meth:`for_step`."""
 
-    def __init__(self, members):
+    def __init__(self, members, fewest):
         self.members = members
         self.columns = [np.concatenate([rows[k] for _, _, _, rows in members])
                         for k in range(len(members[0][3]))]
         total = len(self.columns[0])
-        _, self.first, self.inverse = np.unique(_row_keys(self.columns), return_index=True,
-                                                return_inverse=True)
-        self.worth = total >= HOIST_ROWS and len(self.first) <= SHARE_BELOW * total
+        _, self.first, inverse = np.unique(_row_keys(self.columns), return_index=True,
+                                           return_inverse=True)
+        self.inverse = inverse.astype(np.int32)     # of every member's rows, in order
+        self.worth = total >= fewest and len(self.first) <= SHARE_BELOW * total
         self.hoisted = None
+
+    def distinct(self, ctx):
+        """The distinct host rows on ``ctx``, one array per host argument."""
+        return [to_device(column[self.first], ctx) for column in self.columns]
 
     def for_step(self, number):
         if self.hoisted is None:
@@ -340,18 +365,28 @@ class _HoistGroup:
         _, sig, host, _ = members[0]
         ctx = sig.ctx
         split = host_split(sig, host)
-        distinct = [to_device(column[self.first], ctx) for column in self.columns]
+        distinct = self.distinct(ctx)
         values = split.cached_op(*[distinct[what] if kind == 'host' else what.data(ctx)
                                    for kind, what in split.feeds])
         if isinstance(values, NDArray):
             values = [values]
-        inverse = self.inverse.astype(np.int32)
         hoisted, start = {}, 0
         for number, _, items, rows in members:
             stop = start + len(rows[0])
-            hoisted[number] = Hoisted(frozenset(items), values, inverse[start:stop])
+            hoisted[number] = Hoisted(frozenset(items), values, self.inverse[start:stop])
             start = stop
         return hoisted
+
+
+def flush_hoists(steps):
+    """The groups of steps that :class:`FlushHoist` forms for ``steps``, as
+    ``(HostSplit, [(step number, host items, rows per item)])``: what a
+    compiled plan (:func:`~.lower.flush_program`) hoists in every later
+    flush of the same structure, whatever its data."""
+    groups = {id(group): group for group in FlushHoist(steps, alone=True).groups.values()}
+    return [(host_split(group.members[0][1], group.members[0][2]),
+             [(number, tuple(items), len(rows[0])) for number, _, items, rows in group.members])
+            for group in groups.values()]
 
 
 class FlushTables:

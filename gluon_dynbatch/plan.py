@@ -386,9 +386,11 @@ class CachedPlan(Strategy):
         return Plan(self.name, steps, entry.recipes)
 
     def _compile(self, key, entry, steps):
-        from .lower import flush_program   # lower imports mxnet; plans stay plain data
+        # lower and execute import mxnet; plans stay plain data
+        from .execute import flush_hoists
+        from .lower import flush_program
         start = time.perf_counter()
-        entry.program = flush_program(steps, entry.recipes)
+        entry.program = flush_program(steps, entry.recipes, flush_hoists(steps))
         self.last_compile_s = time.perf_counter() - start
         if entry.program is None:
             entry.uncompilable = True

@@ -289,6 +289,48 @@ def test_compiled_plan_outputs_stay_valid_across_flushes():
         np.testing.assert_allclose(got_grads[k], p.grad().asnumpy(), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize('hoist_rows', [0, float('inf')])
+def test_compiled_plan_runs_host_parts_on_each_flushs_distinct_rows(hoist_rows, monkeypatch):
+    """A compiled plan runs the node steps' shared host part (embedding and
+    ``i2h``) once, inside its program, over the distinct ids of each flush,
+    and a step alone with its host part (the leaves, or every step when
+    steps do not share) on its own distinct ids: the number of distinct
+    ids changes from flush to flush, and results and gradients of every
+    flush still equal per-sample."""
+    monkeypatch.setattr(dyb.execute, 'HOIST_ROWS', hoist_rows)
+    node, rng, trees, enc = small_tree_lstm(30, 5, 12, (9, 14, 20, 25))
+    cached = dyb.CachedPlan(compile_after=1)
+    plans = []
+    plan_with_cache = cached.plan
+    cached.plan = lambda *args, **kwargs: plans.append(plan_with_cache(*args, **kwargs)) \
+        or plans[-1]
+    params = node.collect_params()
+    distinct = set()
+    for tokens in (3, 6, 10, 4, 30):            # few ids repeat often, many rarely
+        ids = rng.randint(0, tokens, 25).astype(np.float32)
+        distinct.add(len(np.unique(ids)))
+        with autograd.record():
+            with dyb.batching(cached):
+                got = [enc(t, ids)[0] for t in trees]
+            loss = sum((v.data * v.data).sum() for v in got)
+        loss.backward()
+        got_grads = {k: p.grad().asnumpy().copy() for k, p in params.items()}
+        with autograd.record():
+            want = [enc(t, ids)[0] for t in trees]
+            loss = sum((v * v).sum() for v in want)
+        loss.backward()
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-5, atol=1e-6)
+        for k, p in params.items():
+            np.testing.assert_allclose(got_grads[k], p.grad().asnumpy(), rtol=1e-4, atol=1e-6)
+    assert len(distinct) == 5
+    assert [plan.strategy for plan in plans][2:] == ['cached-compiled'] * 3
+    entry, = cached.cache.values()
+    members = [len(group) for group in entry.program.hoists]
+    # node steps of every arity share one run; or, apart, each its own
+    assert max(members) > 1 if hoist_rows == 0 else members and max(members) == 1
+
+
 def test_auto_replaces_a_stale_cached_plan():
     """A plan stored while padded groups were split with a too-small step
     cost is re-planned on a probe sighting and replaced by the fresh plan
