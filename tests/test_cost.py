@@ -331,6 +331,42 @@ def test_compiled_plan_runs_host_parts_on_each_flushs_distinct_rows(hoist_rows, 
     assert max(members) > 1 if hoist_rows == 0 else members and max(members) == 1
 
 
+def test_narrowed_sources_gather_the_same_rows():
+    """A compiled gather that takes the rows it reads out of large sources
+    first, and drops sources it reads nothing of, gathers what the take
+    from the whole concatenation gathers (lists too: a 2-d index)."""
+    from gluon_dynbatch.lower import NARROW_ROWS, _narrow
+    rng = np.random.RandomState(3)
+    narrowed_some = dropped_some = False
+    for trial in range(30):
+        sizes = [int(rng.choice([1, 5, NARROW_ROWS, 3 * NARROW_ROWS])) for _ in range(4)]
+        arrays = [mx.nd.array(rng.uniform(-1, 1, (n, 3))) for n in sizes]
+        read = rng.choice(4, rng.randint(1, 4), replace=False)
+        starts = np.concatenate([[0], np.cumsum(sizes)])
+        positions = np.concatenate([starts[part] + rng.randint(0, sizes[part], rng.randint(1, 9))
+                                    for part in read])
+        rng.shuffle(positions)
+        if trial % 2:
+            positions = positions[:len(positions) // 2 * 2].reshape(-1, 2)
+        if not positions.size:
+            continue
+        index = mx.nd.array(positions, dtype='int32')
+        names = ['a%d' % part for part in range(4)]
+        spec = {}
+        sources, new_index = _narrow([mx.sym.var(n) for n in names], sizes, index, 'x', spec)
+        narrowed_some |= bool(spec)
+        dropped_some |= len(sources) < 4
+        gather = mx.sym.take(sources[0] if len(sources) == 1 else
+                             mx.sym.concat(*sources, dim=0), mx.sym.var('i'))
+        feeds = dict(zip(names, arrays), i=new_index)
+        feeds.update({key: value for key, (_, value) in spec.items()})
+        got = gather.eval(ctx=mx.cpu(), **{k: v for k, v in feeds.items()
+                                           if k in gather.list_inputs()})[0]
+        want = mx.nd.take(mx.nd.concat(*arrays, dim=0), index)
+        np.testing.assert_array_equal(got.asnumpy(), want.asnumpy())
+    assert narrowed_some and dropped_some
+
+
 def test_auto_replaces_a_stale_cached_plan():
     """A plan stored while padded groups were split with a too-small step
     cost is re-planned on a probe sighting and replaced by the fresh plan
