@@ -41,7 +41,9 @@ A cached plan whose structure keeps coming back can go one level further:
 :func:`flush_program` chains the step programs of the whole plan, their
 gathers replayed from the plan's recipes, into one CachedOp.  A flush then
 costs one call forward and one backward, and each parameter's gradient is
-summed inside the graph instead of once per step.
+summed inside the graph instead of once per step.  Host parts run inside
+it on each flush's distinct host rows (their number follows the data; the
+row layout of every output does not).
 """
 import json
 
