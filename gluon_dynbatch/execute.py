@@ -380,7 +380,7 @@ class _HoistGroup:
 
 def flush_hoists(steps):
     """The groups of steps that :class:`FlushHoist` forms for ``steps``, as
-    ``(HostSplit, [(step number, host items, rows per item)])``: what a
+    ``(HostSplit, [(step number, host items, its number of rows)])``: what a
     compiled plan (:func:`~.lower.flush_program`) hoists in every later
     flush of the same structure, whatever its data."""
     groups = {id(group): group for group in FlushHoist(steps, alone=True).groups.values()}
