@@ -474,6 +474,33 @@ def test_auto_scales_run_predictions_by_what_it_measured(monkeypatch):
     assert auto._run_factors['k']['depth'] == 0.5
 
 
+def test_depth_and_agenda_share_a_run_factor_where_agenda_saves_no_steps():
+    """Where agenda makes depth's steps on a kind of graph, one run factor
+    (the mean of theirs) prices both, so their analysis decides: two
+    factors learned apart made noise choose agenda's equal plan (five
+    times depth's analysis per node) at SICK minibatch 4.  Where agenda
+    saves steps, each keeps its own."""
+    auto = dyb.Auto(model=dyb.CostModel(), small=1)
+    kind = frozenset({'family'})
+    sized = (kind, 7)
+    raw = {'depth': (0.1, 3.0), 'agenda': (0.4, 3.0), 'per-sample': (0.0, 30.0)}
+    auto._run_factors[sized] = {'depth': 1.1, 'agenda': 0.9}    # agenda looks 0.6 ms faster
+    auto._ratios[kind] = 1.0
+    corrected = auto._corrected(raw, sized)
+    assert corrected['depth'] == (0.1, pytest.approx(3.0))
+    assert corrected['agenda'] == (0.4, pytest.approx(3.0))
+    assert corrected['per-sample'] == (0.0, pytest.approx(30.0))   # the mean factor, 1.0
+    assert min(corrected, key=lambda name: sum(corrected[name])) == 'depth'
+    auto._ratios[kind] = 0.8                                    # agenda saves steps
+    corrected = auto._corrected(raw, sized)
+    assert corrected['depth'] == (0.1, pytest.approx(3.3))
+    assert corrected['agenda'] == (0.4, pytest.approx(2.7))
+    auto._ratios[kind] = 1.0
+    auto._run_factors[sized] = {'agenda': 0.9}                  # one measured: both get it
+    corrected = auto._corrected(raw, sized)
+    assert corrected['depth'][1] == corrected['agenda'][1] == pytest.approx(2.7)
+
+
 def test_run_factors_are_learned_per_size_of_graph():
     """A run factor corrects predictions for graphs of the size (calls,
     within a factor of two) it was measured on, not for others: the step
