@@ -110,7 +110,8 @@ def build_parser():
     p.add_argument('--forms', nargs='+', default=None,
                    help='only these forms (per-sample is always run for the check)')
     p.add_argument('--settings', nargs='+', default=None,
-                   help="only these settings, e.g. 'infer B=25' 'train B=256'")
+                   help="only these settings, e.g. 'infer B=25' 'train B=256' "
+                        "'infer B=256 same' (any minibatch size)")
     p.add_argument('--check-pairs', type=int, default=None,
                    help='pairs per equivalence-check minibatch (default 25; quick 8)')
     p.add_argument('--check-batches', type=int, default=2)
@@ -438,6 +439,23 @@ def tree_counts(items):
             arities.add(k)
             stack.extend(t.children)
     return nodes, internal, edges, arities
+
+
+def parse_setting(name):
+    """``'infer B=25'``, ``'train B=256 same'``, ... as (name, mode, size);
+    any minibatch size, not only those of the full run."""
+    parts = name.split()
+    try:
+        mode, size = parts[0], int(parts[1][2:])
+        valid = mode in ('infer', 'train') and parts[1][:2] == 'B=' and size > 0 and \
+            parts[2:] in ([], [SAME_SUFFIX.strip()])
+    except (IndexError, ValueError):
+        valid = False
+    if not valid:
+        raise SystemExit("unknown setting %r: write 'infer B=<size>' or 'train B=<size>', "
+                         "with ' same' to run one minibatch again and again (the full run: %s)"
+                         % (name, [s[0] for s in FULL_SETTINGS]))
+    return ' '.join(parts), mode, size
 
 
 def covering_pairs(items):
@@ -955,11 +973,7 @@ def main(argv=None):
     budget = args.budget or budget
     check_pairs = args.check_pairs or check_pairs
     if args.settings:
-        by_name = {s[0]: s for s in FULL_SETTINGS}
-        unknown = [s for s in args.settings if s not in by_name]
-        if unknown:
-            raise SystemExit('unknown settings %s; choose from %s' % (unknown, list(by_name)))
-        settings = [by_name[s] for s in args.settings]
+        settings = [parse_setting(name) for name in args.settings]
 
     import mxnet as mx  # pylint: disable=import-outside-toplevel
     import numpy as np  # pylint: disable=import-outside-toplevel
