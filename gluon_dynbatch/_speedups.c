@@ -15,6 +15,8 @@
  *   host_rows(leaves)            -> numpy leaves' bytes, concatenated
  *   host_item(nodes, span_of)    -> the same for one argument of every node
  *   finish_nodes(nodes, arrays)  -> execute.finish_nodes_py
+ *   wrap_host(array)             -> mx.nd.from_numpy(array, zero_copy=True)
+ *                                   (execute.to_device, threaded engines)
  *
  * Each is an exact copy of the Python function named for the common case
  * only.  Whenever a call is unusual (nested lists, a failed producer, mixed
@@ -1670,6 +1672,145 @@ error:
     return NULL;
 }
 
+/* ----------------------------------------------------- wrap_host
+ *
+ * Under a threaded engine a host array (token ids, a gather index) becomes
+ * an NDArray over the numpy array's own memory, through MXNet's DLPack
+ * import (execute.to_device; a copy would wait for every op queued on the
+ * worker).  mx.nd.from_numpy builds the DLPack structures with ctypes,
+ * ~18 us an array, tens of times per flush; this builds them in C.  The
+ * NDArray holds a reference to the numpy array until MXNet frees it. */
+typedef struct { int32_t device_type; int32_t device_id; } DLContextC;
+typedef struct { uint8_t code; uint8_t bits; uint16_t lanes; } DLDataTypeC;
+typedef struct {
+    void *data;
+    DLContextC ctx;
+    int32_t ndim;
+    DLDataTypeC dtype;
+    int64_t *shape;
+    int64_t *strides;
+    uint64_t byte_offset;
+} DLTensorC;
+typedef struct DLManagedTensorC {
+    DLTensorC dl_tensor;
+    void *manager_ctx;
+    void (*deleter)(struct DLManagedTensorC *self);
+} DLManagedTensorC;
+typedef int (*FromDLPack)(DLManagedTensorC *, _Bool, void **);
+static FromDLPack from_dlpack = NULL;
+static PyThread_type_lock freed_lock = NULL;
+static PyObject **freed = NULL;
+static Py_ssize_t freed_count = 0, freed_room = 0;
+
+static PyObject *set_from_dlpack(PyObject *self, PyObject *address)
+{
+    void *fn = address == Py_None ? NULL : PyLong_AsVoidPtr(address);
+    if (fn == NULL && PyErr_Occurred()) return NULL;
+    if (freed_lock == NULL && (freed_lock = PyThread_allocate_lock()) == NULL)
+        return PyErr_NoMemory();
+    from_dlpack = (FromDLPack)fn;
+    Py_RETURN_NONE;
+}
+
+/* MXNet frees an array on whichever thread drops it last, often the
+ * engine's worker.  Taking the GIL there would stall the worker while
+ * Python runs (up to the 5 ms switch interval), so the deleter only
+ * queues the numpy array, under a lock of its own, and the next wrap_host
+ * (which holds the GIL) releases what was queued. */
+
+static void host_deleter(DLManagedTensorC *self)
+{
+    PyObject *array = (PyObject *)self->manager_ctx;
+    PyMem_RawFree(self);
+    PyThread_acquire_lock(freed_lock, WAIT_LOCK);
+    if (freed_count == freed_room) {
+        Py_ssize_t room = freed_room ? 2 * freed_room : 256;
+        PyObject **grown = PyMem_RawRealloc(freed, room * sizeof(PyObject *));
+        if (grown != NULL) {
+            freed = grown;
+            freed_room = room;
+        }
+    }
+    if (freed_count < freed_room)
+        freed[freed_count++] = array;       /* (out of memory: leaked) */
+    PyThread_release_lock(freed_lock);
+}
+
+static void release_freed(void)     /* with the GIL */
+{
+    PyThread_acquire_lock(freed_lock, WAIT_LOCK);
+    PyObject **queued = freed;
+    Py_ssize_t count = freed_count;
+    freed = NULL;
+    freed_count = freed_room = 0;
+    PyThread_release_lock(freed_lock);
+    for (Py_ssize_t i = 0; i < count; i++)
+        Py_DECREF(queued[i]);
+    PyMem_RawFree(queued);
+}
+
+/* DLPack type of a buffer format ('f', 'i', ... with its item size). */
+static int dlpack_type(const char *format, Py_ssize_t itemsize, DLDataTypeC *type)
+{
+    if (format == NULL || format[0] == '\0' || format[1] != '\0') return 0;
+    switch (format[0]) {
+    case 'f': case 'd': case 'e': type->code = 2; break;                  /* float */
+    case 'b': case 'i': case 'l': case 'q': type->code = 0; break;         /* int */
+    case 'B': type->code = 1; break;                                      /* uint8 */
+    default: return 0;
+    }
+    type->bits = (uint8_t)(8 * itemsize);
+    type->lanes = 1;
+    return 1;
+}
+
+/* wrap_host(array): the address of a new NDArray handle on cpu(0) over a
+ * C-contiguous numpy array's memory, or None (another layout or type, an
+ * empty array, no DLPack import known) for the caller's Python path. */
+static PyObject *wrap_host(PyObject *self, PyObject *array)
+{
+    Py_buffer view;
+    if (from_dlpack == NULL || Py_TYPE(array) != NumpyType) Py_RETURN_NONE;
+    if (freed_count) release_freed();   /* a racy read: a miss waits for the next call */
+    if (PyObject_GetBuffer(array, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    DLDataTypeC type;
+    if (view.ndim < 1 || view.len == 0 || view.shape == NULL
+        || !dlpack_type(view.format, view.itemsize, &type)) {
+        PyBuffer_Release(&view);
+        Py_RETURN_NONE;
+    }
+    DLManagedTensorC *managed = PyMem_RawMalloc(sizeof(DLManagedTensorC)
+                                                + view.ndim * sizeof(int64_t));
+    if (managed == NULL) {
+        PyBuffer_Release(&view);
+        return PyErr_NoMemory();
+    }
+    int64_t *shape = (int64_t *)(managed + 1);
+    for (int i = 0; i < view.ndim; i++) shape[i] = view.shape[i];
+    managed->dl_tensor.data = view.buf;
+    managed->dl_tensor.ctx.device_type = 1;      /* kDLCPU */
+    managed->dl_tensor.ctx.device_id = 0;
+    managed->dl_tensor.ndim = view.ndim;
+    managed->dl_tensor.dtype = type;
+    managed->dl_tensor.shape = shape;
+    managed->dl_tensor.strides = NULL;            /* compact, row-major */
+    managed->dl_tensor.byte_offset = 0;
+    managed->manager_ctx = array;
+    managed->deleter = host_deleter;
+    PyBuffer_Release(&view);      /* the reference below keeps the memory */
+    Py_INCREF(array);
+    void *handle = NULL;
+    if (from_dlpack(managed, 0, &handle) != 0 || handle == NULL) {
+        Py_DECREF(array);
+        PyMem_RawFree(managed);
+        Py_RETURN_NONE;     /* the Python path will raise MXNet's error */
+    }
+    return PyLong_FromVoidPtr(handle);
+}
+
 /* ------------------------------------------------------------- module */
 
 static PyMethodDef methods[] = {
@@ -1695,6 +1836,10 @@ static PyMethodDef methods[] = {
      "finish_nodes(nodes, arrays, rows=None): see execute.finish_nodes_py"},
     {"count_groups", count_groups, METH_O, "count_groups(nodes): see plan.count_groups_py"},
     {"depth_groups", depth_groups, METH_O, "depth_groups(nodes): see plan.depth_groups_py"},
+    {"set_from_dlpack", set_from_dlpack, METH_O,
+     "set_from_dlpack(address of MXNDArrayFromDLPackEx or None)"},
+    {"wrap_host", wrap_host, METH_O,
+     "wrap_host(numpy array): address of a new NDArray handle over its memory, or None"},
     {NULL, NULL, 0, NULL}
 };
 

@@ -514,3 +514,30 @@ def test_scope_slot_keeps_one_value_per_thread_and_lets_it_go():
     slot.scope = None
     del marker
     assert gone() is None and slot.scope is None
+
+
+@needs_extension
+def test_wrapped_host_memory_is_kept_until_mxnet_frees_it_then_released():
+    """``wrap_host`` makes an NDArray over a numpy array's memory: the
+    NDArray holds the numpy array (values stay right after the caller drops
+    it) and, once MXNet frees the NDArray, the next ``wrap_host`` lets it go
+    (the deleter, often on the engine's worker, only queues it: taking the
+    GIL there stalled the worker).  Layouts and types MXNet's DLPack import
+    does not take get None, for the Python path."""
+    import sys
+    from mxnet.base import NDArrayHandle
+    host = np.arange(12, dtype=np.float32).reshape(3, 4)
+    before = sys.getrefcount(host)
+    array = mx.nd.NDArray(NDArrayHandle(accel.wrap_host(host)))
+    assert sys.getrefcount(host) == before + 1
+    doubled = array * 2
+    del array
+    np.testing.assert_array_equal(doubled.asnumpy(), 2 * np.arange(12).reshape(3, 4))
+    del doubled
+    mx.nd.waitall()
+    other = mx.nd.NDArray(NDArrayHandle(accel.wrap_host(np.zeros(2, np.int32))))
+    assert sys.getrefcount(host) == before
+    np.testing.assert_array_equal(other.asnumpy(), [0, 0])
+    for odd in (np.zeros((0, 3), np.float32), np.zeros((), np.float32), np.zeros(3, bool),
+                np.arange(6.0).reshape(2, 3)[:, ::2], [1.0, 2.0]):
+        assert accel.wrap_host(odd) is None

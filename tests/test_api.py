@@ -443,18 +443,35 @@ def test_tracing_inside_a_context_block_restores_the_default_context():
 
 
 @pytest.mark.parametrize('engine_threaded', [False, True])
-def test_uploads_keep_values_dtypes_shapes_and_contexts(monkeypatch, engine_threaded):
+@pytest.mark.parametrize('accelerated', [False, True])
+def test_uploads_keep_values_dtypes_shapes_and_contexts(monkeypatch, engine_threaded,
+                                                        accelerated):
     """``to_device`` (host data to an NDArray, by MXNet's C calls or by
-    wrapping numpy memory) gives the array it was handed, on the context
-    asked for, whichever way the engine makes it go."""
-    from gluon_dynbatch import execute
+    wrapping numpy memory, through ``mx.nd.from_numpy`` or the C
+    ``accel.wrap_host``) gives the array it was handed, on the context
+    asked for, whichever way the engine makes it go; a wrapped array keeps
+    the numpy memory alive after the caller drops it."""
+    from gluon_dynbatch import accel, execute
     monkeypatch.setattr(execute, '_ENGINE', [engine_threaded])
+    if accel.wrap_host is None and accelerated:
+        pytest.skip('C extension not built')
+    if not accelerated:
+        monkeypatch.setattr(accel, 'wrap_host', None)
     rng = np.random.RandomState(0)
-    for host in (np.arange(7, dtype=np.int32), rng.rand(3, 4).astype(np.float32),
-                 rng.rand(2, 1, 5), np.arange(12, dtype=np.int64).reshape(3, 4)[:, ::2],
-                 np.zeros((0, 3), np.float32)):
+    hosts = (np.arange(7, dtype=np.int32), rng.rand(3, 4).astype(np.float32),
+             rng.rand(2, 1, 5), np.arange(12, dtype=np.int64).reshape(3, 4)[:, ::2],
+             np.zeros((0, 3), np.float32), np.arange(6, dtype=np.uint8).reshape(2, 3),
+             np.arange(-3, 3, dtype=np.int8), rng.rand(4).astype(np.float16))
+    for host in hosts:
         for ctx in (mx.cpu(0), mx.cpu(1)):
             array = execute.to_device(host, ctx)
             assert array.context == ctx
             assert array.dtype == host.dtype and array.shape == host.shape
             np.testing.assert_array_equal(array.asnumpy(), host)
+    arrays = [execute.to_device(rng.rand(50, 8).astype(np.float32) + i, mx.cpu(0))
+              for i in range(20)]       # each numpy array referenced by its NDArray only
+    expected = [a.asnumpy() for a in arrays]
+    junk = [np.full((50, 8), -1.0, np.float32) for _ in range(20)]   # reuse freed memory
+    total = mx.nd.add_n(*arrays).asnumpy()
+    np.testing.assert_allclose(total, np.sum(expected, axis=0), rtol=1e-5)
+    assert junk[0][0, 0] == -1.0
