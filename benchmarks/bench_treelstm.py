@@ -33,8 +33,9 @@ structures rarely repeat).  Output: a table on stdout, ``results.json`` and
 ``throughput.png`` in ``--out`` (default ``benchmarks/results/``).
 
 MXNet's threads and engine are set from the command line *before* MXNet is
-imported (``--threads``, default 1; ``--engine``, default NaiveEngine): see
-``benchmarks/README.md``.
+imported (``--threads``, default 1; ``--engine``, default
+ThreadedEnginePerDevice, the fastest setting for every batched form in the
+settings sweeps): see ``benchmarks/README.md``.
 """
 import argparse
 import json
@@ -87,8 +88,9 @@ def build_parser():
     p.add_argument('--out', default=DEFAULT_OUT, help='folder for results.json and the PNG')
     p.add_argument('--threads', type=int, default=1,
                    help='OpenMP/MKL threads per operator (OMP_NUM_THREADS, MKL_NUM_THREADS)')
-    p.add_argument('--engine', choices=ENGINES, default='NaiveEngine',
-                   help='MXNET_ENGINE_TYPE')
+    p.add_argument('--engine', choices=ENGINES, default='ThreadedEnginePerDevice',
+                   help='MXNET_ENGINE_TYPE (NaiveEngine: exact per-step times, runs '
+                        'comparable with those before this default)')
     p.add_argument('--workers', type=int, default=None,
                    help='MXNET_CPU_WORKER_NTHREADS for the threaded engines (MXNet default: 1)')
     p.add_argument('--quick', action='store_true',
