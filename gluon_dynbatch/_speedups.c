@@ -1717,7 +1717,6 @@ static PyObject *set_from_dlpack(PyObject *self, PyObject *address)
  * Python runs (up to the 5 ms switch interval), so the deleter only
  * queues the numpy array, under a lock of its own, and the next wrap_host
  * (which holds the GIL) releases what was queued. */
-
 static void host_deleter(DLManagedTensorC *self)
 {
     PyObject *array = (PyObject *)self->manager_ctx;

@@ -28,7 +28,10 @@ functions in C:
 * :func:`finish_nodes` - :func:`~.execute.finish_nodes_py`;
 * :func:`wrap_host` - ``mx.nd.from_numpy(array, zero_copy=True)``, which
   :func:`~.execute.to_device` calls under a threaded engine, its DLPack
-  structures built in C (~18 us of ctypes an array in Python).
+  structures built in C (~18 us of ctypes an array in Python); when MXNet
+  frees the array, often on the engine's worker, the numpy array is only
+  queued, and the next call releases it (``from_numpy``'s deleter takes
+  the GIL on the worker, which then waits while Python runs).
 
 ``record``, ``gather_index``, ``gather_item``, ``host_rows``, ``host_item`` and
 ``wrap_host`` return None for anything but the common case (``record`` before changing
