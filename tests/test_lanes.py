@@ -1,0 +1,166 @@
+"""The list-lane pass (gluon_dynbatch.lanes): what it rewrites, what it
+leaves alone, and that rewritten graphs compute the same values and
+gradients as the per-element graphs they replace."""
+import json
+
+import mxnet as mx
+import numpy as np
+import pytest
+from mxnet import autograd
+
+import gluon_dynbatch as dyb
+from gluon_dynbatch import lower
+from gluon_dynbatch.lanes import CUT, vectorize_lists
+
+from test_equivalence import make_tree_model, pair_forward, random_pairs
+
+K, N, D, H = 3, 5, 4, 6
+
+
+def cut(name, width=K, item=0):
+    """The lanes of input ``name`` (``(width, N, D)``), cut as lower.py cuts."""
+    parts = mx.sym.SliceChannel(mx.sym.var(name), num_outputs=width, axis=0,
+                                squeeze_axis=True, name='%s%d' % (CUT, item))
+    return [parts[k] for k in range(width)]
+
+
+def ops(symbol):
+    return [node['op'] for node in json.loads(symbol.tojson())['nodes'] if node['op'] != 'null']
+
+
+def forget_products(hs, cs, x, w):
+    """A child-sum Tree-LSTM's per-child forget products sigmoid(x + W h_k) * c_k."""
+    return [mx.sym.Activation(x + mx.sym.FullyConnected(h, w, num_hidden=H, no_bias=True),
+                              act_type='sigmoid') * c for h, c in zip(hs, cs)]
+
+
+def child_sum(hs, cs, x, w):
+    """Their sum, and the plain sum of the h_k."""
+    return mx.sym.Group([mx.sym.add_n(*forget_products(hs, cs, x, w)), mx.sym.add_n(*hs)])
+
+
+def evaluate(symbol, shapes, seed=0):
+    """Outputs and input gradients of ``symbol`` on random inputs, with a
+    random weighting of the outputs as the loss."""
+    rng = np.random.RandomState(seed)
+    names = symbol.list_inputs()
+    args = [mx.nd.array(rng.uniform(-1, 1, shapes[name])) for name in names]
+    for arg in args:
+        arg.attach_grad()
+    op = mx.nd.CachedOp(symbol)
+    with autograd.record():
+        outs = op(*args)
+        outs = outs if isinstance(outs, (list, tuple)) else [outs]
+        loss = sum((o * mx.nd.array(rng.uniform(-1, 1, o.shape))).sum() for o in outs)
+    loss.backward()
+    return [o.asnumpy() for o in outs], {n: a.grad.asnumpy() for n, a in zip(names, args)}
+
+
+def assert_same_function(before, after, shapes):
+    (out_a, grad_a), (out_b, grad_b) = evaluate(before, shapes), evaluate(after, shapes)
+    for a, b in zip(out_a, out_b):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    assert sorted(grad_a) == sorted(grad_b)
+    for name in grad_a:
+        np.testing.assert_allclose(grad_b[name], grad_a[name], rtol=1e-5, atol=1e-6,
+                                   err_msg=name)
+
+
+SHAPES = {'h': (K, N, D), 'c': (K, N, H), 'x': (N, H), 'w': (H, D)}
+
+
+def test_per_child_work_runs_once_over_all_children():
+    before = child_sum(cut('h'), cut('c', item=1), mx.sym.var('x'), mx.sym.var('w'))
+    after = vectorize_lists(before, {CUT + '0': 2, CUT + '1': 2}, np.float32)
+    assert ops(before).count('FullyConnected') == K
+    # one op per set of copies, whatever K; the cuts are gone
+    assert ops(after).count('FullyConnected') == 1
+    assert ops(after).count('Activation') == 1
+    assert 'SliceChannel' not in ops(after) and 'add_n' not in ops(after)
+    assert_same_function(before, after, SHAPES)
+
+
+def test_copies_read_elsewhere_are_left_alone():
+    hs, cs = cut('h'), cut('c', item=1)
+    kept = forget_products(hs, cs, mx.sym.var('x'), mx.sym.var('w'))
+    # the first child's forget product is also an output: that sum stays
+    # per child, the plain sum of the h_k still runs over all children
+    before = mx.sym.Group([mx.sym.add_n(*kept), mx.sym.add_n(*hs), kept[0]])
+    after = vectorize_lists(before, {CUT + '0': 2, CUT + '1': 2}, np.float32)
+    assert ops(after).count('FullyConnected') == K
+    assert ops(after).count('add_n') == 1 and ops(after).count('dot') == 1
+    assert_same_function(before, after, SHAPES)
+
+
+def test_unrecognised_or_incomplete_sets_are_left_alone():
+    hs = cut('h')
+    w = mx.sym.var('w')
+    cases = [
+        # a different op per child
+        mx.sym.add_n(mx.sym.relu(hs[0]), mx.sym.tanh(hs[1]), hs[2]),
+        # one child left out of the sum
+        mx.sym.add_n(mx.sym.relu(hs[0]), mx.sym.relu(hs[1])),
+        # an op not known to act on each lane alone
+        mx.sym.add_n(*[mx.sym.softmax(h) for h in hs]),
+        # a different weight per child
+        mx.sym.add_n(*[mx.sym.FullyConnected(h, mx.sym.var('w%d' % k), num_hidden=H,
+                                             no_bias=True) for k, h in enumerate(hs)]),
+        # two copies for one lane
+        mx.sym.add_n(mx.sym.relu(hs[0]), mx.sym.relu(hs[0]), mx.sym.relu(hs[1])),
+    ]
+    for before in cases:
+        after = vectorize_lists(before, {CUT + '0': 2}, np.float32)
+        assert after is before
+    # a FullyConnected that flattens 3-D lanes is not one over the last axis
+    flat = mx.sym.add_n(*[mx.sym.FullyConnected(h, w, num_hidden=H, no_bias=True)
+                          for h in hs])
+    assert vectorize_lists(flat, {CUT + '0': 3}, np.float32) is flat
+    assert 'dot' in ops(vectorize_lists(flat, {CUT + '0': 2}, np.float32))
+
+
+def test_shared_value_on_the_left_and_lane_by_lane_ops():
+    hs, cs = cut('h'), cut('c', item=1)
+    x = mx.sym.var('x')
+    w = mx.sym.var('w')
+    before = mx.sym.add_n(*[(x - mx.sym.FullyConnected(h, w, num_hidden=H, no_bias=True))
+                            * mx.sym.tanh(c) / 3 for h, c in zip(hs, cs)])
+    after = vectorize_lists(before, {CUT + '0': 2, CUT + '1': 2}, np.float32)
+    assert 'broadcast_sub' in ops(after) and 'add_n' not in ops(after)
+    assert_same_function(before, after, SHAPES)
+
+
+@pytest.mark.parametrize('strategy', ['depth', 'agenda', 'cached', 'auto'])
+def test_inference_uses_lane_programs_with_per_sample_results(strategy):
+    node, head = make_tree_model(pad_lists=True)
+    pairs = random_pairs(np.random.RandomState(5), 8)
+    forward = pair_forward(node, head, pairs)
+    expected = [o.asnumpy() for o in forward()]
+    for _ in range(2):          # the cached plan's miss, then its hit
+        with dyb.batching(strategy):
+            outs = forward()
+        for want, got in zip(expected, outs):
+            np.testing.assert_allclose(got.data.asnumpy(), want, rtol=1e-4, atol=1e-5)
+    lane_ops = [op for sig in node.signatures() for program in sig.lane_programs.values()
+                for op in ops(program.symbol)]
+    assert 'dot' in lane_ops          # some child sums ran over all children
+    assert not any(sig.programs for sig in node.signatures())
+
+
+def test_training_keeps_per_element_programs():
+    node, head = make_tree_model(pad_lists=True)
+    pairs = random_pairs(np.random.RandomState(5), 4)
+    with autograd.record():
+        with dyb.batching('depth'):
+            outs = pair_forward(node, head, pairs)()
+        sum(o.data.sum() for o in outs).backward()
+    assert not any(sig.lane_programs for sig in node.signatures())
+    assert all('dot' not in ops(program.symbol) for sig in node.signatures()
+               for program in sig.programs.values())
+
+
+def test_switch_turns_lane_programs_off(monkeypatch):
+    monkeypatch.setattr(lower, 'VECTORIZE_LISTS', False)
+    node, head = make_tree_model(pad_lists=True)
+    with dyb.batching('depth'):
+        pair_forward(node, head, random_pairs(np.random.RandomState(5), 4))()
+    assert not any(sig.lane_programs for sig in node.signatures())
