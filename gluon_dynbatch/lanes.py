@@ -163,8 +163,7 @@ def _closed_sums(nodes, heads, lanes):
         if sorted(k for _, k in read) == list(range(group.width)):
             sums[i] = group
     while True:   # drop sums whose copies are read elsewhere, until none is
-        kept = set(sums)
-        allowed = kept | {m for s in _sets_below(sums.values()) for m in _copies(s)}
+        allowed = set(sums) | {m for s in _sets_below(sums.values()) for m in _copies(s)}
         bad = [i for i, group in sums.items()
                if any(r not in allowed for s in _sets_below([group]) for m in _copies(s)
                       for r in readers.get(m, ()))]
@@ -176,8 +175,7 @@ def _closed_sums(nodes, heads, lanes):
 
 def _copies(group):
     """The copy nodes of ``group`` (none for a cut: it stays, if read)."""
-    return () if not group.inputs and len(set(group.members.values())) == 1 \
-        else group.members.values()
+    return group.members.values() if group.inputs else ()
 
 
 def _sets_below(groups):
