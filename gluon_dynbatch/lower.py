@@ -85,31 +85,32 @@ def step_program(sig, pattern):
     read through the flush's embedding tables add ``'table'``, see
     :func:`read_tables`), built once and cached on ``sig``.
 
-    Outside ``autograd.record()`` the per-element ops on list arguments run
-    once over all elements (:mod:`~gluon_dynbatch.lanes`), in programs kept
-    apart in ``sig.lane_programs``."""
-    lanes = VECTORIZE_LISTS and not mx.autograd.is_recording()
-    programs = sig.lane_programs if lanes else sig.programs
+    The per-element ops on list arguments run once over all elements
+    (:mod:`~gluon_dynbatch.lanes`) in a form that depends on whether
+    ``autograd`` is recording, so programs for training (``sig.programs``)
+    and inference (``sig.inference_programs``) are kept apart."""
+    training = mx.autograd.is_recording()
+    programs = sig.programs if training else sig.inference_programs
     program = programs.get(pattern)
     if program is None:
-        program = programs[pattern] = _build(sig, pattern, lanes)
+        program = programs[pattern] = _build(sig, pattern, training)
         BUILT[0] += 1
     return program
 
 
 VECTORIZE_LISTS = True
-"""Whether inference runs the per-element ops on a list argument once over
-all its elements (:mod:`~gluon_dynbatch.lanes`).  Training does not: the
-backward of the broadcast and of the sum that this needs cost more in
-MXNet 1.9.1 than the per-element ops save (0.91x at SICK minibatch 256,
-0.93x at 25, against 1.08x and 1.09x faster inference)."""
+"""Whether the per-element ops on a list argument run once over all its
+elements (:mod:`~gluon_dynbatch.lanes`).  Against per-element programs,
+SICK child-sum Tree-LSTM, in-process A/B: inference 1.08x at minibatch 25
+and 1.01-1.02x at 256; training 1.03-1.04x at 25 and 1.03-1.09x at 256
+with dense embedding gradients, 1.08-1.10x at both with row-sparse ones."""
 
 BUILT = [0]
 """Step programs built so far: a flush that built one ran slower than it
 will next time (the cost model ignores such flushes)."""
 
 
-def _build(sig, pattern, vectorize):
+def _build(sig, pattern, training):
     replace, lane_ndims = {}, {}
     names = iter(sig.data_names)
     for item, (fmt, way) in enumerate(zip(sig.fmt, pattern)):
@@ -119,7 +120,7 @@ def _build(sig, pattern, vectorize):
         how, count = way[:2]
         parts = [mx.sym.var('src%d_%d' % (item, part)) for part in range(count)]
         rows = parts[0] if count == 1 else mx.sym.concat(*parts, dim=0)
-        lanes = vectorize and how == 'take' and width > 1
+        lanes = VECTORIZE_LISTS and how == 'take' and width > 1
         if how == 'take':
             index = mx.sym.var('idx%d' % item)
             # a gathered list comes element-major, (K, N, ...): each
@@ -156,7 +157,7 @@ def _build(sig, pattern, vectorize):
     if hoisted:
         symbol = hoisted_rest(symbol, host_split(sig, hoisted).boundary)
     if lane_ndims:
-        symbol = vectorize_lists(symbol, lane_ndims, sig.key[-2])
+        symbol = vectorize_lists(symbol, lane_ndims, sig.key[-2], training)
     feeds = []
     for name in symbol.list_inputs():
         if name in params:

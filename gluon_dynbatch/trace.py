@@ -90,8 +90,8 @@ class TracedSignature:
         self.data_slots = [self.input_names.index(n) for n in data_names]
         # compiled step programs by gather pattern (see lower.py); row-wise
         # symbols accept any batch size, so one program serves every N
-        self.programs = {}
-        self.lane_programs = {}     # the same, for inference (see lower.step_program)
+        self.programs = {}              # under autograd.record()
+        self.inference_programs = {}    # the same, not recording (see lower.step_program)
         self.zero_rows = {}     # padding rows of its list arguments (see execute.py)
         self.host_parts = {}    # host items -> whether ops depend on them alone (execute.py)
         self.table_reads = {}   # host items -> embeddings they index (execute.FlushTables)

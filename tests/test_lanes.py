@@ -69,14 +69,19 @@ def assert_same_function(before, after, shapes):
 SHAPES = {'h': (K, N, D), 'c': (K, N, H), 'x': (N, H), 'w': (H, D)}
 
 
-def test_per_child_work_runs_once_over_all_children():
+@pytest.mark.parametrize('training', [False, True])
+def test_per_child_work_runs_once_over_all_children(training):
     before = child_sum(cut('h'), cut('c', item=1), mx.sym.var('x'), mx.sym.var('w'))
-    after = vectorize_lists(before, {CUT + '0': 2, CUT + '1': 2}, np.float32)
+    after = vectorize_lists(before, {CUT + '0': 2, CUT + '1': 2}, np.float32, training)
     assert ops(before).count('FullyConnected') == K
     # one op per set of copies, whatever K; the cuts are gone
     assert ops(after).count('FullyConnected') == 1
     assert ops(after).count('Activation') == 1
     assert 'SliceChannel' not in ops(after) and 'add_n' not in ops(after)
+    # the shared x meets the lanes broadcast (inference) or repeated by a
+    # dot (training), besides the dots of the two sums
+    assert ('broadcast_add' in ops(after)) != training
+    assert ops(after).count('dot') == 2 + training
     assert_same_function(before, after, SHAPES)
 
 
@@ -118,14 +123,16 @@ def test_unrecognised_or_incomplete_sets_are_left_alone():
     assert 'dot' in ops(vectorize_lists(flat, {CUT + '0': 2}, np.float32))
 
 
-def test_shared_value_on_the_left_and_lane_by_lane_ops():
+@pytest.mark.parametrize('training', [False, True])
+def test_shared_value_on_the_left_and_lane_by_lane_ops(training):
     hs, cs = cut('h'), cut('c', item=1)
     x = mx.sym.var('x')
     w = mx.sym.var('w')
     before = mx.sym.add_n(*[(x - mx.sym.FullyConnected(h, w, num_hidden=H, no_bias=True))
                             * mx.sym.tanh(c) / 3 for h, c in zip(hs, cs)])
-    after = vectorize_lists(before, {CUT + '0': 2, CUT + '1': 2}, np.float32)
-    assert 'broadcast_sub' in ops(after) and 'add_n' not in ops(after)
+    after = vectorize_lists(before, {CUT + '0': 2, CUT + '1': 2}, np.float32, training)
+    assert 'add_n' not in ops(after)
+    assert ('broadcast_sub' in ops(after)) != training
     assert_same_function(before, after, SHAPES)
 
 
@@ -140,22 +147,42 @@ def test_inference_uses_lane_programs_with_per_sample_results(strategy):
             outs = forward()
         for want, got in zip(expected, outs):
             np.testing.assert_allclose(got.data.asnumpy(), want, rtol=1e-4, atol=1e-5)
-    lane_ops = [op for sig in node.signatures() for program in sig.lane_programs.values()
-                for op in ops(program.symbol)]
+    lane_ops = [op for sig in node.signatures()
+                for program in sig.inference_programs.values() for op in ops(program.symbol)]
     assert 'dot' in lane_ops          # some child sums ran over all children
+    assert 'broadcast_add' in lane_ops
     assert not any(sig.programs for sig in node.signatures())
 
 
-def test_training_keeps_per_element_programs():
+@pytest.mark.parametrize('strategy', ['depth', 'cached'])
+def test_training_uses_lane_programs_with_per_sample_gradients(strategy):
     node, head = make_tree_model(pad_lists=True)
-    pairs = random_pairs(np.random.RandomState(5), 4)
-    with autograd.record():
-        with dyb.batching('depth'):
-            outs = pair_forward(node, head, pairs)()
-        sum(o.data.sum() for o in outs).backward()
-    assert not any(sig.lane_programs for sig in node.signatures())
-    assert all('dot' not in ops(program.symbol) for sig in node.signatures()
-               for program in sig.programs.values())
+    pairs = random_pairs(np.random.RandomState(5), 6)
+    forward = pair_forward(node, head, pairs)
+    params = list(node.collect_params().values()) + list(head.collect_params().values())
+
+    def gradients(batched):
+        with autograd.record():
+            if batched:
+                with dyb.batching(strategy):
+                    outs = [o.data for o in forward()]
+            else:
+                outs = forward()
+            loss = sum((o * (k + 1)).sum() for k, o in enumerate(outs))
+        loss.backward()
+        return [o.asnumpy() for o in outs], [p.grad().asnumpy().copy() for p in params]
+
+    want_outs, want_grads = gradients(False)
+    for _ in range(2):          # the cached plan's miss, then its hit
+        got_outs, got_grads = gradients(True)
+        for want, got in zip(want_outs, got_outs):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        for param, want, got in zip(params, want_grads, got_grads):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=param.name)
+    train_ops = [op for sig in node.signatures()
+                 for program in sig.programs.values() for op in ops(program.symbol)]
+    assert 'dot' in train_ops and 'broadcast_add' not in train_ops
+    assert not any(sig.inference_programs for sig in node.signatures())
 
 
 def test_switch_turns_lane_programs_off(monkeypatch):
@@ -163,4 +190,5 @@ def test_switch_turns_lane_programs_off(monkeypatch):
     node, head = make_tree_model(pad_lists=True)
     with dyb.batching('depth'):
         pair_forward(node, head, random_pairs(np.random.RandomState(5), 4))()
-    assert not any(sig.lane_programs for sig in node.signatures())
+    assert not any('dot' in ops(program.symbol) for sig in node.signatures()
+                   for program in sig.inference_programs.values())
