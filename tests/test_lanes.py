@@ -6,6 +6,7 @@ import json
 import mxnet as mx
 import numpy as np
 import pytest
+from hypothesis import given, strategies as st
 from mxnet import autograd
 
 import gluon_dynbatch as dyb
@@ -44,7 +45,9 @@ def evaluate(symbol, shapes, seed=0):
     random weighting of the outputs as the loss."""
     rng = np.random.RandomState(seed)
     names = symbol.list_inputs()
-    args = [mx.nd.array(rng.uniform(-1, 1, shapes[name])) for name in names]
+    # by name, so that graphs listing their inputs in other orders get the same values
+    values = {name: mx.nd.array(rng.uniform(-1, 1, shapes[name])) for name in sorted(names)}
+    args = [values[name] for name in names]
     for arg in args:
         arg.attach_grad()
     op = mx.nd.CachedOp(symbol)
@@ -134,6 +137,71 @@ def test_shared_value_on_the_left_and_lane_by_lane_ops(training):
     assert 'add_n' not in ops(after)
     assert ('broadcast_sub' in ops(after)) != training
     assert_same_function(before, after, SHAPES)
+
+
+ELEMENT_OPS = {
+    'sigmoid': lambda v: mx.sym.Activation(v, act_type='sigmoid'),
+    'tanh': lambda v: mx.sym.Activation(v, act_type='tanh'),
+    'abs': mx.sym.abs, 'square': mx.sym.square, 'negative': mx.sym.negative,
+    'scale': lambda v: v * 0.7, 'shift': lambda v: v + 0.3,
+}
+PAIR_OPS = {'add': mx.sym.elemwise_add, 'sub': mx.sym.elemwise_sub,
+            'mul': mx.sym.elemwise_mul, 'max': mx.sym._internal._maximum}
+
+
+@st.composite
+def lane_programs(draw):
+    """A random per-element program: its width, and per op ``(kind, name,
+    operand, shared on the left)``; operands index earlier values, where
+    values 0 and 1 are the two cut inputs and a negative one a shared value."""
+    width = draw(st.integers(2, 4))
+    program = []
+    for step in range(draw(st.integers(1, 6))):
+        kind = draw(st.sampled_from(['unary', 'pair', 'pair', 'fc']))
+        name = draw(st.sampled_from(sorted(ELEMENT_OPS if kind == 'unary' else PAIR_OPS)))
+        operand = draw(st.integers(-2, step + 1))   # -2, -1: x, y (shared)
+        program.append((kind, name, operand, draw(st.booleans())))
+    return width, program
+
+
+def build_lane_program(width, program):
+    """Per lane, the program's ops on that lane's values, then the sum over
+    lanes of the last value and of the first."""
+    hs, cs = cut('h', width), cut('c', width, item=1)
+    shared = {-2: mx.sym.var('x'), -1: mx.sym.var('y')}
+    weight = mx.sym.var('w')
+    lanes = []
+    for h, c in zip(hs, cs):
+        values = [h, c]
+        for kind, name, operand, left in program:
+            last = values[-1]
+            if kind == 'unary':
+                values.append(ELEMENT_OPS[name](last))
+            elif kind == 'fc':
+                values.append(mx.sym.FullyConnected(last, weight, num_hidden=D,
+                                                    no_bias=True))
+            else:
+                other = shared[operand] if operand < 0 else values[operand]
+                values.append(PAIR_OPS[name](*((other, last) if left else (last, other))))
+        lanes.append(values)
+    return mx.sym.Group([mx.sym.add_n(*[v[-1] for v in lanes]),
+                         mx.sym.add_n(*[v[2] for v in lanes])])
+
+
+@given(lane_programs())
+def test_random_lane_programs_compute_the_same(drawn):
+    """Random chains of elementwise ops, shared operands and a shared-weight
+    ``FullyConnected`` on each element: vectorized, in either form, they
+    give the per-element graph's values and input gradients."""
+    width, program = drawn
+    before = build_lane_program(width, program)
+    shapes = {'h': (width, N, D), 'c': (width, N, D), 'x': (N, D), 'y': (N, D), 'w': (D, D)}
+    for training in (False, True):
+        after = vectorize_lists(before, {CUT + '0': 2, CUT + '1': 2}, np.float32, training)
+        assert 'add_n' not in ops(after)            # every set was complete and closed
+        # one op per set of copies (the program's), not one per element
+        assert ops(after).count('FullyConnected') == sum(kind == 'fc' for kind, *_ in program)
+        assert_same_function(before, after, shapes)
 
 
 @pytest.mark.parametrize('strategy', ['depth', 'agenda', 'cached', 'auto'])
