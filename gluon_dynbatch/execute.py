@@ -21,7 +21,7 @@ from mxnet.ndarray.ndarray import _DTYPE_NP_TO_MX, DLDataType, _int64_enabled
 
 from . import accel
 from .graph import DONE, LazyValue
-from .lower import embedding_reads, host_part, host_split, step_program
+from .lower import element_major, embedding_reads, host_part, host_split, step_program
 from .trace import leaf_count
 
 __all__ = ['run_plan', 'run_step', 'FlushTables', 'FlushHoist', 'collect', 'gather_rows',
@@ -153,6 +153,8 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hois
             index = None
         else:
             sources[item], index, distinct, zero = _gather_item(nodes, sig, item, ctx)
+            if index is not None and element_major(width):
+                index = np.ascontiguousarray(index.T)
             if index is not None:
                 # arguments read from the same nodes (a Tree-LSTM's child h
                 # and c lists) have equal indices: one upload serves them

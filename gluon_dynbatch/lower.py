@@ -55,9 +55,9 @@ import numpy as np
 from .lanes import CUT, vectorize_lists
 from .trace import leaf_count
 
-__all__ = ['StepProgram', 'step_program', 'FlushProgram', 'flush_program', 'share_host_part',
-           'host_part', 'embedding_reads', 'read_tables', 'HostSplit', 'host_split',
-           'split_host_part', 'hoisted_rest']
+__all__ = ['StepProgram', 'step_program', 'element_major', 'FlushProgram', 'flush_program',
+           'share_host_part', 'host_part', 'embedding_reads', 'read_tables', 'HostSplit',
+           'host_split', 'split_host_part', 'hoisted_rest']
 
 
 class StepProgram:
@@ -103,7 +103,19 @@ VECTORIZE_LISTS = True
 elements (:mod:`~gluon_dynbatch.lanes`).  Against per-element programs,
 SICK child-sum Tree-LSTM, in-process A/B: inference 1.08x at minibatch 25
 and 1.01-1.02x at 256; training 1.03-1.04x at 25 and 1.03-1.09x at 256
-with dense embedding gradients, 1.08-1.10x at both with row-sparse ones."""
+with dense embedding gradients, 1.08-1.10x at both with row-sparse ones.
+It is read when a step program is built and when a step gathers its rows
+(:func:`element_major`), so change it only before a block's first flush."""
+
+
+def element_major(width):
+    """Whether a list argument of ``width`` elements is gathered
+    element-major, as ``(K, N, ...)`` rows, each element's rows together
+    (see :mod:`~gluon_dynbatch.lanes`): its ``(N, K)`` index is then
+    transposed on the host (:func:`~.execute.run_step`), which saved two
+    ops per node step."""
+    return VECTORIZE_LISTS and width > 1
+
 
 BUILT = [0]
 """Step programs built so far: a flush that built one ran slower than it
@@ -120,12 +132,9 @@ def _build(sig, pattern, training):
         how, count = way[:2]
         parts = [mx.sym.var('src%d_%d' % (item, part)) for part in range(count)]
         rows = parts[0] if count == 1 else mx.sym.concat(*parts, dim=0)
-        lanes = VECTORIZE_LISTS and how == 'take' and width > 1
+        lanes = how == 'take' and element_major(width)
         if how == 'take':
-            index = mx.sym.var('idx%d' % item)
-            # a gathered list comes element-major, (K, N, ...): each
-            # element's rows lie together (see lanes.py)
-            rows = mx.sym.take(rows, mx.sym.transpose(index) if lanes else index)
+            rows = mx.sym.take(rows, mx.sym.var('idx%d' % item))
         if fmt == 0:
             replace[next(names)] = rows
         elif width == 1:
