@@ -17,8 +17,9 @@ whatever its arity, and ``h2h_f`` becomes one GEMM over all children:
   each row and lane alone (:data:`UNARY`, :data:`BINARY`, and
   ``FullyConnected`` over the last axis), and its copies are read by
   nothing but later sets and one ``add_n`` of all K copies of a set, which
-  becomes a ``dot`` with a row of K ones (MXNet 1.9.1's ``sum`` over an
-  axis measured up to 20x slower than ``add_n``, the ``dot`` 3x);
+  becomes a ``dot`` with a vector of K ones (MXNet 1.9.1's ``sum`` over an
+  axis measured up to 20x slower than ``add_n``, the ``dot`` 3x; a 1-D
+  vector needs no ``Reshape`` after the ``dot``);
 * a value every copy reads (the node's own ``f_x``) gets a length-1 axis 0
   and, for inference, meets the lanes in the broadcasting form of the op
   (element-major, so that the broadcast axis is the outer one: 2x faster
@@ -236,9 +237,9 @@ def _rewrite(graph, sums, dtype, training):
         return expanded[(key, width)]
 
     for i, node in enumerate(nodes):
-        if i in sums:       # (1, K) ones . (K, N, ...) lanes -> (1, N, ...) -> (N, ...)
-            total = add('dot', {}, [ones_shaped((1, sums[i].width)), vector[id(sums[i])]])
-            moved[i] = add('Reshape', {'shape': '(-3, -2)'}, [total], node['name'])[0]
+        if i in sums:       # (K,) ones . (K, N, ...) lanes -> (N, ...)
+            moved[i] = add('dot', {}, [ones_shaped((sums[i].width,)), vector[id(sums[i])]],
+                           node['name'])[0]
             continue
         node = dict(node, inputs=[entry(e) for e in node['inputs']])
         moved[i] = len(out)
