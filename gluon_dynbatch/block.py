@@ -19,6 +19,7 @@ from mxnet.gluon import Block
 from . import accel, debug
 from .errors import InputError, ScopeError
 from .execute import collect, pad_leaves, run_plan, threaded_engine, to_device
+from .lower import ragged_lists
 from .graph import DONE, FAILED, PENDING, LazyValue, Node
 from .plan import STRATEGIES, summarize
 from .trace import flatten, leaf_count, regroup, trace_signature
@@ -531,6 +532,7 @@ class DynBatchBlock(Block):
             if other is not sig and (other.key, key) not in self._pad_checked:
                 check_padding_is_neutral(self, other, sig)
                 self._pad_checked.add((other.key, key))
+        ragged_lists(sig)       # sets sig.ragged, which plans read
         return sig
 
     def signatures(self):

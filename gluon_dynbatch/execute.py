@@ -21,7 +21,9 @@ from mxnet.ndarray.ndarray import _DTYPE_NP_TO_MX, DLDataType, _int64_enabled
 
 from . import accel
 from .graph import DONE, LazyValue
-from .lower import element_major, embedding_reads, host_part, host_split, step_program
+from .lanes import LENGTHS, PADDED, SEGMENT
+from .lower import (element_major, embedding_reads, host_part, host_split, ragged_lists,
+                    step_program)
 from .trace import leaf_count
 
 __all__ = ['run_plan', 'run_step', 'FlushTables', 'FlushHoist', 'collect', 'gather_rows',
@@ -129,6 +131,7 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hois
     sig, nodes = step.sig, step.nodes
     learned = [] if where is not None else None
     pattern, sources, indices, uploads = [], {}, {}, {}
+    lists, ragged = {}, None     # list items gathered anew: item -> (index, distinct, zero)
     for item, fmt in enumerate(sig.fmt):
         width = leaf_count(fmt)
         how = recipe[item] if recipe is not None else None
@@ -144,8 +147,10 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hois
             continue
         if learned is not None and how is not None:
             learned.append(how)
+        how_ragged = None
         if how is not None and how != 'host':
-            parts, index = how
+            parts, index = how[:2]
+            how_ragged = ragged = how[2] if len(how) > 2 else None
             sources[item] = [outputs[number][out] if number >= 0
                              else _zero_row(sig, item, ctx).arrays[0] for number, out in parts]
         elif how == 'host':
@@ -153,22 +158,22 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hois
             index = None
         else:
             sources[item], index, distinct, zero = _gather_item(nodes, sig, item, ctx)
-            if index is not None and element_major(width):
-                index = np.ascontiguousarray(index.T)
-            if index is not None:
-                # arguments read from the same nodes (a Tree-LSTM's child h
-                # and c lists) have equal indices: one upload serves them
-                key = (index.shape, index.tobytes())
-                uploaded = uploads.get(key)
-                if uploaded is None:
-                    uploaded = uploads[key] = to_device(index, ctx)
-                index = uploaded
-            if learned is not None:
-                learned.append(_recipe_part(fmt, distinct, index, where, zero))
+            if fmt != 0 and width > 1:      # laid out once every list is gathered
+                lists[item] = (index, distinct, zero)
+                if learned is not None:
+                    learned.append(None)
+            else:
+                index = _upload_index(index, uploads, ctx)
+                if learned is not None:
+                    learned.append(_recipe_part(fmt, distinct, index, where, zero))
         if index is not None and len(sources[item]) > 2:
             _pad_parts(sources[item], sig, item, ctx)
-        pattern.append(('direct' if index is None else 'take', len(sources[item])))
+        pattern.append(('direct' if index is None else
+                        'ragged' if how_ragged is not None else 'take', len(sources[item])))
         indices[item] = index
+    if lists:
+        ragged = _lay_out_lists(sig, lists, sources, indices, pattern, uploads, learned,
+                                where, ctx, step.ragged)
     host = [item for item, parts in sources.items() if type(parts[0]) is np.ndarray]
     if host and tables is not None:
         for item in tables.reads(sig, host):
@@ -191,13 +196,88 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hois
     program = step_program(sig, tuple(pattern))
     inputs = [sources[item[0]][item[1]] if kind == 'src' else indices[item] if kind == 'idx'
               else inverse if kind == 'inverse' else tables.table(item, ctx) if kind == 'table'
-              else hoisted.values[item] if kind == 'hoisted'
+              else hoisted.values[item] if kind == 'hoisted' else ragged[item] if kind == 'ragged'
               else item.data(ctx) for kind, item in program.feeds]
     outs = program.cached_op(*inputs)
     if isinstance(outs, NDArray):
         outs = [outs]
     (accel.finish_nodes or finish_nodes_py)(nodes, outs, rows)
     return outs, learned
+
+
+def _upload_index(index, uploads, ctx):
+    """``index`` (int32, or None) on ``ctx``.  Arguments read from the same
+    nodes (a Tree-LSTM's child h and c lists) have equal indices: one upload
+    (kept in ``uploads``) serves them."""
+    if index is None:
+        return None
+    key = (index.shape, index.tobytes())
+    uploaded = uploads.get(key)
+    if uploaded is None:
+        uploaded = uploads[key] = to_device(index, ctx)
+    return uploaded
+
+
+def _lay_out_lists(sig, lists, sources, indices, pattern, uploads, learned, where, ctx,
+                   ragged):
+    """Index the list arguments of a step, gathered anew (``lists``: item
+    -> its ``(N, K)`` index, distinct sources and padding :class:`ZeroRow`),
+    and note their recipes.  Returns the step's ragged inputs (see
+    :data:`~.lanes.SEGMENT`) when its lists run ragged, else None.
+
+    Lists run ragged (pattern ``'ragged'``) when the plan says so
+    (``ragged``: see :func:`~.plan.steps_of`), some are padded, and every
+    list of a call has the same length: then only the real elements are
+    gathered, list after list.  Otherwise each is gathered whole, padding
+    included, element-major where :func:`~.lower.element_major` says so."""
+    layout = None
+    if ragged and any(zero is not None for _, _, zero in lists.values()) and \
+            len(lists) == sum(1 for fmt in sig.fmt if fmt != 0 and leaf_count(fmt) > 1) and \
+            ragged_lists(sig):
+        layout = _ragged_layout(lists, sources)
+    ragged = None
+    if layout is not None:
+        real, lengths = layout
+        count, width = real.shape
+        ends = np.cumsum(lengths, dtype=np.int32)
+        lane = np.arange(width, dtype=np.int32)[:, None]
+        ragged = {SEGMENT: to_device(np.repeat(np.arange(count, dtype=np.int32), lengths), ctx),
+                  PADDED: to_device(np.where(lane < lengths, ends - lengths + lane, 0)
+                                    .astype(np.int32), ctx),
+                  LENGTHS: to_device(lengths, ctx)}
+    for item, (index, distinct, zero) in lists.items():
+        if layout is not None:
+            index = np.ascontiguousarray(index[layout[0]])
+            pattern[item] = ('ragged',) + pattern[item][1:]
+        elif element_major(index.shape[1]):
+            index = np.ascontiguousarray(index.T)
+        index = indices[item] = _upload_index(index, uploads, ctx)
+        if learned is not None:
+            part = _recipe_part(sig.fmt[item], distinct, index, where, zero)
+            learned[item] = part if part is None or ragged is None else part + (ragged,)
+    return ragged
+
+
+def _ragged_layout(lists, sources):
+    """``(real, lengths)`` for list arguments whose calls all have equal
+    lengths (``real``: ``(N, K)`` bool, which entries of the indices are
+    elements, not padding; ``lengths``: int32 per call), else None."""
+    layout = None
+    for item, (index, _, zero) in lists.items():
+        if zero is None:
+            real = np.ones(index.shape, dtype=bool)
+        else:
+            offset = 0
+            for part in sources[item]:
+                if part is zero.arrays[0]:
+                    break
+                offset += part.shape[0]
+            real = index != offset
+        if layout is None:
+            layout = real
+        elif not np.array_equal(layout, real):
+            return None
+    return layout, layout.sum(axis=1, dtype=np.int32)
 
 
 def _pad_parts(parts, sig, item, ctx):

@@ -39,7 +39,7 @@ import json
 import mxnet as mx
 import numpy as np
 
-__all__ = ['CUT', 'vectorize_lists']
+__all__ = ['CUT', 'SEGMENT', 'PADDED', 'LENGTHS', 'vectorize_lists']
 
 CUT = 'dynbatch_cut'
 """Name prefix of the ``SliceChannel`` that cuts a list argument into its
@@ -59,7 +59,7 @@ BINARY = {'elemwise_add': 'broadcast_add', 'elemwise_sub': 'broadcast_sub',
 (used when one input is the same value for every lane)."""
 
 
-def vectorize_lists(symbol, lane_ndims, dtype, training=False):
+def vectorize_lists(symbol, lane_ndims, dtype, training=False, ragged=False):
     """``symbol`` with each complete set of per-lane copies run once over
     all lanes (see the module docstring).  ``lane_ndims`` gives, per cut
     name, the number of axes of one lane (2 for ``(N, D)`` rows): a
@@ -67,14 +67,51 @@ def vectorize_lists(symbol, lane_ndims, dtype, training=False):
     ``dtype`` is the lanes' (the rows of ones are made in it).
     ``training`` repeats shared values by a ``dot`` (cheaper backward)
     instead of broadcasting them (cheaper forward).  Returns ``symbol``
-    itself when nothing was vectorized."""
+    itself when nothing was vectorized.
+
+    With ``ragged`` the cuts' inputs are *ragged* rows instead: the ``M``
+    elements of N lists of different lengths, list after list (see
+    :data:`SEGMENT`); every lane of every cut must then be read by
+    vectorized sets alone, or None is returned."""
     graph = json.loads(symbol.tojson())
     nodes = graph['nodes']
     lanes = _find_lanes(nodes, lane_ndims)
     sums = _closed_sums(nodes, graph['heads'], lanes)
+    if ragged:
+        return _rewrite(graph, sums, dtype, training, ragged=True) \
+            if _all_cuts_closed(nodes, graph['heads'], sums) else None
     if not sums:
         return symbol
     return _rewrite(graph, sums, dtype, training)
+
+
+SEGMENT = 'dynbatch_segment'
+"""Ragged lanes (:func:`vectorize_lists` with ``ragged``) read three more
+inputs: ``SEGMENT``, the list (0..N-1) of each of the M elements, int32;
+:data:`PADDED`, ``(K, N)`` int32, the position among the M elements of
+element k of list n (any position where list n is shorter); and
+:data:`LENGTHS`, ``(N,)`` int32, each list's length.  A value every lane
+reads is repeated per element by ``take`` along ``SEGMENT``; a sum over
+the lanes is a ``take`` along ``PADDED`` into ``(K, N, ...)``, a
+``SequenceMask`` that sets the missing elements to zero (it assigns, so
+the row taken for them never leaks, NaN or not) and the ``dot`` with K
+ones."""
+PADDED = 'dynbatch_padded'
+LENGTHS = 'dynbatch_lengths'
+
+
+def _all_cuts_closed(nodes, heads, sums):
+    """Whether every cut's lanes are read only by ``sums`` and the copies in
+    their sets (so the cuts themselves can go): what ragged lanes need."""
+    readers = set(sums) | {m for s in _sets_below(sums.values()) for m in _copies(s)}
+    cuts = {i for i, node in enumerate(nodes)
+            if node['op'] == 'SliceChannel' and node['name'].startswith(CUT)}
+    if not cuts or not sums:
+        return False
+    if any(entry[0] in cuts for entry in heads):
+        return False
+    return all(i in readers for i, node in enumerate(nodes)
+               if any(entry[0] in cuts for entry in node['inputs']))
 
 
 class _Set:
@@ -203,13 +240,13 @@ def _sets_below(groups):
     return out
 
 
-def _rewrite(graph, sums, dtype, training):
+def _rewrite(graph, sums, dtype, training, ragged=False):
     """The graph with one node per needed set, emitted after its last copy,
-    and every sum in ``sums`` reading it."""
+    and every sum in ``sums`` reading it (ragged: see :data:`SEGMENT`)."""
     nodes = graph['nodes']
     needed = _sets_below(sums.values())
     last = {max(group.members.values()): group for group in needed}
-    out, moved, vector, expanded, ones = [], {}, {}, {}, {}
+    out, moved, vector, expanded, ones, inputs = [], {}, {}, {}, {}, {}
 
     def entry(old):
         return [moved[old[0]], old[1], 0]
@@ -224,10 +261,21 @@ def _rewrite(graph, sums, dtype, training):
             ones[shape] = add('_ones', {'shape': str(shape), 'dtype': np.dtype(dtype).name}, [])
         return ones[shape]
 
+    def ragged_input(name):
+        if name not in inputs:
+            inputs[name] = add('null', {}, [], name)
+        return inputs[name]
+
     def shared(old, width):
         """``old`` with a length-1 axis 0, to broadcast over the lanes; for
-        training, ``(K, 1) ones . (1, N, ...)``: ``old`` once per lane."""
+        training, ``(K, 1) ones . (1, N, ...)``: ``old`` once per lane;
+        ragged, ``old`` taken once per element."""
         key = (old[0], old[1])
+        if ragged:
+            if key not in expanded:
+                expanded[key] = add('take', {'axis': '0', 'mode': 'clip'},
+                                    [entry(old), ragged_input(SEGMENT)])
+            return expanded[key]
         if key not in expanded:
             expanded[key] = add('expand_dims', {'axis': '0'}, [entry(old)])
         if not training:
@@ -238,7 +286,13 @@ def _rewrite(graph, sums, dtype, training):
 
     for i, node in enumerate(nodes):
         if i in sums:       # (K,) ones . (K, N, ...) lanes -> (N, ...)
-            moved[i] = add('dot', {}, [ones_shaped((sums[i].width,)), vector[id(sums[i])]],
+            lanes = vector[id(sums[i])]
+            if ragged:      # the M elements laid out (K, N, ...), missing ones zero
+                lanes = add('take', {'axis': '0', 'mode': 'clip'},
+                            [lanes, ragged_input(PADDED)])
+                lanes = add('SequenceMask', {'use_sequence_length': 'True', 'value': '0'},
+                            [lanes, ragged_input(LENGTHS)])
+            moved[i] = add('dot', {}, [ones_shaped((sums[i].width,)), lanes],
                            node['name'])[0]
             continue
         node = dict(node, inputs=[entry(e) for e in node['inputs']])
@@ -258,7 +312,7 @@ def _rewrite(graph, sums, dtype, training):
             attrs['flatten'] = 'False'
             ins = [ins[0]] + [entry(e) for e in original['inputs'][1:]]
         elif op in BINARY and None in ins:
-            op = op if training else BINARY[op]
+            op = op if training or ragged else BINARY[op]
             ins = [v if v is not None else shared(e, group.width)
                    for v, e in zip(ins, original['inputs'])]
         vector[id(group)] = add(op, attrs, ins)

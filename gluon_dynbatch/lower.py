@@ -52,7 +52,7 @@ import json
 import mxnet as mx
 import numpy as np
 
-from .lanes import CUT, vectorize_lists
+from .lanes import CUT, LENGTHS, PADDED, SEGMENT, vectorize_lists
 from .trace import leaf_count
 
 __all__ = ['StepProgram', 'step_program', 'element_major', 'FlushProgram', 'flush_program',
@@ -122,7 +122,29 @@ BUILT = [0]
 will next time (the cost model ignores such flushes)."""
 
 
-def _build(sig, pattern, training):
+def ragged_lists(sig):
+    """Whether steps of ``sig`` (a padded signature) can run their lists
+    ragged: every element of every list is read only by per-element ops
+    that :func:`~.lanes.vectorize_lists` runs over all elements and sums,
+    so calls with shorter lists need no padding elements at all (pattern
+    ``'ragged'``).  Decided once per signature, from its symbol."""
+    if sig.ragged is None:
+        lists = [item for item, fmt in enumerate(sig.fmt)
+                 if fmt != 0 and len(fmt) > 1 and set(fmt) == {0}]
+        sig.ragged = False
+        if lists and VECTORIZE_LISTS and sig.batch_safe:
+            pattern = tuple(None if fmt == () else ('ragged' if item in lists else 'direct', 1)
+                            for item, fmt in enumerate(sig.fmt))
+            symbol, lane_ndims = _gathered(sig, pattern)
+            sig.ragged = len(lane_ndims) == len(lists) and vectorize_lists(
+                symbol, lane_ndims, sig.key[-2], ragged=True) is not None
+    return sig.ragged
+
+
+def _gathered(sig, pattern):
+    """The symbol of ``sig`` reading its arguments as ``pattern`` says
+    (sources, gathers and cuts; see :func:`step_program`), and the lane
+    axes of each cut (see :func:`~.lanes.vectorize_lists`)."""
     replace, lane_ndims = {}, {}
     names = iter(sig.data_names)
     for item, (fmt, way) in enumerate(zip(sig.fmt, pattern)):
@@ -132,8 +154,8 @@ def _build(sig, pattern, training):
         how, count = way[:2]
         parts = [mx.sym.var('src%d_%d' % (item, part)) for part in range(count)]
         rows = parts[0] if count == 1 else mx.sym.concat(*parts, dim=0)
-        lanes = how == 'take' and element_major(width)
-        if how == 'take':
+        lanes = how == 'ragged' or (how == 'take' and element_major(width))
+        if how in ('take', 'ragged'):
             rows = mx.sym.take(rows, mx.sym.var('idx%d' % item))
         if fmt == 0:
             replace[next(names)] = rows
@@ -148,7 +170,11 @@ def _build(sig, pattern, training):
                 lane_ndims[cut] = len(shapes.pop())
             for j in range(width):
                 replace[next(names)] = parts[j]
-    symbol = sig.symbol(**replace)
+    return sig.symbol(**replace), lane_ndims
+
+
+def _build(sig, pattern, training):
+    symbol, lane_ndims = _gathered(sig, pattern)
     params = {p.name: p for _, p in sig.param_slots}
     tables = {'src%d_0' % item for item, way in enumerate(pattern)
               if way is not None and way[2:] == ('table',)}
@@ -166,7 +192,12 @@ def _build(sig, pattern, training):
     if hoisted:
         symbol = hoisted_rest(symbol, host_split(sig, hoisted).boundary)
     if lane_ndims:
-        symbol = vectorize_lists(symbol, lane_ndims, sig.key[-2], training)
+        ragged = any(way is not None and way[0] == 'ragged' for way in pattern)
+        vectorized = vectorize_lists(symbol, lane_ndims, sig.key[-2], training, ragged)
+        if vectorized is None:
+            raise RuntimeError('gluon_dynbatch: %s cannot run its lists ragged '
+                               '(please report this)' % sig.describe())
+        symbol = vectorized
     feeds = []
     for name in symbol.list_inputs():
         if name in params:
@@ -177,6 +208,8 @@ def _build(sig, pattern, training):
             feeds.append(('table', params[name[len(TABLE):]]))
         elif name.startswith(HOISTED):
             feeds.append(('hoisted', int(name[len(HOISTED):])))
+        elif name in (SEGMENT, PADDED, LENGTHS):
+            feeds.append(('ragged', name))
         elif name.startswith('src'):
             feeds.append(('src', tuple(int(n) for n in name[3:].split('_'))))
         else:
@@ -512,9 +545,16 @@ def flush_program(steps, recipes, hoists=()):
         sig = step.sig
         items, values, inverse = hoisted.get(number, ((), None, None))
         pattern = tuple(None if how == 'empty' else ('hoisted', 1) if item in items else
-                        ('direct' if how == 'host' or how[1] is None else 'take', 1)
+                        ('direct' if how == 'host' or how[1] is None else
+                         'ragged' if len(how) > 2 else 'take', 1)
                         for item, how in enumerate(recipe))
         bind = {}
+        for how in recipe:
+            if how not in ('empty', 'host') and len(how) > 2:   # ragged lists' inputs
+                for name, value in how[2].items():
+                    bind[name] = mx.sym.var('%s_s%d' % (name, number))
+                    spec['%s_s%d' % (name, number)] = ('const', value)
+                break
         if items:
             bind[INVERSE] = inverse
             for position in range(len(values.list_outputs())):
@@ -527,7 +567,7 @@ def flush_program(steps, recipes, hoists=()):
                 bind['src%d_0' % item] = mx.sym.var('host_' + name)
                 spec['host_' + name] = ('host', (number, item))
                 continue
-            parts, index = how
+            parts, index = how[:2]
             sources, sizes = [], []
             for step_number, out in parts:
                 if step_number < 0:   # padding: a zero row

@@ -36,9 +36,12 @@ __all__ = ['BatchStep', 'Plan', 'Strategy', 'PerSample', 'ByDepth', 'Agenda', 'C
 
 @dataclass(frozen=True)
 class BatchStep:
-    """Run ``nodes`` (calls of one signature) as one batched call."""
+    """Run ``nodes`` (calls of one signature) as one batched call; with
+    ``ragged``, calls of a padded signature run their lists ragged (no
+    padding elements: see :func:`~.lower.ragged_lists`)."""
     sig: object
     nodes: Tuple
+    ragged: bool = False
 
     def __str__(self):
         return '%-40s x%d' % (self.sig.describe(), len(self.nodes))
@@ -65,6 +68,14 @@ class Plan:
         return '\n'.join(lines)
 
 
+RAGGED = True
+"""Whether a family whose padded signature allows it may run its calls of
+every list length as one ragged step (see :func:`steps_of`)."""
+
+RAGGED_STEP = 0.25
+"""The extra ops of a ragged step, as a fraction of a step's fixed cost:
+a SICK Tree-LSTM node step has 30 ops ragged, 24 padded."""
+
 PADDING_COST = {'step_us': 300.0, 'elem_us': 1.0, 'family_step_us': {}}
 """What splitting a padded group trades: one more step (``step_us``, or the
 family's own ``family_step_us``, kept up to date by the cost model) against
@@ -83,16 +94,22 @@ def make_steps(nodes):
 def steps_of(by_sig):
     """Steps over the calls of one family, given per signature.  Calls of
     one signature make one step.  Calls of several (list lengths differ) run
-    under padded signatures, split into buckets of similar length where the
-    padding saved outweighs the cost of another step (an exact minimisation
-    over the distinct lengths, of which there are few)."""
+    under padded signatures: as one step when the padded signature runs its
+    lists ragged (:func:`~.lower.ragged_lists`: no padding elements are
+    computed), else split into buckets of similar length where the padding
+    saved outweighs the cost of another step (an exact minimisation over
+    the distinct lengths, of which there are few)."""
     if len(by_sig) == 1:
         sig, nodes = next(iter(by_sig.items()))
         return [BatchStep(sig, tuple(nodes))]
     sigs = sorted(by_sig, key=lambda sig: len(sig.data_names))
     step_us = PADDING_COST['family_step_us'].get(sigs[0].group_key)
-    buckets = _split_buckets([len(sig.data_names) for sig in sigs],
-                             [len(by_sig[sig]) for sig in sigs], step_us)
+    widths, counts = [len(sig.data_names) for sig in sigs], [len(by_sig[sig]) for sig in sigs]
+    buckets, split_us = _split_buckets(widths, counts, step_us)
+    if RAGGED:
+        padded = sigs[0].dblock.padded_signature(sigs)
+        if padded.ragged and _ragged_us(widths, counts, step_us) < split_us:
+            return [BatchStep(padded, tuple(node for sig in sigs for node in by_sig[sig]), True)]
     steps = []
     for first, last in buckets:
         group = tuple(node for sig in sigs[first:last + 1] for node in by_sig[sig])
@@ -102,9 +119,18 @@ def steps_of(by_sig):
     return steps
 
 
+def _ragged_us(widths, counts, step_us=None):
+    """What one ragged step over calls of ``widths`` (``counts`` of each)
+    costs in the terms of :func:`_split_buckets`: a step, its extra ops
+    (:data:`RAGGED_STEP` of a step) and the real elements only."""
+    step_us = step_us or PADDING_COST['step_us']
+    return step_us * (1 + RAGGED_STEP) + \
+        PADDING_COST['elem_us'] * sum(w * c for w, c in zip(widths, counts))
+
+
 def _split_buckets(widths, counts, step_us=None):
     """Contiguous buckets ``[(first, last)]`` of the sorted ``widths`` that
-    minimise sum(step_us + rows * widest * elem_us)."""
+    minimise sum(step_us + rows * widest * elem_us), and that sum."""
     step_us = step_us or PADDING_COST['step_us']
     elem_us = PADDING_COST['elem_us']
     n = len(widths)
@@ -121,7 +147,7 @@ def _split_buckets(widths, counts, step_us=None):
     while end:
         buckets.append((cut[end], end - 1))
         end = cut[end]
-    return buckets[::-1]
+    return buckets[::-1], best[n]
 
 
 class Strategy:
@@ -376,7 +402,7 @@ class CachedPlan(Strategy):
             return Plan(self.name + '-miss:' + plan.strategy, plan.steps)
         self.hits += 1
         entry.hits += 1
-        steps = tuple(BatchStep(sig, rows(nodes)) for sig, rows in entry.steps)
+        steps = tuple(BatchStep(sig, rows(nodes), ragged) for sig, rows, ragged in entry.steps)
         if entry.program is None and entry.hits >= self.compile_after and \
                 not entry.uncompilable and None not in entry.recipes:
             self._compile(key, entry, steps)
@@ -409,7 +435,8 @@ class CachedPlan(Strategy):
             old_key = next(iter(self.cache))
             self.cache.pop(old_key)
             self.compiled.pop(old_key, None)
-        entry = _Entry([(step.sig, _picker([n.pos for n in step.nodes])) for step in plan.steps],
+        entry = _Entry([(step.sig, _picker([n.pos for n in step.nodes]), step.ragged)
+                        for step in plan.steps],
                        [None] * len(plan.steps))
         self.cache[key] = entry
 
@@ -424,7 +451,7 @@ def _picker(positions):
 
 
 class _Entry:
-    """A cached plan: steps as (signature, picker of its nodes), recipes, how
+    """A cached plan: steps as (signature, picker of its nodes, ragged), recipes, how
     often it was reused, and its compiled program once there is one."""
     __slots__ = ('steps', 'recipes', 'hits', 'program', 'uncompilable')
 

@@ -96,6 +96,7 @@ class TracedSignature:
         self.host_parts = {}    # host items -> whether ops depend on them alone (execute.py)
         self.table_reads = {}   # host items -> embeddings they index (execute.FlushTables)
         self.host_splits = {}   # host items -> lower.HostSplit or None (execute.FlushHoist)
+        self.ragged = None      # whether its lists can run ragged (lower.ragged_lists)
 
     def item_pos(self, item):
         """Position among the flat leaves of top-level argument ``item``'s

@@ -10,7 +10,7 @@ from hypothesis import given, strategies as st
 from mxnet import autograd
 
 import gluon_dynbatch as dyb
-from gluon_dynbatch import lower
+from gluon_dynbatch import lanes, lower
 from gluon_dynbatch.lanes import CUT, vectorize_lists
 
 from test_equivalence import make_tree_model, pair_forward, random_pairs
@@ -260,3 +260,190 @@ def test_switch_turns_lane_programs_off(monkeypatch):
         pair_forward(node, head, random_pairs(np.random.RandomState(5), 4))()
     assert not any('dot' in ops(program.symbol) for sig in node.signatures()
                    for program in sig.inference_programs.values())
+
+
+# --- ragged lanes: lists of different lengths, no padding elements ---------
+
+def ragged_inputs(lengths, width):
+    """``segment``, ``padded`` and ``lengths`` (see lanes.SEGMENT) of lists
+    of ``lengths`` in a step ``width`` elements wide, as NDArrays."""
+    lengths = np.asarray(lengths, dtype=np.int32)
+    ends = np.cumsum(lengths)
+    lane = np.arange(width)[:, None]
+    return {lanes.SEGMENT: mx.nd.array(np.repeat(np.arange(len(lengths)), lengths),
+                                       dtype='int32'),
+            lanes.PADDED: mx.nd.array(np.where(lane < lengths, ends - lengths + lane, 0),
+                                      dtype='int32'),
+            lanes.LENGTHS: mx.nd.array(lengths, dtype='int32')}
+
+
+def ragged_and_reference(width, program, lengths, seed=0, poison=None):
+    """Outputs and input gradients of ``program`` on lists of ``lengths``:
+    once ragged (one call), once per list through the per-element graph
+    of that list's length.  ``poison`` puts that value in every input row
+    of the first list."""
+    rng = np.random.RandomState(seed)
+    total, count = sum(lengths), len(lengths)
+    values = {'h': rng.uniform(-1, 1, (total, D)), 'c': rng.uniform(-1, 1, (total, D)),
+              'x': rng.uniform(-1, 1, (count, D)), 'y': rng.uniform(-1, 1, (count, D)),
+              'w': rng.uniform(-1, 1, (D, D))}
+    if poison is not None:
+        for name in 'hc':
+            values[name][:lengths[0]] = poison
+        for name in 'xy':
+            values[name][0] = poison
+    weights = [rng.uniform(-1, 1, (count, D)) for _ in range(2)]
+    ragged = vectorize_lists(build_lane_program(width, program),
+                             {CUT + '0': 2, CUT + '1': 2}, np.float32, ragged=True)
+    assert ragged is not None
+    starts = np.cumsum([0] + list(lengths))
+
+    def run(use_ragged):
+        arrays = {name: mx.nd.array(value) for name, value in values.items()}
+        for array in arrays.values():
+            array.attach_grad()
+        with autograd.record():
+            if use_ragged:
+                feed = dict(arrays, **ragged_inputs(lengths, width))
+                outs = mx.nd.CachedOp(ragged)(*[feed[n] for n in ragged.list_inputs()])
+            else:
+                per_list = []
+                for n, length in enumerate(lengths):
+                    symbol = build_lane_program(length, program) if length > 1 else None
+                    rows = mx.nd.arange(starts[n], starts[n] + length)
+                    feed = {'x': arrays['x'][n:n + 1], 'y': arrays['y'][n:n + 1],
+                            'w': arrays['w']}
+                    for name in 'hc':    # (length, 1, D): one list, element-major
+                        feed[name] = mx.nd.take(arrays[name], rows).expand_dims(1)
+                    if symbol is None:   # a list of one: the element's own value
+                        symbol = build_lane_program(2, program)
+                        for name in 'hc':
+                            feed[name] = mx.nd.concat(feed[name], feed[name] * 0, dim=0)
+                        per_list.append(_single(program, feed))
+                        continue
+                    per_list.append(mx.nd.CachedOp(symbol)(
+                        *[feed[name] for name in symbol.list_inputs()]))
+                outs = [mx.nd.concat(*[o[k] for o in per_list], dim=0) for k in range(2)]
+            loss = sum((o * mx.nd.array(w)).sum() for o, w in zip(outs, weights))
+        loss.backward()
+        return [o.asnumpy() for o in outs], {n: a.grad.asnumpy() for n, a in arrays.items()}
+    return run(True), run(False)
+
+
+def _single(program, feed):
+    """The program on a list of one element (its lane 0), as NDArray ops."""
+    h, c = feed['h'][0], feed['c'][0]
+    shared = {-2: feed['x'], -1: feed['y']}
+    values = [h, c]
+    nd_ops = {'sigmoid': lambda v: mx.nd.Activation(v, act_type='sigmoid'),
+              'tanh': lambda v: mx.nd.Activation(v, act_type='tanh'),
+              'abs': mx.nd.abs, 'square': mx.nd.square, 'negative': mx.nd.negative,
+              'scale': lambda v: v * 0.7, 'shift': lambda v: v + 0.3}
+    pairs = {'add': mx.nd.elemwise_add, 'sub': mx.nd.elemwise_sub, 'mul': mx.nd.elemwise_mul,
+             'max': mx.nd.maximum}
+    for kind, name, operand, left in program:
+        last = values[-1]
+        if kind == 'unary':
+            values.append(nd_ops[name](last))
+        elif kind == 'fc':
+            values.append(mx.nd.FullyConnected(last, feed['w'], num_hidden=D, no_bias=True))
+        else:
+            other = shared[operand] if operand < 0 else values[operand]
+            values.append(pairs[name](*((other, last) if left else (last, other))))
+    return [values[-1], values[2]]
+
+
+@given(lane_programs(), st.lists(st.integers(1, 4), min_size=1, max_size=6))
+def test_random_ragged_lane_programs_equal_each_lists_own_graph(drawn, lengths):
+    """Ragged lanes give every list what the per-element graph of its own
+    length gives (values and input gradients): no padding element is
+    computed, so none has to be neutral."""
+    width, program = drawn
+    width = max(width, max(lengths), 2)
+    (out_r, grad_r), (out_p, grad_p) = ragged_and_reference(width, program, lengths)
+    for got, want in zip(out_r, out_p):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for name in grad_p:
+        np.testing.assert_allclose(grad_r[name], grad_p[name], rtol=1e-4, atol=1e-5,
+                                   err_msg=name)
+
+
+def test_ragged_lanes_keep_a_lists_nan_to_itself():
+    """The element a short list's missing slots read is masked by
+    assignment: a NaN in the first list reaches no other list."""
+    program = [('fc', 'fc', 0, False), ('pair', 'mul', 1, False)]
+    lengths = [2, 1, 3, 1]
+    (out, _), _ = ragged_and_reference(3, program, lengths, poison=np.nan)
+    for o in out:
+        assert np.isnan(o[0]).all() and np.isfinite(o[1:]).all()
+
+
+def test_ragged_needs_every_lane_closed():
+    hs, cs = cut('h'), cut('c', item=1)
+    kept = forget_products(hs, cs, mx.sym.var('x'), mx.sym.var('w'))
+    closed = child_sum(hs, cs, mx.sym.var('x'), mx.sym.var('w'))
+    open_ = mx.sym.Group([mx.sym.add_n(*kept), mx.sym.add_n(*hs), kept[0]])
+    ndims = {CUT + '0': 2, CUT + '1': 2}
+    assert vectorize_lists(open_, ndims, np.float32, ragged=True) is None
+    after = vectorize_lists(closed, ndims, np.float32, ragged=True)
+    assert 'SliceChannel' not in ops(after) and ops(after).count('SequenceMask') == 2
+
+
+@pytest.fixture
+def ragged_always(monkeypatch):
+    """Padding made so costly that every mixed-length group runs ragged."""
+    from gluon_dynbatch import plan
+    monkeypatch.setitem(plan.PADDING_COST, 'elem_us', 1e6)
+    monkeypatch.setitem(plan.PADDING_COST, 'family_step_us', {})
+
+
+@pytest.mark.parametrize('training', [False, True])
+@pytest.mark.parametrize('strategy', ['depth', 'agenda', 'cached'])
+def test_ragged_steps_equal_per_sample(strategy, training, ragged_always):
+    """Node steps over children lists of every length run ragged, in
+    inference and training, and for a cached plan on its miss, its first
+    hit (recipes learned) and compiled; values and gradients equal
+    per-sample execution."""
+    node, head = make_tree_model(pad_lists=True)
+    pairs = random_pairs(np.random.RandomState(9), 8)
+    forward = pair_forward(node, head, pairs)
+    params = list(node.collect_params().values()) + list(head.collect_params().values())
+    cached = dyb.CachedPlan(compile_after=2)
+    chosen = cached if strategy == 'cached' else strategy
+
+    def run(batched):
+        with autograd.record(train_mode=False) if training else _nothing():
+            if batched:
+                with dyb.batching(chosen):
+                    outs = [o.data for o in forward()]
+            else:
+                outs = forward()
+            loss = sum((o * (k + 1)).sum() for k, o in enumerate(outs))
+        if training:
+            loss.backward()
+        return [o.asnumpy() for o in outs], \
+            [p.grad().asnumpy().copy() for p in params] if training else []
+
+    want_outs, want_grads = run(False)
+    runs = []
+    for _ in range(4 if strategy == 'cached' else 1):
+        got_outs, got_grads = run(True)
+        runs.append(dyb.stats()['last']['strategy'])
+        for want, got in zip(want_outs, got_outs):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        for param, want, got in zip(params, want_grads, got_grads):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=param.name)
+    programs = [p for sig in node.signatures()
+                for p in (sig.programs if training else sig.inference_programs).items()]
+    assert any(way and way[0] == 'ragged' for pattern, _ in programs for way in pattern)
+    assert any('SequenceMask' in ops(program.symbol) for _, program in programs)
+    if strategy == 'cached':
+        assert runs[-1] == 'cached-compiled'
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
