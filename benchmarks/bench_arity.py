@@ -1,12 +1,14 @@
-"""Variable arity on SICK: per-arity groups vs zero-padded lists.
+"""Variable arity on SICK: per-arity groups vs zero-padded vs ragged lists.
 
 Tree-LSTM nodes differ in their number of children.  Without ``pad_lists``
 each arity is its own signature, so every depth runs one batched step per
 arity present; with it (``TreeLSTMNode.dynbatch_pad_lists``) one step runs
 all arities padded with zeros, and the planner splits a group by list length
-only where the padding costs more than another step.  This script measures
-the three variants side by side (interleaved repeats, medians) for inference
-and forward+backward at minibatch 25 and 256, and writes JSON.
+only where the padding costs more than another step; or (the default) one
+step runs all arities *ragged*, computing no padding element at all, where
+that costs less than the best split.  This script measures the four variants
+side by side (interleaved repeats, medians) for inference and
+forward+backward at minibatch 25 and 256, and writes JSON.
 
     python benchmarks/bench_arity.py [--out benchmarks/results] [--repeats 3]
 """
@@ -31,6 +33,7 @@ def main():
     from mxnet import autograd
     import gluon_dynbatch as dyb
     from gluon_dynbatch.models import Similarity, TreeLSTMNode
+    from gluon_dynbatch import plan
     from gluon_dynbatch.plan import PADDING_COST
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_treelstm import load_data
@@ -46,10 +49,11 @@ def main():
         head.initialize(mx.init.Xavier())
         return node, head
 
-    # name -> (model, per-element padding cost; 0 disables splitting)
-    variants = {'per-arity groups': (make(False), None),
-                'padded, no split': (make(True), 0.0),
-                'padded + cost-split': (make(True), PADDING_COST['elem_us'])}
+    # name -> (model, per-element padding cost (0 disables splitting), ragged)
+    variants = {'per-arity groups': (make(False), None, False),
+                'padded, no split': (make(True), 0.0, False),
+                'padded + cost-split': (make(True), PADDING_COST['elem_us'], False),
+                'ragged where cheaper': (make(True), PADDING_COST['elem_us'], True)}
 
     def run(model, batch, train):
         node, head = model
@@ -68,7 +72,7 @@ def main():
         out.asnumpy()
 
     def timed(name, batch_size, train):
-        model, elem = variants[name]
+        model, elem, plan.RAGGED = variants[name]
         if elem is not None:
             PADDING_COST['elem_us'] = elem
         start, done = time.perf_counter(), 0

@@ -102,13 +102,15 @@ class CostModel:
         Steps of different blocks cost very different amounts, so a line
         ``time = step + per_element * elements`` is fitted per signature
         family (elements = calls x input leaves, which counts padded list
-        elements), giving that family's step cost; the medians over families
-        refine the global constants, and the per-element slope is what a
-        padded list element costs.  A single line through all steps would
-        fold the blocks' differences into the intercept."""
+        elements; a ragged step counts its real elements only), giving that
+        family's step cost; the medians over families refine the global
+        constants, and the per-element slope is what a padded list element
+        costs.  A single line through all steps would fold the blocks'
+        differences into the intercept."""
         by_family = {}
         for step, seconds in zip(plan.steps, step_seconds):
-            elements = len(step.nodes) * max(1, len(step.sig.data_names))
+            elements = sum(len(node.sig.data_names) for node in step.nodes) if step.ragged \
+                else len(step.nodes) * max(1, len(step.sig.data_names))
             by_family.setdefault(step.sig.group_key, []).append((elements, seconds * 1e6))
         fits = {}
         for family, points in by_family.items():

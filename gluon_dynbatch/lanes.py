@@ -33,6 +33,11 @@ Every lane's row of a vectorized op is the same arithmetic on the same
 values as its copy's, so results equal those of the cut graph up to the
 order of the final sum.  Anything the pass does not recognise is left as it
 was.
+
+Lists of different lengths in one step can run *ragged* (``ragged=True``):
+the lanes are then the real elements only, list after list, and shared
+values and sums go through index inputs (:data:`SEGMENT`) instead of the
+K-fold layout, so no padding element is computed.
 """
 import json
 
@@ -97,7 +102,9 @@ the lanes is a ``take`` along ``PADDED`` into ``(K, N, ...)``, a
 the row taken for them never leaks, NaN or not) and the ``dot`` with K
 ones."""
 PADDED = 'dynbatch_padded'
+"""Input of ragged lanes: ``(K, N)`` positions of the elements (see :data:`SEGMENT`)."""
 LENGTHS = 'dynbatch_lengths'
+"""Input of ragged lanes: each list's length (see :data:`SEGMENT`)."""
 
 
 def _all_cuts_closed(nodes, heads, sums):

@@ -7,9 +7,12 @@ are the N calls in order, e.g. host token ids) or *gathered*: a source array
 and concatenated inside the program) plus an index array.  A list argument
 of length K is gathered with one ``(N, K)`` index into ``(N, K, ...)`` rows
 and cut into its K elements by one ``SliceChannel`` (a single op whose
-backward writes each gradient once, unlike K slices).  In inference it is
-gathered element-major, ``(K, N, ...)``, and the block's per-element ops
-run once over all elements (:mod:`~gluon_dynbatch.lanes`).
+backward writes each gradient once, unlike K slices).  It is gathered
+element-major, ``(K, N, ...)``, and the block's per-element ops run once
+over all elements (:mod:`~gluon_dynbatch.lanes`).  A step whose calls have
+lists of different lengths either pads them with zero rows or runs them
+*ragged* (``'ragged'``: only the real elements, list after list, see
+:func:`ragged_lists`).
 
 The gathers and the block's ops compile into one CachedOp per (signature,
 gather pattern), so a step costs one CachedOp call plus its index uploads,
@@ -57,7 +60,7 @@ from .trace import leaf_count
 
 __all__ = ['StepProgram', 'step_program', 'element_major', 'FlushProgram', 'flush_program',
            'share_host_part', 'host_part', 'embedding_reads', 'read_tables', 'HostSplit',
-           'host_split', 'split_host_part', 'hoisted_rest']
+           'host_split', 'split_host_part', 'hoisted_rest', 'ragged_lists']
 
 
 class StepProgram:

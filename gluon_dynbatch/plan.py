@@ -44,7 +44,8 @@ class BatchStep:
     ragged: bool = False
 
     def __str__(self):
-        return '%-40s x%d' % (self.sig.describe(), len(self.nodes))
+        return '%-40s x%d%s' % (self.sig.describe(), len(self.nodes),
+                                ' ragged' if self.ragged else '')
 
 
 @dataclass(frozen=True)
