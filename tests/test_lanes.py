@@ -1,6 +1,7 @@
 """The list-lane pass (gluon_dynbatch.lanes): what it rewrites, what it
 leaves alone, and that rewritten graphs compute the same values and
 gradients as the per-element graphs they replace."""
+import contextlib
 import json
 
 import mxnet as mx
@@ -222,6 +223,22 @@ def test_inference_uses_lane_programs_with_per_sample_results(strategy):
     assert not any(sig.programs for sig in node.signatures())
 
 
+def outputs_and_gradients(forward, params, strategy, training=True):
+    """The pairs' outputs, and with ``training`` the parameters' gradients
+    of a weighted sum of them: per sample (``strategy`` None) or batched."""
+    with autograd.record() if training else contextlib.nullcontext():
+        if strategy is None:
+            outs = forward()
+        else:
+            with dyb.batching(strategy):
+                outs = [o.data for o in forward()]
+        loss = sum((o * (k + 1)).sum() for k, o in enumerate(outs))
+    if training:
+        loss.backward()
+    return [o.asnumpy() for o in outs], \
+        [p.grad().asnumpy().copy() for p in params] if training else []
+
+
 @pytest.mark.parametrize('strategy', ['depth', 'cached'])
 def test_training_uses_lane_programs_with_per_sample_gradients(strategy):
     node, head = make_tree_model(pad_lists=True)
@@ -229,20 +246,9 @@ def test_training_uses_lane_programs_with_per_sample_gradients(strategy):
     forward = pair_forward(node, head, pairs)
     params = list(node.collect_params().values()) + list(head.collect_params().values())
 
-    def gradients(batched):
-        with autograd.record():
-            if batched:
-                with dyb.batching(strategy):
-                    outs = [o.data for o in forward()]
-            else:
-                outs = forward()
-            loss = sum((o * (k + 1)).sum() for k, o in enumerate(outs))
-        loss.backward()
-        return [o.asnumpy() for o in outs], [p.grad().asnumpy().copy() for p in params]
-
-    want_outs, want_grads = gradients(False)
+    want_outs, want_grads = outputs_and_gradients(forward, params, None)
     for _ in range(2):          # the cached plan's miss, then its hit
-        got_outs, got_grads = gradients(True)
+        got_outs, got_grads = outputs_and_gradients(forward, params, strategy)
         for want, got in zip(want_outs, got_outs):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
         for param, want, got in zip(params, want_grads, got_grads):
@@ -408,26 +414,11 @@ def test_ragged_steps_equal_per_sample(strategy, training, ragged_always):
     pairs = random_pairs(np.random.RandomState(9), 8)
     forward = pair_forward(node, head, pairs)
     params = list(node.collect_params().values()) + list(head.collect_params().values())
-    cached = dyb.CachedPlan(compile_after=2)
-    chosen = cached if strategy == 'cached' else strategy
-
-    def run(batched):
-        with autograd.record(train_mode=False) if training else _nothing():
-            if batched:
-                with dyb.batching(chosen):
-                    outs = [o.data for o in forward()]
-            else:
-                outs = forward()
-            loss = sum((o * (k + 1)).sum() for k, o in enumerate(outs))
-        if training:
-            loss.backward()
-        return [o.asnumpy() for o in outs], \
-            [p.grad().asnumpy().copy() for p in params] if training else []
-
-    want_outs, want_grads = run(False)
+    chosen = dyb.CachedPlan(compile_after=2) if strategy == 'cached' else strategy
+    want_outs, want_grads = outputs_and_gradients(forward, params, None, training)
     runs = []
     for _ in range(4 if strategy == 'cached' else 1):
-        got_outs, got_grads = run(True)
+        got_outs, got_grads = outputs_and_gradients(forward, params, chosen, training)
         runs.append(dyb.stats()['last']['strategy'])
         for want, got in zip(want_outs, got_outs):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
@@ -440,10 +431,3 @@ def test_ragged_steps_equal_per_sample(strategy, training, ragged_always):
     if strategy == 'cached':
         assert runs[-1] == 'cached-compiled'
 
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
