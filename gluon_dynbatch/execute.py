@@ -129,6 +129,11 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hois
     arguments that read user NDArrays or earlier flushes have no recipe
     (None) and are gathered the long way every time."""
     sig, nodes = step.sig, step.nodes
+    if recipe is not None and None in recipe and \
+            any(type(how) is tuple and len(how) > 2 for how in recipe):
+        # a ragged recipe with a list found anew: lay out every list anew,
+        # so that all of the step's lists share one layout
+        recipe = None
     learned = [] if where is not None else None
     pattern, sources, indices, uploads = [], {}, {}, {}
     lists, ragged = {}, None     # list items gathered anew: item -> (index, distinct, zero)
