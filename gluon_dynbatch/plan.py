@@ -95,11 +95,12 @@ def make_steps(nodes):
 def steps_of(by_sig):
     """Steps over the calls of one family, given per signature.  Calls of
     one signature make one step.  Calls of several (list lengths differ) run
-    under padded signatures: as one step when the padded signature runs its
-    lists ragged (:func:`~.lower.ragged_lists`: no padding elements are
-    computed), else split into buckets of similar length where the padding
-    saved outweighs the cost of another step (an exact minimisation over
-    the distinct lengths, of which there are few)."""
+    under padded signatures, split into buckets of similar length where the
+    padding saved outweighs the cost of another step (an exact minimisation
+    over the distinct lengths, of which there are few); or, where the padded
+    signature runs its lists ragged (:func:`~.lower.ragged_lists`: no
+    padding element computed) and that is priced below the best split
+    (:func:`_ragged_us`), as one ragged step."""
     if len(by_sig) == 1:
         sig, nodes = next(iter(by_sig.items()))
         return [BatchStep(sig, tuple(nodes))]
