@@ -19,8 +19,8 @@ from mxnet.gluon import Block
 from . import accel, debug
 from .errors import InputError, ScopeError
 from .execute import collect, pad_leaves, run_plan, threaded_engine, to_device
-from .lower import ragged_lists
 from .graph import DONE, FAILED, PENDING, LazyValue, Node
+from .lower import ragged_lists
 from .plan import STRATEGIES, summarize
 from .trace import flatten, leaf_count, regroup, trace_signature
 

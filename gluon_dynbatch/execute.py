@@ -22,8 +22,7 @@ from mxnet.ndarray.ndarray import _DTYPE_NP_TO_MX, DLDataType, _int64_enabled
 from . import accel
 from .graph import DONE, LazyValue
 from .lanes import LENGTHS, PADDED, SEGMENT
-from .lower import (element_major, embedding_reads, host_part, host_split, ragged_lists,
-                    step_program)
+from .lower import element_major, embedding_reads, host_part, host_split, step_program
 from .trace import leaf_count
 
 __all__ = ['run_plan', 'run_step', 'FlushTables', 'FlushHoist', 'collect', 'gather_rows',
@@ -231,14 +230,14 @@ def _lay_out_lists(sig, lists, sources, indices, pattern, uploads, learned, wher
     :data:`~.lanes.SEGMENT`) when its lists run ragged, else None.
 
     Lists run ragged (pattern ``'ragged'``) when the plan says so
-    (``ragged``: see :func:`~.plan.steps_of`), some are padded, and every
+    (``ragged``: the plan checked :func:`~.lower.ragged_lists`, see
+    :func:`~.plan.steps_of`), some are padded, and every
     list of a call has the same length: then only the real elements are
     gathered, list after list.  Otherwise each is gathered whole, padding
     included, element-major where :func:`~.lower.element_major` says so."""
     layout = None
     if ragged and any(zero is not None for _, _, zero in lists.values()) and \
-            len(lists) == sum(1 for fmt in sig.fmt if fmt != 0 and leaf_count(fmt) > 1) and \
-            ragged_lists(sig):
+            len(lists) == sum(1 for fmt in sig.fmt if fmt != 0 and leaf_count(fmt) > 1):
         layout = _ragged_layout(lists, sources)
     ragged = None
     if layout is not None:
