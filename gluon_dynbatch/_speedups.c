@@ -51,7 +51,7 @@ static Py_ssize_t lv_node, lv_index, lv_data;
 static Py_ssize_t n_sig, n_leaves, n_depth, n_scope, n_pos, n_state, n_used, n_arrays, n_row;
 
 static PyObject *s_out_info, *s_batch_safe, *s_group_key, *s_out_fmt,
-    *s_signatures, *s_trace, *s_pending,
+    *s_signatures, *s_trace, *s_pending, *s_flush_at, *s_flush,
     *s_shape, *s_dtype, *s_type, *s_context, *s_device_typeid, *s_device_id, *s_sig_id,
     *s_arrays, *s_value, *s_tape;
 
@@ -627,7 +627,7 @@ static PyObject *flatten_flat(PyObject *const *args, Py_ssize_t n, PyObject *lea
  * is a BatchingScope (see call_method), else by attribute; NULL with an
  * exception set when unset. */
 static PyTypeObject *ScopeType;
-static Py_ssize_t sc_tape, sc_pending;
+static Py_ssize_t sc_tape, sc_pending, sc_flush_at;
 
 static PyObject *scope_field(PyObject *scope, Py_ssize_t offset, PyObject *name)
 {
@@ -826,6 +826,18 @@ have_signature:
     }
     if (result == NULL) BAIL(error);
     ((TapeObject *)tape)->seconds += now() - start;
+    /* a pipelined scope runs what it holds every flush_at calls (see
+     * BatchingScope): the operators then run while the user records on */
+    PyObject *limit = scope_field(scope, sc_flush_at, s_flush_at);
+    Py_ssize_t at = limit == NULL ? PY_SSIZE_T_MAX : PyLong_AsSsize_t(limit);
+    Py_XDECREF(limit);
+    if (at == -1 && PyErr_Occurred()) { Py_CLEAR(result); BAIL(error); }
+    if (limit == NULL) PyErr_Clear();
+    if (PyList_GET_SIZE(pending) >= at) {
+        PyObject *flushed = PyObject_CallMethodNoArgs(scope, s_flush);
+        if (flushed == NULL) { Py_CLEAR(result); BAIL(error); }
+        Py_DECREF(flushed);
+    }
     goto done;
 
 fallback:
@@ -982,7 +994,8 @@ static PyObject *call_method(PyObject *self, PyObject *args)
                           &PyType_Type, &scope_cls))
         return NULL;
     if (slot_offset((PyTypeObject *)scope_cls, "tape", &sc_tape)
-        || slot_offset((PyTypeObject *)scope_cls, "pending", &sc_pending))
+        || slot_offset((PyTypeObject *)scope_cls, "pending", &sc_pending)
+        || slot_offset((PyTypeObject *)scope_cls, "flush_at", &sc_flush_at))
         return NULL;
     Py_INCREF(scope_cls);
     Py_XSETREF(ScopeType, (PyTypeObject *)scope_cls);
@@ -1855,6 +1868,7 @@ PyMODINIT_FUNC PyInit__speedups(void)
     INTERN(s_group_key, "group_key"); INTERN(s_out_fmt, "out_fmt");
     INTERN(s_signatures, "_signatures");
     INTERN(s_trace, "_trace"); INTERN(s_pending, "pending");
+    INTERN(s_flush_at, "flush_at"); INTERN(s_flush, "flush");
     INTERN(s_tape, "tape");
     INTERN(s_shape, "shape"); INTERN(s_dtype, "dtype"); INTERN(s_type, "type");
     INTERN(s_context, "context"); INTERN(s_device_typeid, "device_typeid");

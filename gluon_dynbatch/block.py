@@ -8,12 +8,14 @@ scope a wrapped block is just the block it wraps.
 """
 import gc
 import itertools
+import sys
 import threading
 import time
 from contextlib import contextmanager
 
 import mxnet as mx
 import numpy as np
+from mxnet import autograd
 from mxnet.gluon import Block
 
 from . import accel, debug
@@ -38,6 +40,13 @@ one flush in this many waits for each step to finish and gives the
 strategy (the cost model) real step times; the others overlap Python with
 the ops and report none."""
 _clock = time.perf_counter     # bound once: record() runs per call
+PIPELINE_CALLS = 6144
+"""Calls a pipelined scope (``batching(flush_every='auto')``, inference
+under the threaded engine) records before it runs them: enough that each
+flush still batches well (a SICK minibatch of 256 pairs, ~5,300 calls, runs
+as one flush), few enough that larger minibatches split into parts whose
+operators run on the engine's worker while Python records the next part
+(``benchmarks/bench_pipeline.py``)."""
 
 
 def current_scope():
@@ -48,12 +57,17 @@ def current_scope():
 class BatchingScope:
     """Holds the calls recorded since the last flush, and runs them.
 
-    Its fields are ``__slots__``: the C recorder reads ``tape`` and
-    ``pending`` at every call, straight from the slots."""
-    __slots__ = ('strategy', 'pending', 'record_s', 'groups', 'used', 'unsafe', 'tape')
+    A scope whose ``flush_at`` is set runs what it holds every ``flush_at``
+    calls (a pipelined scope, see :func:`batching`).
 
-    def __init__(self, strategy):
+    Its fields are ``__slots__``: the C recorder reads ``tape``,
+    ``pending`` and ``flush_at`` at every call, straight from the slots."""
+    __slots__ = ('strategy', 'pending', 'record_s', 'groups', 'used', 'unsafe', 'tape',
+                 'flush_at')
+
+    def __init__(self, strategy, flush_at=None):
         self.strategy = strategy
+        self.flush_at = flush_at or sys.maxsize   # calls held before a flush
         self.pending = []
         self.record_s = 0.0
         self.groups = {}     # (depth, family) -> calls
@@ -94,6 +108,8 @@ class BatchingScope:
             outputs = [LazyValue(node, i) for i in range(len(sig.out_shapes))]
             result = tuple(regroup(out_fmt, outputs)[0])
         self.record_s += _clock() - start
+        if len(self.pending) >= self.flush_at:
+            self.flush()
         return result
 
     def take(self):
@@ -156,7 +172,7 @@ def _fail(nodes):
 
 
 @contextmanager
-def batching(strategy='auto'):
+def batching(strategy='auto', flush_every='auto'):
     """Record wrapped-block calls in this scope and run them batched.
 
     Parameters
@@ -165,6 +181,18 @@ def batching(strategy='auto'):
         How to group calls: ``'auto'`` (default: the cost model picks per
         flush), or pin one of ``'depth'``, ``'agenda'``, ``'cached'``,
         ``'per-sample'`` (see :mod:`gluon_dynbatch.plan`, :mod:`gluon_dynbatch.cost`).
+    flush_every : int, None or 'auto'
+        Run what was recorded every this many calls, so that MXNet's engine
+        thread computes one part while Python records the next (a
+        *pipelined* scope; results and gradients are the same, only when
+        the operators run changes).  ``'auto'`` (default): every
+        :data:`PIPELINE_CALLS` calls when the scope opens outside
+        ``autograd.record()`` under MXNet's threaded engine; otherwise
+        never: the NaiveEngine runs operators in the calling thread, so
+        smaller flushes would only batch less, and in training the backward
+        pass, which cannot start before the last flush, runs more and
+        smaller steps.  None or 0: flush only when a value is read or the
+        scope exits.
 
     Notes
     -----
@@ -182,8 +210,14 @@ def batching(strategy='auto'):
             raise ScopeError('unknown strategy %r; choose one of %s'
                              % (strategy, sorted(STRATEGIES)))
         strategy = STRATEGIES[strategy]
+    if isinstance(flush_every, str) and flush_every == 'auto':
+        flush_every = PIPELINE_CALLS if threaded_engine() and not autograd.is_recording() \
+            else None
+    elif flush_every is not None and (type(flush_every) is not int or flush_every < 0):
+        raise ScopeError("flush_every=%r: give a number of calls (> 0), None (flush only when "
+                         "a value is read or the scope exits) or 'auto'." % (flush_every,))
     strategy.prepare()
-    scope = BatchingScope(strategy)
+    scope = BatchingScope(strategy, flush_every)
     _LOCAL.scope = scope
     # Recording makes many small objects; the cyclic collector would walk every
     # live object of the process (datasets included) again and again, which

@@ -93,7 +93,7 @@ def param_grads(*blocks):
     return out
 
 
-def run_both(forward, blocks, inputs=(), strategy='depth'):
+def run_both(forward, blocks, inputs=(), strategy='depth', flush_every='auto'):
     """Run ``forward(batched)`` per sample and batched under autograd.
 
     ``forward`` returns a list of output NDArrays (batched: ``.data`` of lazy
@@ -106,7 +106,7 @@ def run_both(forward, blocks, inputs=(), strategy='depth'):
             x.attach_grad()
         with autograd.record():
             if batched:
-                with dyb.batching(strategy):
+                with dyb.batching(strategy, flush_every=flush_every):
                     outs = forward()
                 outs = [o.data if isinstance(o, dyb.LazyValue) else o for o in outs]
             else:

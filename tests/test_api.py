@@ -1,5 +1,7 @@
 """Behaviour of the user-facing API: laziness, scopes, plans, parameters,
 and the errors each misuse gets."""
+import sys
+
 import mxnet as mx
 import numpy as np
 import pytest
@@ -219,6 +221,49 @@ def test_error_nested_scopes():
             with dyb.batching():
                 pass
     with dyb.batching():                      # still usable afterwards
+        pass
+
+
+def test_pipelined_scope_runs_every_flush_every_calls():
+    block = dense()
+    dyb.reset_stats()
+    with dyb.batching(flush_every=3):
+        ys = [block(mx.nd.ones((1, 3)))]
+        for _ in range(6):
+            ys.append(block(ys[-1]))
+            ready = [y.ready for y in ys]
+            assert ready == [len(ys) // 3 * 3 > i for i in range(len(ys))]
+        assert dyb.stats()['flushes'] == 2
+    assert dyb.stats()['flushes'] == 3 and ys[-1].ready
+
+
+@pytest.mark.parametrize('threaded', [False, True])
+def test_flush_every_auto_pipelines_inference_under_the_threaded_engine(monkeypatch, threaded):
+    """Only there do the operators of one part run while Python records
+    the next; in training the backward pass would only get more steps."""
+    from gluon_dynbatch import block as block_module
+    monkeypatch.setattr(block_module, 'threaded_engine', lambda: threaded)
+    never = sys.maxsize
+    with dyb.batching() as scope:
+        assert scope.flush_at == (block_module.PIPELINE_CALLS if threaded else never)
+    with autograd.record():
+        with dyb.batching() as scope:
+            assert scope.flush_at == never
+    with dyb.batching(flush_every=None) as scope:
+        assert scope.flush_at == never
+    with dyb.batching(flush_every=0) as scope:
+        assert scope.flush_at == never
+    with autograd.record():
+        with dyb.batching(flush_every=500) as scope:
+            assert scope.flush_at == 500
+
+
+@pytest.mark.parametrize('value', [-1, 2.5, 'often', True])
+def test_error_bad_flush_every(value):
+    with pytest.raises(dyb.ScopeError, match='flush_every'):
+        with dyb.batching(flush_every=value):
+            pass
+    with dyb.batching():                      # nothing was left open
         pass
 
 

@@ -1,0 +1,99 @@
+"""Pipelined scopes on SICK: flushing every K calls against one flush per
+minibatch, under MXNet's threaded engine.
+
+Under the threaded engine operators run on the engine's worker thread, so a
+scope that runs what it holds every K calls (``batching(flush_every=K)``)
+lets the worker compute one part of a minibatch while Python records the
+next; each flush batches fewer calls, so K trades overlap against batching.
+This script runs the same minibatches (a different one per repeat, so
+structures do not repeat) with one flush per minibatch (twice: the spread
+between the two identical forms is the harness's noise) and with each K, in
+an order rotated every repeat, and prints medians and ratios; JSON goes to
+``<out>/pipeline.json``.
+
+    python benchmarks/bench_pipeline.py [--repeats 25] [--out benchmarks/results]
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+SETTINGS = (('infer', 256), ('infer', 512), ('infer', 1024), ('train', 256), ('train', 1024))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results'))
+    p.add_argument('--data', default=None)
+    p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--repeats', type=int, default=25, help='minibatches per setting')
+    p.add_argument('--every', type=int, nargs='+', default=[3072, 6144, 12288],
+                   help='flush_every values to compare with one flush per minibatch')
+    p.add_argument('--settings', nargs='+', default=['%s %d' % s for s in SETTINGS],
+                   help="'infer B' or 'train B'")
+    p.add_argument('--engine', default='ThreadedEnginePerDevice')
+    args = p.parse_args()
+    os.environ['MXNET_ENGINE_TYPE'] = args.engine
+    os.environ['OMP_NUM_THREADS'] = '1'
+    import numpy as np
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_treelstm as bt
+    import gluon_dynbatch as dyb
+    from gluon_dynbatch.block import PIPELINE_CALLS
+    print('engine %s, OMP_NUM_THREADS %s, %d minibatches per setting'
+          % (os.environ['MXNET_ENGINE_TYPE'], os.environ['OMP_NUM_THREADS'], args.repeats),
+          flush=True)
+    _, items, targets, vocab_size, embedding = bt.load_data(args)
+    ctx = bt.Forms(vocab_size, embedding, args.seed, wanted=['dynbatch-auto'])
+
+    class Pipelined(bt.DynBatchForm):
+        def __init__(self, every):
+            super().__init__(dyb, ctx.dnode, ctx.dhead, 'auto')
+            self.every = every
+
+        def __call__(self, pairs, deadline=None):
+            with dyb.batching(self.strategy, flush_every=self.every):
+                preds = [self.dhead(self.encode(a_tree, a_ids)[0],
+                                    self.encode(b_tree, b_ids)[0])
+                         for a_ids, a_tree, b_ids, b_tree in pairs]
+            return dyb.concat_rows(preds)
+
+    forms = {'one flush': Pipelined(None), 'one flush (again)': Pipelined(None)}
+    forms.update(('every %d' % k, Pipelined(k)) for k in args.every)
+    names = list(forms)
+    results = []
+    for setting in args.settings:
+        mode, batch = setting.split()[0], int(setting.split()[1])
+        seconds = {name: [] for name in names}
+        start = 0
+        for repeat in range(args.repeats + 2):          # two warm-up minibatches
+            if start + batch > len(items):
+                start = 0
+            pairs, target = items[start:start + batch], targets[start:start + batch]
+            start += batch
+            for j in range(len(names)):
+                name = names[(repeat + j) % len(names)]
+                began = time.perf_counter()
+                bt.run_minibatch(ctx, forms[name], mode, pairs, target)
+                if repeat >= 2:
+                    seconds[name].append(time.perf_counter() - began)
+        medians = {name: float(np.median(s)) for name, s in seconds.items()}
+        base = medians['one flush']
+        row = {'mode': mode, 'batch_size': batch,
+               'pairs_per_s': {n: batch / m for n, m in medians.items()},
+               'ratio_to_one_flush': {n: base / m for n, m in medians.items()}}
+        results.append(row)
+        print('%-5s B=%-4d ' % (mode, batch) + '  '.join(
+            '%s %.0f (%.2fx)' % (n, row['pairs_per_s'][n], row['ratio_to_one_flush'][n])
+            for n in names), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, 'pipeline.json')
+    with open(path, 'w') as f:
+        json.dump({'settings': vars(args), 'default_flush_every': PIPELINE_CALLS,
+                   'results': results}, f, indent=1)
+    print('wrote', path)
+
+
+if __name__ == '__main__':
+    main()
