@@ -66,6 +66,7 @@ def main():
     for setting in args.settings:
         mode, batch = setting.split()[0], int(setting.split()[1])
         seconds = {name: [] for name in names}
+        flushes = {name: 0 for name in names}
         start = 0
         for repeat in range(args.repeats + 2):          # two warm-up minibatches
             if start + batch > len(items):
@@ -74,18 +75,23 @@ def main():
             start += batch
             for j in range(len(names)):
                 name = names[(repeat + j) % len(names)]
+                dyb.reset_stats()
                 began = time.perf_counter()
                 bt.run_minibatch(ctx, forms[name], mode, pairs, target)
                 if repeat >= 2:
                     seconds[name].append(time.perf_counter() - began)
+                    flushes[name] += dyb.stats()['flushes']
         medians = {name: float(np.median(s)) for name, s in seconds.items()}
         base = medians['one flush']
         row = {'mode': mode, 'batch_size': batch,
                'pairs_per_s': {n: batch / m for n, m in medians.items()},
-               'ratio_to_one_flush': {n: base / m for n, m in medians.items()}}
+               'ratio_to_one_flush': {n: base / m for n, m in medians.items()},
+               'flushes_per_minibatch': {n: f / args.repeats for n, f in flushes.items()}}
         results.append(row)
         print('%-5s B=%-4d ' % (mode, batch) + '  '.join(
-            '%s %.0f (%.2fx)' % (n, row['pairs_per_s'][n], row['ratio_to_one_flush'][n])
+            '%s %.0f (%.2fx, %.1f flushes)' % (n, row['pairs_per_s'][n],
+                                               row['ratio_to_one_flush'][n],
+                                               row['flushes_per_minibatch'][n])
             for n in names), flush=True)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, 'pipeline.json')

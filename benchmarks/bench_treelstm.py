@@ -717,7 +717,8 @@ def dyb_split(stats_list, pairs, batch):
     nodes = sum(int(s.get('nodes', 0) or 0) for s in stats_list)
     split = {k[:-3]: tot[k] / wall for k in keys}
     split['other'] = max(0.0, 1.0 - sum(split.values()))
-    minibatches = max(1, flushes)
+    # (a pipelined scope, batching(flush_every=...), runs several flushes a minibatch)
+    minibatches = max(1, -(-pairs // batch))
     choices = {}
     for s in stats_list:
         for k, v in (s.get('choices') or {}).items():
@@ -725,7 +726,8 @@ def dyb_split(stats_list, pairs, batch):
     return {'auto_choices': choices or None,'fraction_of_wall': split,
             'ms_per_minibatch': {**{k[:-3]: tot[k] / minibatches for k in keys},
                                  'wall': wall / minibatches},
-            'flushes': flushes, 'steps_per_flush': steps / minibatches,
+            'flushes': flushes, 'flushes_per_minibatch': flushes / minibatches,
+            'steps_per_flush': steps / max(1, flushes), 'steps_per_minibatch': steps / minibatches,
             'nodes_per_step': nodes / max(1, steps), 'pairs': pairs, 'batch': batch}
 
 
@@ -800,10 +802,12 @@ def format_split(results, settings):
                 continue
             f = sp['fraction_of_wall']
             lines.append('  %-22s %-13s %5.1f%% %5.1f%% %5.1f%% %5.1f%% %5.1f%%   %.2f ms/mb, '
-                         '%.0f steps/mb, %.1f nodes/step%s'
+                         '%.0f steps/mb%s, %.1f nodes/step%s'
                          % (name, sname, 100 * f['record'], 100 * f['analyse'],
                             100 * f['compile'], 100 * f['run'], 100 * f['other'],
-                            sp['ms_per_minibatch']['wall'], sp['steps_per_flush'],
+                            sp['ms_per_minibatch']['wall'], sp['steps_per_minibatch'],
+                            ' in %.1f flushes' % sp['flushes_per_minibatch']
+                            if sp['flushes_per_minibatch'] > 1.05 else '',
                             sp['nodes_per_step'],
                             ', chose %s' % sp['auto_choices'] if sp['auto_choices'] else ''))
     return '\n'.join(lines)

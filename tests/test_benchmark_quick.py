@@ -54,3 +54,21 @@ def test_ab_revision_runs_against_head():
     lines = [line for line in proc.stdout.splitlines() if 'speed-up' in line]
     assert [line.split()[:2] for line in lines] == [['infer', '4'], ['train', '4']]
     assert all(float(line.split()[-1]) > 0 for line in lines)
+
+
+@needs_sick
+def test_pipeline_benchmark_runs_and_pipelines(tmp_path):
+    """``bench_pipeline.py`` on tiny settings: every form timed, and the
+    pipelined forms really flushed several times a minibatch."""
+    proc = run_benchmark('bench_pipeline.py', '--repeats', '1', '--settings', 'infer 8',
+                         'train 4', '--every', '40', '--out', tmp_path)
+    assert 'engine ThreadedEnginePerDevice, OMP_NUM_THREADS 1' in proc.stdout
+    with open(tmp_path / 'pipeline.json') as f:
+        res = json.load(f)
+    assert [(r['mode'], r['batch_size']) for r in res['results']] == [('infer', 8), ('train', 4)]
+    for row in res['results']:
+        assert set(row['pairs_per_s']) == {'one flush', 'one flush (again)', 'every 40'}
+        assert all(math.isfinite(v) and v > 0 for v in row['pairs_per_s'].values())
+        flushes = row['flushes_per_minibatch']
+        assert flushes['one flush'] == flushes['one flush (again)'] == 1
+        assert flushes['every 40'] >= 2
