@@ -23,7 +23,7 @@ from .errors import InputError, ScopeError
 from .execute import collect, pad_leaves, run_plan, threaded_engine, to_device
 from .graph import DONE, FAILED, PENDING, LazyValue, Node
 from .lower import ragged_lists
-from .plan import STRATEGIES, summarize
+from .plan import SETUP, STRATEGIES, summarize
 from .trace import flatten, leaf_count, regroup, trace_signature
 
 __all__ = ['DynBatchBlock', 'batching', 'concat_rows', 'current_scope', 'private_scope']
@@ -33,12 +33,12 @@ _LOCAL = accel.scope_holder()     # .scope: this thread's open scope
 _SIG_IDS = itertools.count()
 _TRACING = threading.RLock()    # see DynBatchBlock._trace
 _PAIR = (0, 0)
-_FLUSHES = itertools.count()
 TIMED_EVERY = 8
 """Under a threaded engine a step's host-clock time is only its launch, so
-one flush in this many waits for each step to finish and gives the
-strategy (the cost model) real step times; the others overlap Python with
-the ops and report none."""
+a strategy that learns (``auto``) has one of its flushes in this many wait
+for each step to finish, to get real step times, and any flush whose
+measurement it still lacks (:meth:`~.plan.Strategy.wants_step_times`);
+the others overlap Python with the ops and report none."""
 _clock = time.perf_counter     # bound once: record() runs per call
 PIPELINE_CALLS = 6144
 """Calls a pipelined scope (``batching(flush_every='auto')``, inference
@@ -140,11 +140,11 @@ class BatchingScope:
             return
         nodes, summary = self.take()
         record_ms, self.record_s = self.record_s * 1e3, 0.0
-        timed = not threaded_engine() or next(_FLUSHES) % TIMED_EVERY == 0
         try:
             start = time.perf_counter()
             plan = self.strategy.plan(nodes, summary)
             planned = time.perf_counter()
+            timed = not threaded_engine() or self.strategy.wants_step_times(TIMED_EVERY)
             step_seconds = run_plan(plan, wait=timed and threaded_engine())
             done = time.perf_counter()
         except BaseException:
@@ -541,6 +541,7 @@ class DynBatchBlock(Block):
         sigs = tuple(sigs)
         sig = self._padded.get(sigs)
         if sig is None:
+            SETUP[0] += 1
             sig = self._padded[sigs] = self._padded_signature(sigs)
         return sig
 

@@ -29,7 +29,7 @@ import mxnet as mx
 
 from .execute import run_plan
 from .lower import BUILT
-from .plan import (PADDING_COST, STRATEGIES, Agenda, ByDepth, CachedPlan, PerSample,
+from .plan import (PADDING_COST, SETUP, STRATEGIES, Agenda, ByDepth, CachedPlan, PerSample,
                    Strategy, summarize)
 
 __all__ = ['CostModel', 'Auto', 'default_cost_model']
@@ -88,11 +88,13 @@ class CostModel:
                 for name, cost in steps_us.items()}
 
     # --- learning ----------------------------------------------------------
-    def observe_analysis(self, name, seconds, n_nodes, alpha=0.2, min_nodes=200):
+    def observe_analysis(self, name, seconds, n_nodes, alpha=0.2, min_nodes=200, setup=None):
         """Move ``analyse_us[name]`` toward a measured analysis.  Flushes of
         fewer than ``min_nodes`` calls are ignored: there fixed costs, not
-        per-node work, dominate the time."""
-        if n_nodes >= min_nodes:
+        per-node work, dominate the time; so are analyses that did one-time
+        work (``setup``: the value of :data:`~.plan.SETUP` when the analysis
+        began, if it has changed since)."""
+        if n_nodes >= min_nodes and (setup is None or setup == SETUP[0]):
             per_node = seconds * 1e6 / n_nodes
             self.analyse_us[name] += alpha * (per_node - self.analyse_us[name])
 
@@ -273,6 +275,7 @@ class Auto(Strategy):
         self._next_probe = {}   # kind of graph -> flush number of its next probe
         self._probe_gap = {}    # kind of graph -> flushes between its probes
         self._flushes = 0
+        self._asked = 0         # flushes that asked wants_step_times
 
     @property
     def model(self):
@@ -326,9 +329,9 @@ class Auto(Strategy):
                 ranked.pop(0)
         name = ranked[0]
         if plan is None:
-            start = time.perf_counter()
+            setup, start = SETUP[0], time.perf_counter()
             plan = STRATEGIES[name].plan(nodes)
-            self.model.observe_analysis(name, time.perf_counter() - start, len(nodes))
+            self.model.observe_analysis(name, time.perf_counter() - start, len(nodes), setup=setup)
             plan = self._remember(summary, nodes, plan, name)
         if name != 'cached' and verdict is False:
             # (a structure seen before: a probe would learn nothing new)
@@ -340,6 +343,20 @@ class Auto(Strategy):
                      'fingerprint': fingerprint,
                      'predictions_ms': {k: round(sum(v), 3) for k, v in predictions.items()}}
         return plan
+
+    def wants_step_times(self, every):
+        """Every ``every``-th flush of this strategy, and any flush that
+        runs depth, agenda or per-sample on a kind and size of graph where
+        that choice has no measured run factor yet.  (One counter for all
+        flushes made choices alias with it: a user or benchmark alternating
+        two scopes timed only one of them, and auto, never measured on the
+        other, ran agenda's plans there in half its flushes, 0.85x depth.)"""
+        self._asked += 1
+        choice, sized = self.last.get('choice'), self.last.get('sized')
+        if sized is not None and choice in ('depth', 'agenda', 'per-sample') \
+                and choice not in self._run_factors.get(sized, ()):
+            return True
+        return self._asked % every == 0
 
     def _corrected(self, predictions, sized):
         """``predictions`` with each strategy's run time scaled by what its
@@ -434,7 +451,7 @@ class Auto(Strategy):
             record.rival_timed = True
             return None
         others = [ms for name, ms in record.best_ms.items() if name != 'cached']
-        # not timed yet (a threaded engine times one flush in eight): keep it
+        # not timed yet (a threaded engine times few flushes): keep it
         return (not others or record.best_ms.get('cached', 0.0) <= 1.05 * min(others)
                 or record.sightings % self.probe_every == 0)
 
@@ -487,9 +504,9 @@ class Auto(Strategy):
         if self._flushes < self._next_probe.get(kind, 0):
             return
         other = 'agenda' if chosen != 'agenda' else 'depth'
-        start = time.perf_counter()
+        setup, start = SETUP[0], time.perf_counter()
         plan = STRATEGIES[other].plan(nodes)
-        self.model.observe_analysis(other, time.perf_counter() - start, len(nodes))
+        self.model.observe_analysis(other, time.perf_counter() - start, len(nodes), setup=setup)
         gap = self.probe_every
         if other == 'agenda':
             self._observe_agenda(len(plan.steps), summary['depth_steps'], kind)

@@ -77,6 +77,14 @@ RAGGED_STEP = 0.25
 """The extra ops of a ragged step, as a fraction of a step's fixed cost:
 a SICK Tree-LSTM node step has 30 ops ragged, 24 padded."""
 
+SETUP = [0]
+"""How many times planning did one-time work: a group of signatures met
+for the first time gets its padded signature traced and checked
+(``DynBatchBlock.padded_signature``, tens of ms).  The cost model skips
+analysis times that include it: one such flush once priced depth's
+analysis at 8 us a node instead of 0.4, and ``auto`` ran agenda's for a
+hundred flushes."""
+
 PADDING_COST = {'step_us': 300.0, 'elem_us': 1.0, 'family_step_us': {}}
 """What splitting a padded group trades: one more step (``step_us``, or the
 family's own ``family_step_us``, kept up to date by the cost model) against
@@ -165,9 +173,18 @@ class Strategy:
     def prepare(self):
         """Called when a scope opens (one-time set-up, kept out of timings)."""
 
+    def wants_step_times(self, every):
+        """Whether the flush just planned should wait for each of its steps
+        under a threaded engine, whose host clock otherwise sees only their
+        launch, so that :meth:`observe` gets real step times.  Waiting
+        stops Python from preparing the next step while the worker runs
+        this one, so strategies that do not learn never ask; those that do
+        override this (``every``: :data:`~gluon_dynbatch.block.TIMED_EVERY`)."""
+        return False
+
     def observe(self, plan, step_seconds, analyse_s, nodes):
         """Called after the plan ran, with each step's seconds (None when
-        the flush was not timed: see ``block.TIMED_EVERY``); strategies
+        the flush was not timed: see :meth:`wants_step_times`); strategies
         that learn override it."""
 
 

@@ -564,30 +564,90 @@ def test_structure_keys_tell_array_leaves_from_lazy_ones():
     assert keys[0] != keys[1]
 
 
-def test_threaded_engine_times_one_flush_in_eight():
+def test_threaded_engine_times_only_the_flushes_a_strategy_asks_for(monkeypatch):
     """Step times on the host clock are real only when each step is waited
-    for, which a threaded engine otherwise avoids: one flush in
-    TIMED_EVERY waits and reports them, the others report None."""
+    for, which a threaded engine otherwise avoids: a flush waits and
+    reports them only when its strategy asks (a learning one, one flush in
+    TIMED_EVERY here); a strategy that does not learn never makes a flush
+    wait.  Under the NaiveEngine every flush reports its times."""
+    from gluon_dynbatch import block as block_module
     from gluon_dynbatch.block import TIMED_EVERY
     from gluon_dynbatch.execute import threaded_engine
     from gluon_dynbatch.plan import ByDepth
 
     class Spy(ByDepth):
-        seen = []
+        def __init__(self):
+            self.seen, self.asked = [], 0
+
+        def wants_step_times(self, every):
+            self.asked += 1
+            return self.asked % every == 0
 
         def observe(self, plan, step_seconds, analyse_s, nodes):
             self.seen.append(step_seconds)
 
+    waits = []
+    run_plan = block_module.run_plan
+    monkeypatch.setattr(block_module, 'run_plan',
+                        lambda plan, wait: waits.append(wait) or run_plan(plan, wait=wait))
     block = dyb.DynBatchBlock(mx.gluon.nn.Dense(3, in_units=3))
     block.initialize()
     spy = Spy()
-    for _ in range(2 * TIMED_EVERY):
-        with dyb.batching(spy):
+    for strategy in [spy] * (2 * TIMED_EVERY) + ['depth'] * TIMED_EVERY:
+        with dyb.batching(strategy):
             outs = [block(mx.nd.ones((1, 3))) for _ in range(4)]
         assert dyb.concat_rows(outs).shape == (4, 3)
     timed = [s for s in spy.seen if s is not None]
     assert len(timed) == (2 if threaded_engine() else 2 * TIMED_EVERY)
     assert all(len(s) == 1 and s[0] > 0 for s in timed)
+    assert sum(waits) == (2 if threaded_engine() else 0)
+    assert not any(waits[2 * TIMED_EVERY:])
+
+
+def test_auto_times_a_choice_it_has_not_measured_on_a_graph():
+    """Auto asks for step times whenever its choice has no run factor on
+    this kind and size of graph, else one flush in ``every``: with one
+    turn for all flushes, two alternating scopes left one never timed."""
+    auto = dyb.Auto(model=dyb.CostModel())
+    auto.last = {'choice': 'depth', 'sized': ('kind', 9)}
+    assert all(auto.wants_step_times(8) for _ in range(3))
+    auto._run_factors[('kind', 9)] = {'depth': 1.0}
+    asked = [auto.wants_step_times(8) for _ in range(16)]
+    assert sum(asked) == 2
+    auto.last = {'choice': 'agenda', 'sized': ('kind', 9)}
+    assert auto.wants_step_times(8)
+    auto.last = {'choice': 'cached', 'sized': ('kind', 9)}     # learns from its totals
+    assert sum(auto.wants_step_times(8) for _ in range(8)) == 1
+
+
+def test_analysis_that_did_one_time_work_is_not_learned_from():
+    """Meeting a group of signatures for the first time traces and checks
+    its padded signature inside planning: that flush's analysis time must
+    not move the per-node analysis cost (once it priced depth at 8 us a
+    node, 20x its real cost, and auto ran agenda for a hundred flushes)."""
+    from gluon_dynbatch.plan import SETUP
+    model = dyb.CostModel()
+    before = dict(model.analyse_us)
+    model.observe_analysis('depth', 0.05, 1000, setup=SETUP[0] - 1)
+    assert model.analyse_us == before
+    model.observe_analysis('depth', 0.05, 1000, setup=SETUP[0])
+    assert model.analyse_us['depth'] != before['depth']
+
+    cell = dyb.DynBatchBlock(ChildSumTreeLSTMCell(3, 3))
+    cell.initialize()
+    auto = dyb.Auto(model=dyb.CostModel(), probe_every=1)
+    rng = np.random.RandomState(4)
+    trees = [random_tree(rng, 12, max_arity=4) for _ in range(30)]
+    start = dict(auto.model.analyse_us)
+    setups = SETUP[0]
+    with dyb.batching(auto):
+        record_trees(cell, trees)
+    assert SETUP[0] > setups        # this flush met its padded groups first...
+    chosen = auto.last['choice']    # ...in the chosen plan (the probe after it did not)
+    assert chosen in ('depth', 'agenda') and auto.model.analyse_us[chosen] == start[chosen]
+    with dyb.batching(auto):        # the same groups again: learned from
+        record_trees(cell, trees[::-1])
+    assert auto.last['choice'] == chosen and auto.model.analyse_us[chosen] != start[chosen]
 
 
 def test_cached_plan_not_yet_timed_keeps_running():
