@@ -347,10 +347,9 @@ class Auto(Strategy):
     def wants_step_times(self, every):
         """Every ``every``-th flush of this strategy, and any flush that
         runs depth, agenda or per-sample on a kind and size of graph where
-        that choice has no measured run factor yet.  (One counter for all
-        flushes made choices alias with it: a user or benchmark alternating
-        two scopes timed only one of them, and auto, never measured on the
-        other, ran agenda's plans there in half its flushes, 0.85x depth.)"""
+        that choice has no measured run factor yet.  (With one counter for
+        all flushes, a harness alternating a depth scope and an auto scope
+        timed only the depth one: auto's run factors were never learned.)"""
         self._asked += 1
         choice, sized = self.last.get('choice'), self.last.get('sized')
         if sized is not None and choice in ('depth', 'agenda', 'per-sample') \
