@@ -33,11 +33,11 @@ _LOCAL = accel.scope_holder()     # .scope: this thread's open scope
 _SIG_IDS = itertools.count()
 _TRACING = threading.RLock()    # see DynBatchBlock._trace
 _PAIR = (0, 0)
-TIMED_EVERY = 8
+TIMED_EVERY = 64
 """Under a threaded engine a step's host-clock time is only its launch, so
-a strategy that learns (``auto``) has one of its flushes in this many wait
-for each step to finish, to get real step times, and any flush whose
-measurement it still lacks (:meth:`~.plan.Strategy.wants_step_times`);
+a strategy that learns (``auto``) has any flush whose measurement it still
+lacks, and one of its flushes in this many after, wait for each step to
+finish, to get real step times (:meth:`~.plan.Strategy.wants_step_times`);
 the others overlap Python with the ops and report none."""
 _clock = time.perf_counter     # bound once: record() runs per call
 PIPELINE_CALLS = 6144

@@ -220,6 +220,11 @@ SAME_STEPS = 0.99
 """An agenda/depth step ratio at least this high: agenda makes depth's steps."""
 
 
+LEARN_RUNS = 3
+"""Measured runs of a choice on a kind and size of graph before
+:meth:`Auto.wants_step_times` stops timing each of its flushes."""
+
+
 class Auto(Strategy):
     """Pick, per flush, the strategy with the lowest predicted analysis + run
     time, and learn from what the flush then measured.
@@ -276,6 +281,7 @@ class Auto(Strategy):
         self._probe_gap = {}    # kind of graph -> flushes between its probes
         self._flushes = 0
         self._asked = 0         # flushes that asked wants_step_times
+        self._run_counts = {}   # ((set of families, size), strategy) -> measured runs
 
     @property
     def model(self):
@@ -333,11 +339,16 @@ class Auto(Strategy):
             plan = STRATEGIES[name].plan(nodes)
             self.model.observe_analysis(name, time.perf_counter() - start, len(nodes), setup=setup)
             plan = self._remember(summary, nodes, plan, name)
-        if name != 'cached' and verdict is False:
-            # (a structure seen before: a probe would learn nothing new)
+        if 'cached' not in predictions:
+            # (a summary with a stored plan was seen before: a probe would
+            # learn nothing new)
             self._probe(nodes, summary, name, kind)
         self.choices[name] = self.choices.get(name, 0) + 1
-        self.last = {'choice': name, 'predicted_ms': sum(predictions[name]),
+        # a repeating summary's decision runs: the cached plan's trials and
+        # the rival's run count only when timed (see _cached_measured_best)
+        deciding = verdict is None or (name == 'cached' and verdict and
+                                       self._repeat(fingerprint).cached_runs < self.cached_trials)
+        self.last = {'choice': name, 'predicted_ms': sum(predictions[name]), 'deciding': deciding,
                      'raw_run_ms': raw[name][1], 'built': BUILT[0],
                      'depth_steps': summary['depth_steps'], 'kind': kind, 'sized': sized,
                      'fingerprint': fingerprint,
@@ -345,17 +356,24 @@ class Auto(Strategy):
         return plan
 
     def wants_step_times(self, every):
-        """Every ``every``-th flush of this strategy, and any flush that
-        runs depth, agenda or per-sample on a kind and size of graph where
-        that choice has no measured run factor yet.  (With one counter for
-        all flushes, a harness alternating a depth scope and an auto scope
-        timed only the depth one: auto's run factors were never learned.)"""
+        """Flushes whose measurement is still missing: depth, agenda or
+        per-sample run on a kind and size of graph where that choice has
+        fewer than :data:`LEARN_RUNS` measured runs, and the runs that decide
+        a repeating summary (its cached plan's trials, the rival's run);
+        after that, one flush of this strategy in ``every``.  A waited flush
+        is expensive under a threaded engine: Python cannot prepare a step
+        while the last one runs, nor, in a pipelined scope, record the next
+        part (one flush in eight cost ``auto`` 15% at SICK minibatch 1024,
+        one in 64 2%).  (With one counter for all flushes, a harness
+        alternating a depth scope and an auto scope timed only the depth
+        one: auto's run factors were never learned.)"""
         self._asked += 1
-        choice, sized = self.last.get('choice'), self.last.get('sized')
+        last = self.last
+        choice, sized = last.get('choice'), last.get('sized')
         if sized is not None and choice in ('depth', 'agenda', 'per-sample') \
-                and choice not in self._run_factors.get(sized, ()):
+                and self._run_counts.get((sized, choice), 0) < LEARN_RUNS:
             return True
-        return self._asked % every == 0
+        return bool(last.get('deciding')) or self._asked % every == 0
 
     def _corrected(self, predictions, sized):
         """``predictions`` with each strategy's run time scaled by what its
@@ -419,6 +437,7 @@ class Auto(Strategy):
         if run_ms is None or BUILT[0] != self.last['built'] or self.last['raw_run_ms'] <= 0:
             return
         ratio = min(2.0, max(0.5, run_ms / self.last['raw_run_ms']))
+        self._run_counts[(sized, name)] = self._run_counts.get((sized, name), 0) + 1
         factors = self._run_factors.setdefault(sized, {})
         old = factors.get(name, ratio)
         factors[name] = old + 0.3 * (ratio - old)

@@ -9,6 +9,7 @@ from mxnet.gluon import nn
 
 import gluon_dynbatch as dyb
 from gluon_dynbatch import accel, lower
+from gluon_dynbatch.lower import BUILT
 from gluon_dynbatch.plan import count_groups_py, summarize
 from gluon_dynbatch.models import ChildSumTreeLSTMCell
 
@@ -604,19 +605,27 @@ def test_threaded_engine_times_only_the_flushes_a_strategy_asks_for(monkeypatch)
     assert not any(waits[2 * TIMED_EVERY:])
 
 
-def test_auto_times_a_choice_it_has_not_measured_on_a_graph():
-    """Auto asks for step times whenever its choice has no run factor on
-    this kind and size of graph, else one flush in ``every``: with one
-    turn for all flushes, two alternating scopes left one never timed."""
+def test_auto_times_what_it_has_not_measured_then_one_flush_in_every():
+    """Auto asks for step times while its choice has fewer than LEARN_RUNS
+    measured runs on this kind and size of graph, and for the runs that
+    decide a repeating summary; else for one flush in ``every`` (a waited
+    flush costs a threaded engine its overlap).  With one turn for all
+    flushes, two alternating scopes left one never timed."""
+    from gluon_dynbatch.cost import LEARN_RUNS
     auto = dyb.Auto(model=dyb.CostModel())
-    auto.last = {'choice': 'depth', 'sized': ('kind', 9)}
-    assert all(auto.wants_step_times(8) for _ in range(3))
-    auto._run_factors[('kind', 9)] = {'depth': 1.0}
+    auto.last = {'choice': 'depth', 'sized': ('kind', 9), 'raw_run_ms': 1.0, 'built': BUILT[0]}
+    for _ in range(LEARN_RUNS):
+        assert auto.wants_step_times(8)
+        auto._observe_run('depth', 1.0)
     asked = [auto.wants_step_times(8) for _ in range(16)]
     assert sum(asked) == 2
-    auto.last = {'choice': 'agenda', 'sized': ('kind', 9)}
+    auto.last = dict(auto.last, choice='agenda')            # not measured there yet
     assert auto.wants_step_times(8)
-    auto.last = {'choice': 'cached', 'sized': ('kind', 9)}     # learns from its totals
+    auto.last = dict(auto.last, choice='depth', sized=('kind', 10))     # another size
+    assert auto.wants_step_times(8)
+    auto.last = {'choice': 'cached', 'sized': ('kind', 9), 'deciding': True}
+    assert all(auto.wants_step_times(8) for _ in range(8))
+    auto.last['deciding'] = False           # decided: it learns from its totals now and then
     assert sum(auto.wants_step_times(8) for _ in range(8)) == 1
 
 
