@@ -829,10 +829,14 @@ have_signature:
     /* a pipelined scope runs what it holds every flush_at calls (see
      * BatchingScope): the operators then run while the user records on */
     PyObject *limit = scope_field(scope, sc_flush_at, s_flush_at);
-    Py_ssize_t at = limit == NULL ? PY_SSIZE_T_MAX : PyLong_AsSsize_t(limit);
-    Py_XDECREF(limit);
-    if (at == -1 && PyErr_Occurred()) { Py_CLEAR(result); BAIL(error); }
-    if (limit == NULL) PyErr_Clear();
+    Py_ssize_t at = PY_SSIZE_T_MAX;
+    if (limit == NULL) {
+        PyErr_Clear();                  /* a scope without flush_at: never */
+    } else {
+        at = PyLong_AsSsize_t(limit);
+        Py_DECREF(limit);
+        if (at == -1 && PyErr_Occurred()) { Py_CLEAR(result); BAIL(error); }
+    }
     if (PyList_GET_SIZE(pending) >= at) {
         PyObject *flushed = PyObject_CallMethodNoArgs(scope, s_flush);
         if (flushed == NULL) { Py_CLEAR(result); BAIL(error); }

@@ -210,7 +210,7 @@ def batching(strategy='auto', flush_every='auto'):
             raise ScopeError('unknown strategy %r; choose one of %s'
                              % (strategy, sorted(STRATEGIES)))
         strategy = STRATEGIES[strategy]
-    if isinstance(flush_every, str) and flush_every == 'auto':
+    if flush_every == 'auto':
         flush_every = PIPELINE_CALLS if threaded_engine() and not autograd.is_recording() \
             else None
     elif flush_every is not None and (type(flush_every) is not int or flush_every < 0):
