@@ -15,10 +15,16 @@ setup(
     long_description=(HERE / 'README.md').read_text() if (HERE / 'README.md').exists() else '',
     long_description_content_type='text/markdown',
     packages=find_packages(include=['gluon_dynbatch', 'gluon_dynbatch.*']),
-    # C fast paths for recording (gluon_dynbatch/accel.py).  Optional: without
-    # a compiler the install goes on and everything runs in pure Python.
+    # C fast paths for recording (gluon_dynbatch/accel.py) and FusedAdaGrad's
+    # CPU kernel (gluon_dynbatch/optim.py).  Optional: without a compiler the
+    # install goes on and everything runs in pure Python and MXNet ops.
     ext_modules=[Extension('gluon_dynbatch._speedups', ['gluon_dynbatch/_speedups.c'],
-                           extra_compile_args=['-O2'], optional=True)],
+                           extra_compile_args=['-O2'], optional=True),
+                 # -fno-math-errno lets the square roots vectorise; the
+                 # arithmetic stays IEEE float32 (no -ffast-math)
+                 Extension('gluon_dynbatch._adagrad', ['gluon_dynbatch/_adagrad.c'],
+                           extra_compile_args=['-O3', '-fno-math-errno', '-ffp-contract=off'],
+                           optional=True)],
     python_requires='>=3.8',
     install_requires=[
         'mxnet==1.9.1',

@@ -199,12 +199,20 @@ def runtime_config(args, mx):
         'cpu': _cpu_model(),
         'cores_available': cores,
         'dynbatch_accel': _accel_status(),
+        'fusedadagrad_kernel': _kernel_status(),
     }
 
 
 def _accel_status():
     import gluon_dynbatch.accel  # pylint: disable=import-outside-toplevel
     return gluon_dynbatch.accel.STATUS
+
+
+def _kernel_status():
+    """Whether ``'fusedadagrad'`` updates dense CPU gradients with its C
+    kernel (gluon_dynbatch.optim.KERNEL) or with MXNet's op."""
+    import gluon_dynbatch.optim  # pylint: disable=import-outside-toplevel
+    return 'C kernel' if gluon_dynbatch.optim.KERNEL is not None else 'sparse.adagrad_update'
 
 
 # ==========================================================================
@@ -1009,9 +1017,10 @@ def main(argv=None):
         gc.freeze()
     ctx = Forms(vocab_size, embedding, args.seed, args.forms, args.sparse_grad, args.optimizer)
     ctx.mx = mx
-    print('training: %s lr %g, %s embedding gradients'
-          % (args.optimizer, LEARNING_RATE, 'row-sparse' if args.sparse_grad else 'dense'),
-          flush=True)
+    print('training: %s lr %g%s, %s embedding gradients'
+          % (args.optimizer, LEARNING_RATE,
+             ' (dense CPU gradients: %s)' % _kernel_status() if args.optimizer == 'fusedadagrad'
+             else '', 'row-sparse' if args.sparse_grad else 'dense'), flush=True)
     print('forms: %s | dynbatch strategies: %s' % (', '.join(ctx.order), list(dyb.STRATEGIES)),
           flush=True)
 

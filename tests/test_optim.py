@@ -1,5 +1,6 @@
 """FusedAdaGrad updates exactly as MXNet's AdaGrad (bit for bit without
-weight decay, to float rounding with it), through a gluon Trainer."""
+weight decay, to float rounding with it), through a gluon Trainer, with its
+C kernel for dense CPU gradients and without it."""
 import mxnet as mx
 import numpy as np
 import pytest
@@ -7,7 +8,22 @@ from mxnet import autograd, gluon
 from mxnet.gluon import nn
 
 import gluon_dynbatch  # noqa: F401  (registers 'fusedadagrad')
+from gluon_dynbatch import optim
 from gluon_dynbatch.optim import FusedAdaGrad
+
+KERNEL = optim.KERNEL
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason='the _adagrad C extension is not built')
+
+
+@pytest.fixture(params=['kernel', 'ops'])
+def way(request, monkeypatch):
+    """Every test runs with dense CPU gradients updated by the C kernel and
+    by MXNet's ``sparse.adagrad_update`` (the kernel turned off)."""
+    if request.param == 'kernel' and KERNEL is None:
+        pytest.skip('the _adagrad C extension is not built')
+    if request.param == 'ops':
+        monkeypatch.setattr(optim, 'KERNEL', None)
+    return request.param
 
 
 def _model(sparse_grad):
@@ -40,19 +56,66 @@ def _train(optimizer, opts, sparse_grad, steps=4, embed_wd_mult=1.0):
 
 
 @pytest.mark.parametrize('sparse_grad', [False, True])
-def test_every_update_is_the_fused_op(sparse_grad, monkeypatch):
-    """No update falls back to AdaGrad's own (multi-op) path."""
+def test_every_update_is_the_fused_op(sparse_grad, way, monkeypatch):
+    """No update falls back to AdaGrad's own (multi-op) path; with the
+    kernel, only row-sparse gradients (the embedding's, with
+    ``sparse_grad``) reach ``sparse.adagrad_update``."""
     def refuse(*_):
         raise AssertionError('AdaGrad.update called')
     monkeypatch.setattr(mx.optimizer.AdaGrad, 'update', refuse)
+    storages = []
+    mxnet_op = mx.nd.sparse.adagrad_update
+
+    def counted(weight, grad, *args, **kwargs):
+        storages.append(grad.stype)
+        return mxnet_op(weight, grad, *args, **kwargs)
+    monkeypatch.setattr(mx.nd.sparse, 'adagrad_update', counted)
     _train('fusedadagrad', {'learning_rate': 0.1, 'wd': 0.01}, sparse_grad)
+    if way == 'kernel':
+        assert storages == ['row_sparse'] * (4 if sparse_grad else 0)
+    else:
+        assert len(storages) == 4 * 5       # steps x parameters
+
+
+@needs_kernel
+def test_kernel_refuses_what_it_cannot_update():
+    """Mismatched shapes, row-sparse gradients and other dtypes are left to
+    MXNet's path (the kernel says so, and pushes nothing)."""
+    weight, history = mx.nd.ones((4, 3)), mx.nd.zeros((4, 3))
+    before = weight.asnumpy()
+    cases = [mx.nd.ones((3, 4)), mx.nd.ones((4, 3)).tostype('row_sparse'),
+             mx.nd.ones((4, 3), dtype='float64')]
+    for grad in cases:
+        assert not KERNEL.update(weight.handle.value, grad.handle.value, history.handle.value,
+                                 0.1, 1e-7, 1.0, -1.0, 1.0)
+    assert not KERNEL.update(weight.handle.value, mx.nd.ones((4, 3)).handle.value,
+                             mx.nd.zeros((4, 3), dtype='float16').handle.value,
+                             0.1, 1e-7, 1.0, -1.0, 1.0)
+    np.testing.assert_array_equal(weight.asnumpy(), before)
+    np.testing.assert_array_equal(history.asnumpy(), 0)
+
+
+@needs_kernel
+def test_kernel_waits_for_the_gradient_and_is_waited_for():
+    """Pushed to MXNet's engine: it runs after the op that writes the
+    gradient, and a read of the weight right after it sees the update."""
+    weight, history = mx.nd.ones((64, 32)), mx.nd.zeros((64, 32))
+    grad = mx.nd.zeros((64, 32))
+    source = mx.nd.random.uniform(shape=(64, 2048))
+    mx.nd.dot(source, mx.nd.ones((2048, 32)), out=grad)     # in flight under a threaded engine
+    assert KERNEL.update(weight.handle.value, grad.handle.value, history.handle.value,
+                         0.5, 1e-7, 1.0, -1.0, 1.0)
+    g = grad.asnumpy()
+    np.testing.assert_array_equal(history.asnumpy(), g * g)
+    np.testing.assert_array_equal(
+        weight.asnumpy(), np.float32(1) - (g / np.sqrt(g * g + np.float32(1e-7))) * np.float32(0.5))
 
 
 @pytest.mark.parametrize('sparse_grad', [False, True])
 @pytest.mark.parametrize('opts', [{'learning_rate': 0.1},
                                   {'learning_rate': 0.3, 'clip_gradient': 0.05},
                                   {'learning_rate': 0.1, 'eps': 1e-3}])
-def test_same_bits_as_adagrad_without_weight_decay(sparse_grad, opts):
+def test_same_bits_as_adagrad_without_weight_decay(sparse_grad, opts, way):
     ours = _train('fusedadagrad', opts, sparse_grad)
     theirs = _train('adagrad', opts, sparse_grad)
     for i, weight in enumerate(theirs[0]):
@@ -62,7 +125,7 @@ def test_same_bits_as_adagrad_without_weight_decay(sparse_grad, opts):
 
 
 @pytest.mark.parametrize('sparse_grad', [False, True])
-def test_weight_decay_decays_every_row_as_dense_adagrad_does(sparse_grad):
+def test_weight_decay_decays_every_row_as_dense_adagrad_does(sparse_grad, way):
     """MXNet's AdaGrad decays every weight (dense gradients; it refuses
     wd != 0 with a row-sparse one); ours too, rows without a gradient
     included (it scales the weight before the update), whatever the
@@ -77,8 +140,35 @@ def test_weight_decay_decays_every_row_as_dense_adagrad_does(sparse_grad):
         np.testing.assert_allclose(ours[1][index], theirs[1][index], rtol=1e-5)
 
 
-def test_the_update_really_moves_the_weights():
+def test_the_update_really_moves_the_weights(way):
     before = _train('fusedadagrad', {'learning_rate': 0.1}, sparse_grad=False, steps=0)[0]
     after = _train('fusedadagrad', {'learning_rate': 0.1}, sparse_grad=False)[0]
     for i, weight in enumerate(before):
         assert not np.array_equal(weight, after[i]), 'parameter %d' % i
+
+
+@needs_kernel
+def test_kernel_updates_the_rows_a_row_sparse_cast_keeps():
+    """Rows of zeros and of negative zeros are left alone, rows with a NaN
+    are updated (to NaN), exactly as after ``tostype('row_sparse')``."""
+    grad = np.array([[0, 0, 0], [-0.0, 0, -0.0], [0, np.nan, 0], [0, 0, 2], [1, -1, 3]],
+                    dtype=np.float32)
+    results = []
+    for kernel in (KERNEL, None):
+        weight, history = mx.nd.array(np.arange(15).reshape(5, 3)), mx.nd.ones((5, 3))
+        optimizer = FusedAdaGrad(learning_rate=0.1)
+        saved = optim.KERNEL
+        optim.KERNEL = kernel
+        try:
+            optimizer.update(0, weight, mx.nd.array(grad), history)
+        finally:
+            optim.KERNEL = saved
+        results.append((weight.asnumpy(), history.asnumpy()))
+    (w_kernel, h_kernel), (w_ops, h_ops) = results
+    np.testing.assert_array_equal(w_kernel, w_ops)
+    np.testing.assert_array_equal(h_kernel, h_ops)
+    start = np.arange(15, dtype=np.float32).reshape(5, 3)
+    np.testing.assert_array_equal(w_kernel[:2], start[:2])
+    np.testing.assert_array_equal(h_kernel[:2], 1)
+    assert np.isnan(w_kernel[2]).any()
+    assert (w_kernel[3:] != start[3:]).any(axis=1).all()

@@ -1,0 +1,202 @@
+/* AdaGrad's update of one dense float32 CPU parameter, as one operation on
+ * MXNet's engine (see optim.py, FusedAdaGrad).
+ *
+ * MXNet's own kernel (sparse.adagrad_update) computes a square root per
+ * element through a scalar call, ~4 ns an element here, and a dense
+ * gradient must first be cast to row-sparse (another pass, and an op).
+ * This loop does the same arithmetic in the same order, in float32, over
+ * the rows of the dense gradient that hold a non-zero (the rows the cast
+ * would keep), and the compiler vectorises the square roots.
+ *
+ * The work is pushed with MXEnginePushSyncND (whose address the Python side
+ * gives to set_engine): the engine runs it after the ops that write the
+ * gradient and before any later op that reads the weight or the history,
+ * on its worker thread, without the GIL (the job touches no Python object).
+ * The data addresses are read when the job is pushed: an NDArray's memory
+ * is released only through the engine, after every op pushed on it, so they
+ * stay valid until the job has run.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+typedef void (*SyncFunc)(void *, void *);
+typedef void (*Deleter)(void *);
+typedef int (*PushSyncND)(SyncFunc, void *, Deleter, const void *, void **, int, void **, int,
+                          void *, int, const char *);
+typedef int (*GetData)(void *, void **);
+typedef int (*GetShape32)(void *, int *, const int **);
+typedef int (*GetShape64)(void *, int *, const int64_t **);
+typedef int (*GetInt)(void *, int *);
+typedef int (*GetContext)(void *, int *, int *);
+
+static PushSyncND push_sync = NULL;
+static GetData get_data = NULL;
+static void *get_shape = NULL;
+static int shape_64 = 0;
+static GetInt get_dtype = NULL, get_stype = NULL;
+static GetContext get_context = NULL;
+
+/* mxnet::Context, as the engine reads it through a ContextHandle */
+static const struct { int dev_type; int32_t dev_id; } cpu_context = {1, 0};
+
+typedef struct {
+    float *weight, *history;
+    const float *grad;
+    int64_t rows, cols;
+    float lr, eps, rescale, clip, decay;   /* clip < 0: none; decay 1: no weight decay */
+} Job;
+
+/* One row, in the order of MXNet's AdagradDnsRspDnsKernel<cpu>: rescale,
+ * clip, history += g*g, weight -= (g / sqrt(history + eps)) * lr. */
+static void update_row(float *restrict w, float *restrict h, const float *restrict g,
+                       int64_t cols, float lr, float eps, float rescale, float clip)
+{
+    if (clip >= 0.0f) {
+        for (int64_t j = 0; j < cols; j++) {
+            float x = g[j] * rescale;
+            x = x > clip ? clip : (x < -clip ? -clip : x);
+            h[j] += x * x;
+            w[j] = w[j] - (x / __builtin_sqrtf(h[j] + eps)) * lr;
+        }
+    } else {
+        for (int64_t j = 0; j < cols; j++) {
+            float x = g[j] * rescale;
+            h[j] += x * x;
+            w[j] = w[j] - (x / __builtin_sqrtf(h[j] + eps)) * lr;
+        }
+    }
+}
+
+/* Whether a row holds an element != 0 (NaN included, -0 not): its bits
+ * without the sign, or-ed, a loop the compiler vectorises (a dense
+ * embedding gradient is mostly zero rows, all scanned). */
+typedef uint32_t __attribute__((may_alias)) word;
+
+static int nonzero(const float *row, int64_t cols)
+{
+    const word *bits = (const word *)row;
+    word any = 0;
+    for (int64_t j = 0; j < cols; j++)
+        any |= bits[j] & 0x7fffffffu;
+    return any != 0;
+}
+
+static void run_job(void *run_context, void *param)
+{
+    const Job *job = (const Job *)param;
+    const int64_t cols = job->cols;
+    for (int64_t r = 0; r < job->rows; r++) {
+        float *w = job->weight + r * cols, *h = job->history + r * cols;
+        const float *g = job->grad + r * cols;
+        if (job->decay != 1.0f)
+            for (int64_t j = 0; j < cols; j++)
+                w[j] = w[j] * job->decay;
+        if (nonzero(g, cols))    /* the rows a cast to row-sparse keeps */
+            update_row(w, h, g, cols, job->lr, job->eps, job->rescale, job->clip);
+    }
+}
+
+static PyObject *set_engine(PyObject *self, PyObject *args)
+{
+    PyObject *push, *data, *shape, *dtype, *stype, *context;
+    int is_64;
+    if (!PyArg_ParseTuple(args, "OOOOOOp", &push, &data, &shape, &dtype, &stype, &context,
+                          &is_64))
+        return NULL;
+    push_sync = (PushSyncND)PyLong_AsVoidPtr(push);
+    get_data = (GetData)PyLong_AsVoidPtr(data);
+    get_shape = PyLong_AsVoidPtr(shape);
+    get_dtype = (GetInt)PyLong_AsVoidPtr(dtype);
+    get_stype = (GetInt)PyLong_AsVoidPtr(stype);
+    get_context = (GetContext)PyLong_AsVoidPtr(context);
+    shape_64 = is_64;
+    if (PyErr_Occurred()) {
+        push_sync = NULL;
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* Elements of the array at ``handle``, and its leading dimension; -1 if
+ * MXNet cannot tell or it is not a dense (storage type 0) float32 (dtype
+ * 0) array on the CPU (device type 1). */
+static int64_t float_elements(void *handle, int64_t *rows)
+{
+    int ndim = -1, dtype = -1, stype = -1, device = -1, device_id = -1;
+    int64_t size = 1;
+    if (get_stype(handle, &stype) != 0 || stype != 0 || get_dtype(handle, &dtype) != 0
+        || dtype != 0 || get_context(handle, &device, &device_id) != 0 || device != 1)
+        return -1;
+    if (shape_64) {
+        const int64_t *dims;
+        if (((GetShape64)get_shape)(handle, &ndim, &dims) != 0 || ndim < 1) return -1;
+        for (int i = 0; i < ndim; i++) size *= dims[i];
+        *rows = dims[0];
+    } else {
+        const int *dims;
+        if (((GetShape32)get_shape)(handle, &ndim, &dims) != 0 || ndim < 1) return -1;
+        for (int i = 0; i < ndim; i++) size *= dims[i];
+        *rows = dims[0];
+    }
+    return size;
+}
+
+/* update(weight, grad, history handles as ints, lr, eps, rescale, clip,
+ * decay): True once pushed; False when the arrays are not three dense
+ * float32 arrays of one shape (the caller then takes MXNet's path). */
+static PyObject *update(PyObject *self, PyObject *args)
+{
+    unsigned long long w_handle, g_handle, h_handle;
+    double lr, eps, rescale, clip, decay;
+    if (!PyArg_ParseTuple(args, "KKKddddd", &w_handle, &g_handle, &h_handle, &lr, &eps,
+                          &rescale, &clip, &decay))
+        return NULL;
+    if (push_sync == NULL)
+        Py_RETURN_FALSE;
+    void *weight = (void *)(uintptr_t)w_handle, *grad = (void *)(uintptr_t)g_handle,
+         *history = (void *)(uintptr_t)h_handle;
+    int64_t rows, g_rows, h_rows;
+    int64_t size = float_elements(weight, &rows);
+    if (size <= 0 || rows <= 0 || float_elements(grad, &g_rows) != size || g_rows != rows
+        || float_elements(history, &h_rows) != size || h_rows != rows)
+        Py_RETURN_FALSE;
+    void *w_data = NULL, *g_data = NULL, *h_data = NULL;
+    if (get_data(weight, &w_data) || get_data(grad, &g_data) || get_data(history, &h_data)
+        || !w_data || !g_data || !h_data)
+        Py_RETURN_FALSE;
+    Job *job = malloc(sizeof(Job));
+    if (job == NULL)
+        return PyErr_NoMemory();
+    *job = (Job){w_data, h_data, g_data, rows, size / rows, (float)lr, (float)eps,
+                 (float)rescale, (float)clip, (float)decay};
+    void *reads[1] = {grad}, *writes[2] = {weight, history};
+    if (push_sync(run_job, job, free, &cpu_context, reads, 1, writes, 2, NULL, 0,
+                  "gluon_dynbatch_adagrad") != 0) {
+        /* not run; MXNet may or may not have freed the job already, so it
+         * is left (a few bytes), and MXNet's path will raise the error */
+        Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
+static PyMethodDef methods[] = {
+    {"set_engine", set_engine, METH_VARARGS,
+     "set_engine(addresses of MXEnginePushSyncND, MXNDArrayGetData, MXNDArrayGetShapeEx[64], "
+     "MXNDArrayGetDType, MXNDArrayGetStorageType, MXNDArrayGetContext; whether the shape "
+     "reader is the 64-bit one)"},
+    {"update", update, METH_VARARGS,
+     "update(weight, grad, history handles, lr, eps, rescale, clip, decay) -> pushed?"},
+    {NULL, NULL, 0, NULL}
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_adagrad",
+    "AdaGrad's dense float32 CPU update as one engine operation (see optim.py).", -1, methods
+};
+
+PyMODINIT_FUNC PyInit__adagrad(void)
+{
+    return PyModule_Create(&module);
+}
