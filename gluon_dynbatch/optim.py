@@ -24,6 +24,9 @@ cast would keep, as one operation pushed to MXNet's engine (so it runs in
 order with the ops around it, off the Python thread under a threaded
 engine).  MXNet's kernel takes a scalar square root per element (~4 ns
 here); this loop's are vectorised, and the cast's pass and op are gone.
+It reads the arrays' addresses only when no op on them is pending, so the
+call waits for the backward pass that writes the gradient (the Python
+thread cannot run ahead of it into the next minibatch).
 :data:`KERNEL` says whether it is in use.
 
 Use it by name: ``gluon.Trainer(params, 'fusedadagrad', {...})`` (importing
@@ -53,7 +56,7 @@ def _load_kernel():
     except ImportError:
         return None
     wide = bool(_int64_enabled())
-    names = ('MXEnginePushSyncND', 'MXNDArrayGetData',
+    names = ('MXEnginePushSyncND', 'MXNDArrayGetData', 'MXNDArrayWaitToWrite',
              'MXNDArrayGetShapeEx64' if wide else 'MXNDArrayGetShapeEx', 'MXNDArrayGetDType',
              'MXNDArrayGetStorageType', 'MXNDArrayGetContext')
     _adagrad.set_engine(*[ctypes.cast(getattr(_LIB, name), ctypes.c_void_p).value

@@ -9,6 +9,7 @@ from mxnet.gluon import nn
 
 import gluon_dynbatch  # noqa: F401  (registers 'fusedadagrad')
 from gluon_dynbatch import optim
+from gluon_dynbatch.execute import threaded_engine, to_device
 from gluon_dynbatch.optim import FusedAdaGrad
 
 KERNEL = optim.KERNEL
@@ -172,3 +173,41 @@ def test_kernel_updates_the_rows_a_row_sparse_cast_keeps():
     np.testing.assert_array_equal(h_kernel[:2], 1)
     assert np.isnan(w_kernel[2]).any()
     assert (w_kernel[3:] != start[3:]).any(axis=1).all()
+
+
+
+@needs_kernel
+@pytest.mark.skipif(not threaded_engine(), reason='ops run at once under the NaiveEngine')
+def test_kernel_updates_a_history_whose_zeros_op_is_in_flight():
+    """A Trainer's first step makes AdaGrad's history with ``zeros``, whose
+    memory MXNet allocates when the op runs; an address read from Python
+    while it runs was another buffer in ~14% of 20,000 tries (both threads
+    allocated), and an update there read garbage (NaN weights in loaded
+    SICK training runs).  The kernel waits for the ops on its arrays first."""
+    grad = mx.nd.array(np.linspace(-1, 1, 300 * 60, dtype=np.float32).reshape(300, 60))
+    g = grad.asnumpy()
+    for _ in range(300):
+        weight = mx.nd.ones((300, 60))
+        history = mx.nd.zeros((300, 60))              # in flight
+        assert KERNEL.update(weight.handle.value, grad.handle.value, history.handle.value,
+                             0.5, 1e-7, 1.0, -1.0, 1.0)
+        np.testing.assert_array_equal(history.asnumpy(), g * g)
+        np.testing.assert_array_equal(
+            weight.asnumpy(),
+            np.float32(1) - (g / np.sqrt(g * g + np.float32(1e-7))) * np.float32(0.5))
+
+
+@needs_kernel
+@pytest.mark.skipif(not threaded_engine(), reason='ops run at once under the NaiveEngine')
+def test_kernel_reads_addresses_only_once_no_op_on_the_arrays_is_in_flight():
+    """Seen from the host: a gradient that an in-flight ``dot`` writes into
+    memory numpy owns holds the result as soon as the update is pushed."""
+    host = np.zeros((256, 32), np.float32)
+    grad = to_device(host, mx.cpu())      # over ``host``'s memory: no copy
+    weight, history = mx.nd.ones((256, 32)), mx.nd.zeros((256, 32))
+    source = mx.nd.random.uniform(shape=(256, 8192))
+    mx.nd.dot(source, mx.nd.ones((8192, 32)), out=grad)     # in flight
+    assert KERNEL.update(weight.handle.value, grad.handle.value, history.handle.value,
+                         0.5, 1e-7, 1.0, -1.0, 1.0)
+    assert (host > 1000).all(), 'the update was pushed before the dot writing its gradient ran'
+    np.testing.assert_array_equal(history.asnumpy(), host * host)
