@@ -109,6 +109,26 @@ def test_wrong_pad_lists_claim_is_caught():
             block(x, [a, b])
 
 
+class SqrtPlusSumOfChildren(gluon.HybridBlock):
+    """Neutral to zero padding, but NaN where its input is negative (as on
+    some of the random inputs that the padding check feeds it)."""
+    dynbatch_pad_lists = True
+
+    def hybrid_forward(self, F, x, children):
+        return F.sqrt(x) + F.add_n(*children) if children else F.sqrt(x)
+
+
+def test_pad_lists_check_takes_the_blocks_own_nans_as_equal():
+    block = dyb.DynBatchBlock(SqrtPlusSumOfChildren())
+    x = mx.nd.array([[4.0, -1.0] * 4])      # wide enough for negative random inputs
+    with dyb.batching():
+        a = block(x, [x])
+        b = block(x, [x, x])
+        c = block(x, [a, b, x])
+    np.testing.assert_array_equal(a.asnumpy(), [[2 + 4, np.nan] * 4])
+    np.testing.assert_array_equal(c.asnumpy(), [[2 + 6 + 10 + 4, np.nan] * 4])
+
+
 @pytest.mark.parametrize('hoist', [True, False])
 def test_tree_lstm_with_row_sparse_embedding_gradient(hoist, monkeypatch):
     set_hoisting(monkeypatch, hoist)
