@@ -24,9 +24,11 @@ cast would keep, as one operation pushed to MXNet's engine (so it runs in
 order with the ops around it, off the Python thread under a threaded
 engine).  MXNet's kernel takes a scalar square root per element (~4 ns
 here); this loop's are vectorised, and the cast's pass and op are gone.
-It reads the arrays' addresses only when no op on them is pending, so the
-call waits for the backward pass that writes the gradient (the Python
-thread cannot run ahead of it into the next minibatch).
+It reads the arrays' addresses only when no op is pending, so a Trainer
+step waits once for the backward pass that writes the gradients (the
+Python thread cannot run ahead of it into the next minibatch) and then
+pushes every update: the Trainer hands :class:`FusedAdaGrad` a step's
+updates together (``aggregate_num``).
 :data:`KERNEL` says whether it is in use.
 
 Use it by name: ``gluon.Trainer(params, 'fusedadagrad', {...})`` (importing
@@ -34,6 +36,7 @@ Use it by name: ``gluon.Trainer(params, 'fusedadagrad', {...})`` (importing
 """
 import ctypes
 import os
+import sys
 
 import mxnet as mx
 import numpy as np
@@ -56,7 +59,7 @@ def _load_kernel():
     except ImportError:
         return None
     wide = bool(_int64_enabled())
-    names = ('MXEnginePushSyncND', 'MXNDArrayGetData', 'MXNDArrayWaitToWrite',
+    names = ('MXEnginePushSyncND', 'MXNDArrayGetData', 'MXNDArrayWaitAll',
              'MXNDArrayGetShapeEx64' if wide else 'MXNDArrayGetShapeEx', 'MXNDArrayGetDType',
              'MXNDArrayGetStorageType', 'MXNDArrayGetContext')
     _adagrad.set_engine(*[ctypes.cast(getattr(_LIB, name), ctypes.c_void_p).value
@@ -77,22 +80,55 @@ class FusedAdaGrad(mx.optimizer.AdaGrad):
     ``'fusedadagrad'``.  Weights that are not dense float32 take AdaGrad's
     own path."""
 
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        # MXNet's Updater then hands over a Trainer step's updates in one
+        # call, and the kernel waits for the backward pass once for all
+        self.aggregate_num = sys.maxsize
+
+    def update_multi_precision(self, index, weight, grad, state):
+        if not isinstance(index, (list, tuple)):
+            super().update_multi_precision(index, weight, grad, state)
+            return
+        batch = []
+        for i, w, g, s in zip(index, weight, grad, state):
+            if KERNEL is not None and w.dtype == np.float32 and w.stype == 'default':
+                batch.append((i, w, g, s) + self._lr_and_decay(i))
+            else:       # AdaGrad's own path, or float16 with a float32 master copy
+                super().update_multi_precision(i, w, g, s)
+        if not batch:
+            return
+        pushed = KERNEL.update_many([self._kernel_args(w, g, s, lr, decay)
+                                     for _, w, g, s, lr, decay in batch])
+        for (_, w, g, s, lr, decay), done in zip(batch, pushed):
+            if not done:
+                self._update_by_op(w, g, s, lr, decay)
+
     def update(self, index, weight, grad, state):
         if weight.dtype != np.float32 or weight.stype != 'default':
             super().update(index, weight, grad, state)
             return
+        lr, decay = self._lr_and_decay(index)
+        kernel = KERNEL
+        if kernel is None or not kernel.update(*self._kernel_args(weight, grad, state, lr,
+                                                                   decay)):
+            self._update_by_op(weight, grad, state, lr, decay)
+
+    def _lr_and_decay(self, index):
+        """Counts the update; its learning rate and weight decay factor."""
         self._update_count(index)
         lr = self._get_lr(index)
-        wd = self._get_wd(index)
         # weight - lr*wd*weight, then the wd-free update subtracts lr*div
-        decay = 1.0 - lr * wd
-        kernel = KERNEL
-        if kernel is not None and kernel.update(
-                weight.handle.value, grad.handle.value, state.handle.value, lr,
+        return lr, 1.0 - lr * self._get_wd(index)
+
+    def _kernel_args(self, weight, grad, state, lr, decay):
+        return (weight.handle.value, grad.handle.value, state.handle.value, lr,
                 self.float_stable_eps, self.rescale_grad,
-                -1.0 if self.clip_gradient is None else self.clip_gradient, decay):
-            return
-        if wd:
+                -1.0 if self.clip_gradient is None else self.clip_gradient, decay)
+
+    def _update_by_op(self, weight, grad, state, lr, decay):
+        """MXNet's row-sparse AdaGrad op, after the decay."""
+        if decay != 1.0:
             weight *= decay
         if grad.stype != 'row_sparse':
             grad = grad.tostype('row_sparse')

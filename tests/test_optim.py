@@ -211,3 +211,44 @@ def test_kernel_reads_addresses_only_once_no_op_on_the_arrays_is_in_flight():
                          0.5, 1e-7, 1.0, -1.0, 1.0)
     assert (host > 1000).all(), 'the update was pushed before the dot writing its gradient ran'
     np.testing.assert_array_equal(history.asnumpy(), host * host)
+
+
+@needs_kernel
+def test_a_trainer_step_pushes_its_dense_updates_after_one_wait(monkeypatch):
+    """The Updater hands FusedAdaGrad a step's updates together, and they
+    reach the kernel in one ``update_many`` (one wait for the backward
+    pass); what the kernel refuses (a row-sparse gradient) takes MXNet's
+    op, and the result is still AdaGrad's."""
+    calls = []
+
+    class Spy:
+        @staticmethod
+        def update(*args):
+            calls.append(('update', 1))
+            return KERNEL.update(*args)
+
+        @staticmethod
+        def update_many(requests):
+            pushed = KERNEL.update_many(requests)
+            calls.append(('update_many', len(requests), sum(pushed)))
+            return pushed
+    monkeypatch.setattr(optim, 'KERNEL', Spy)
+    ours = _train('fusedadagrad', {'learning_rate': 0.1}, sparse_grad=True, steps=3)
+    assert calls == [('update_many', 5, 4)] * 3
+    theirs = _train('adagrad', {'learning_rate': 0.1}, sparse_grad=True, steps=3)
+    for i, weight in enumerate(theirs[0]):
+        np.testing.assert_array_equal(ours[0][i], weight, err_msg='parameter %d' % i)
+
+
+@needs_kernel
+def test_update_many_says_which_it_pushed():
+    weight, history = mx.nd.ones((4, 3)), mx.nd.zeros((4, 3))
+    good, wrong_shape = mx.nd.ones((4, 3)), mx.nd.ones((3, 4))
+    args = (0.5, 1e-7, 1.0, -1.0, 1.0)
+    assert KERNEL.update_many([]) == []
+    assert KERNEL.update_many([
+        (weight.handle.value, wrong_shape.handle.value, history.handle.value) + args,
+        (weight.handle.value, good.handle.value, history.handle.value) + args]) == [False, True]
+    np.testing.assert_array_equal(history.asnumpy(), 1)
+    with pytest.raises(TypeError):
+        KERNEL.update_many([(weight.handle.value,)])
