@@ -29,8 +29,10 @@ Adagrad step) throughput in pairs/s, median of repeats, forms interleaved in
 every repeat.  The ``... same`` settings run one minibatch again and again:
 a repeated structure, where a cached plan replays its gathers and, reused
 twice, runs compiled as one call (the other settings walk the split, so
-structures rarely repeat).  Output: a table on stdout, ``results.json`` and
-``throughput.png`` in ``--out`` (default ``benchmarks/results/``).
+structures rarely repeat).  Output: a table on stdout, ``results.json``,
+``results.md`` (the pairs/s table in Markdown, as the README shows it; the
+docs build the same table from ``results.json``) and ``throughput.png`` in
+``--out`` (default ``benchmarks/results/``).
 
 MXNet's threads and engine are set from the command line *before* MXNet is
 imported (``--threads``, default 1; ``--engine``, default
@@ -804,6 +806,57 @@ def format_table(results, settings, limit):
     return '\n'.join(rows)
 
 
+FORM_LABELS = {
+    PER_SAMPLE: 'per-sample Gluon', HYBRID: 'per-sample, hybridized',
+    HAND: 'hand-batched MXNet', HAND_UNIQUE: 'hand-batched, i2h once per distinct token',
+    'dynbatch-per-sample': 'gluon_dynbatch per-sample', DYB_PURE: 'auto without the C extension',
+}
+
+
+def throughput_rows(result):
+    """The results table as rows of strings (header first): pairs/s per
+    form and setting, then the GEMM limit.  One source for the Markdown
+    file the benchmark writes (``results.md``, for the README) and the
+    table the docs build from ``results.json`` (``docs/conf.py``)."""
+    names = [s['name'] for s in result['settings']]
+    rows = [['form'] + names]
+    for form, cells in result['results'].items():
+        label = FORM_LABELS.get(form)
+        if label is None:
+            label = ('gluon_dynbatch ' + form[len(DYB_PREFIX):]) if form.startswith(DYB_PREFIX) \
+                else form
+        row = [label]
+        for name in names:
+            cell = cells.get(name, {})
+            rate = cell.get('pairs_per_s')
+            row.append('-' if 'skipped' in cell or rate is None else
+                       '{:,.0f}'.format(rate) + ('*' if cell.get('partial') else ''))
+        rows.append(row)
+    limit = result['limit']['pairs_per_s']
+    rows.append(['GEMM-bound limit'] + ['{:,.0f}'.format(
+        limit['train' if name.startswith('train') else 'infer']) for name in names])
+    return rows
+
+
+def caption(result):
+    """One line: where and how the table was measured."""
+    cfg = result['config']
+    return ('%s, %d cores, MXNet %s, %s, %d thread(s), %s allocator, %s embedding gradients, '
+            '%s; %s; %.0f s.  *: per-sample form stopped mid-minibatch at the time budget; '
+            '-: skipped.' % (cfg.get('cpu'), cfg.get('cores_available') or 0, cfg.get('mxnet'),
+                             cfg.get('engine'), cfg.get('threads') or 0, cfg.get('allocator'),
+                             result['model']['embedding_grad'], result['model']['optimizer'],
+                             result['timing']['statistic'], result.get('elapsed_s') or 0))
+
+
+def markdown_table(result):
+    rows = throughput_rows(result)
+    lines = ['| ' + ' | '.join(rows[0]) + ' |',
+             '|---' + '|---:' * (len(rows[0]) - 1) + '|']
+    lines += ['| ' + ' | '.join(row) + ' |' for row in rows[1:]]
+    return 'Pairs/s.  %s\n\n%s\n' % (caption(result), '\n'.join(lines))
+
+
 def format_split(results, settings):
     lines = ['dynbatch time split (fraction of wall time per minibatch: record / analyse / '
              'compile / run / other; other = reading results, backward + optimizer in training)']
@@ -1099,6 +1152,10 @@ def main(argv=None):
     with open(json_path, 'w') as f:
         json.dump(result, f, indent=1)
     print('\nwrote %s' % json_path)
+    md_path = os.path.join(args.out, 'results.md')
+    with open(md_path, 'w') as f:
+        f.write(markdown_table(result))
+    print('wrote %s (the table for the README)' % md_path)
     if not args.no_plot:
         png = os.path.join(args.out, 'throughput.png')
         plot(results, settings, limit, png)

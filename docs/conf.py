@@ -8,7 +8,11 @@ into ``_generated/`` at configuration time:
   :data:`gluon_dynbatch.rules.RULES`, so the list never goes stale;
 * ``tradeoff.inc`` - the measured trade-off figure if
   ``_static/tradeoff.png`` exists (made by ``python benchmarks/tradeoff.py``),
-  else a note saying where it will come from.
+  else a note saying where it will come from;
+* ``throughput.inc`` - the Tree-LSTM throughput table of the last
+  ``python benchmarks/bench_treelstm.py`` run, read from
+  ``benchmarks/results/results.json`` (built by the benchmark's own
+  ``throughput_rows``, the rows of its ``results.md``).
 """
 import os
 import sys
@@ -162,6 +166,36 @@ def _write_tradeoff():
     _write(os.path.join(GENERATED, 'tradeoff.inc'), text)
 
 
+def _write_throughput():
+    path = os.path.join(ROOT, 'benchmarks', 'results', 'results.json')
+    if not os.path.isfile(path):
+        _write(os.path.join(GENERATED, 'throughput.inc'), '''\
+.. note::
+
+   The table for this section is produced by ``python benchmarks/bench_treelstm.py``
+   (``benchmarks/results/results.json``) and will be included here once the
+   benchmark has been run.
+''')
+        return
+    sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
+    try:
+        import bench_treelstm  # pylint: disable=import-outside-toplevel
+    finally:
+        sys.path.pop(0)
+    import json  # pylint: disable=import-outside-toplevel
+    with open(path) as f:
+        result = json.load(f)
+    rows = bench_treelstm.throughput_rows(result)
+    lines = ['.. list-table:: Pairs/s, ``python benchmarks/bench_treelstm.py``.  %s'
+             % bench_treelstm.caption(result).replace('*', r'\*'),
+             '   :header-rows: 1', '   :stub-columns: 1', '']
+    for row in rows:
+        lines.append('   * - %s' % row[0])
+        lines += ['     - %s' % cell.replace('*', r'\*') for cell in row[1:]]
+    lines.append('')
+    _write(os.path.join(GENERATED, 'throughput.inc'), '\n'.join(lines))
+
+
 def _write(path, text):
     """Write only on change, so that Sphinx does not re-read every page."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -177,3 +211,4 @@ def _write(path, text):
 
 _write_rules_table()
 _write_tradeoff()
+_write_throughput()

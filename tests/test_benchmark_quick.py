@@ -7,6 +7,7 @@ positive, finite throughput in every setting of the quick run.
 import json
 import math
 import os
+import sys
 
 from helpers import ROOT, needs_sick, run_benchmark
 
@@ -43,6 +44,49 @@ def test_quick_benchmark(tmp_path):
         assert key in res['config']
     assert res['limit']['pairs_per_s']['infer'] > 0
     assert (tmp_path / 'throughput.png').stat().st_size > 0
+    table = (tmp_path / 'results.md').read_text()
+    bench = _bench_module()
+    for row in bench.throughput_rows(res):
+        assert '| ' + ' | '.join(row) + ' |' in table
+
+
+def _bench_module():
+    sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
+    try:
+        import bench_treelstm
+    finally:
+        sys.path.pop(0)
+    return bench_treelstm
+
+
+def test_throughput_table_rows():
+    """The README / docs table: one row per form with its readable label,
+    pairs/s per setting ('*' where a per-sample form stopped at the time
+    budget, '-' where skipped), then the GEMM limit of each setting's mode."""
+    bench = _bench_module()
+    result = {
+        'settings': [{'name': 'infer B=1'}, {'name': 'train B=25'}],
+        'results': {
+            'per-sample-hybrid': {'infer B=1': {'pairs_per_s': 363.4},
+                                  'train B=25': {'pairs_per_s': 26.2, 'partial': True}},
+            'dynbatch-auto': {'infer B=1': {'pairs_per_s': 1551.2},
+                              'train B=25': {'skipped': 'too slow'}},
+        },
+        'limit': {'pairs_per_s': {'infer': 9582.0, 'train': 3194.0}},
+        'config': {'cpu': 'x', 'cores_available': 2, 'mxnet': '1.9.1', 'engine': 'NaiveEngine',
+                   'threads': 1, 'allocator': 'glibc'},
+        'model': {'embedding_grad': 'dense', 'optimizer': 'fusedadagrad lr 0.05'},
+        'timing': {'statistic': 'median'}, 'elapsed_s': 12.0,
+    }
+    assert bench.throughput_rows(result) == [
+        ['form', 'infer B=1', 'train B=25'],
+        ['per-sample, hybridized', '363', '26*'],
+        ['gluon_dynbatch auto', '1,551', '-'],
+        ['GEMM-bound limit', '9,582', '3,194'],
+    ]
+    md = bench.markdown_table(result)
+    assert '|---|---:|---:|' in md and '| gluon_dynbatch auto | 1,551 | - |' in md
+    assert 'NaiveEngine' in md.splitlines()[0]
 
 
 @needs_sick
