@@ -21,8 +21,9 @@ from mxnet.ndarray.ndarray import _DTYPE_NP_TO_MX, DLDataType, _int64_enabled
 
 from . import accel
 from .graph import DONE, LazyValue
-from .lanes import LENGTHS, PADDED, SEGMENT
-from .lower import element_major, embedding_reads, host_part, host_split, step_program
+from .lanes import INCIDENCE, LENGTHS, PADDED, SEGMENT
+from .lower import (element_major, embedding_reads, host_part, host_split, ragged_how,
+                    step_program)
 from .trace import leaf_count
 
 __all__ = ['run_plan', 'run_step', 'FlushTables', 'FlushHoist', 'collect', 'gather_rows',
@@ -173,7 +174,8 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hois
         if index is not None and len(sources[item]) > 2:
             _pad_parts(sources[item], sig, item, ctx)
         pattern.append(('direct' if index is None else
-                        'ragged' if how_ragged is not None else 'take', len(sources[item])))
+                        ragged_how(how_ragged) if how_ragged is not None else 'take',
+                        len(sources[item])))
         indices[item] = index
     if lists:
         ragged = _lay_out_lists(sig, lists, sources, indices, pattern, uploads, learned,
@@ -245,14 +247,19 @@ def _lay_out_lists(sig, lists, sources, indices, pattern, uploads, learned, wher
         count, width = real.shape
         ends = np.cumsum(lengths, dtype=np.int32)
         lane = np.arange(width, dtype=np.int32)[:, None]
-        ragged = {SEGMENT: to_device(np.repeat(np.arange(count, dtype=np.int32), lengths), ctx),
+        segment = np.repeat(np.arange(count, dtype=np.int32), lengths)
+        ragged = {SEGMENT: to_device(segment, ctx),
                   PADDED: to_device(np.where(lane < lengths, ends - lengths + lane, 0)
                                     .astype(np.int32), ctx),
                   LENGTHS: to_device(lengths, ctx)}
+        if count * len(segment) <= INCIDENCE_MAX and mx.autograd.is_recording():
+            incidence = np.zeros((count, len(segment)), dtype=sig.key[-2])
+            incidence[segment, np.arange(len(segment))] = 1
+            ragged[INCIDENCE] = to_device(incidence, ctx)
     for item, (index, distinct, zero) in lists.items():
         if layout is not None:
             index = np.ascontiguousarray(index[layout[0]])
-            pattern[item] = ('ragged',) + pattern[item][1:]
+            pattern[item] = (ragged_how(ragged),) + pattern[item][1:]
         elif element_major(index.shape[1]):
             index = np.ascontiguousarray(index.T)
         index = indices[item] = _upload_index(index, uploads, ctx)
@@ -260,6 +267,16 @@ def _lay_out_lists(sig, lists, sources, indices, pattern, uploads, learned, wher
             part = _recipe_part(sig.fmt[item], distinct, index, where, zero)
             learned[item] = part if part is None or ragged is None else part + (ragged,)
     return ragged
+
+
+INCIDENCE_MAX = 20000
+"""Most entries (lists x elements) of the incidence matrix with which a
+ragged step sums its lists by one ``dot`` when training (see
+:data:`~.lanes.INCIDENCE` and :func:`~.lower.ragged_how`); other steps pad
+them (a ``take``, a ``SequenceMask`` and a ``dot``).  The ``dot`` is a GEMM
+of lists x elements x row width, cheaper than the three ops up to ~100 x
+150 (MXNet 1.9.1, one thread, forward and backward) and far dearer at
+~1000 x 1000.  0 turns it off."""
 
 
 def _ragged_layout(lists, sources):

@@ -44,7 +44,7 @@ import json
 import mxnet as mx
 import numpy as np
 
-__all__ = ['CUT', 'SEGMENT', 'PADDED', 'LENGTHS', 'vectorize_lists']
+__all__ = ['CUT', 'SEGMENT', 'PADDED', 'LENGTHS', 'INCIDENCE', 'vectorize_lists']
 
 CUT = 'dynbatch_cut'
 """Name prefix of the ``SliceChannel`` that cuts a list argument into its
@@ -64,7 +64,8 @@ BINARY = {'elemwise_add': 'broadcast_add', 'elemwise_sub': 'broadcast_sub',
 (used when one input is the same value for every lane)."""
 
 
-def vectorize_lists(symbol, lane_ndims, dtype, training=False, ragged=False):
+def vectorize_lists(symbol, lane_ndims, dtype, training=False, ragged=False,
+                    incidence=False):
     """``symbol`` with each complete set of per-lane copies run once over
     all lanes (see the module docstring).  ``lane_ndims`` gives, per cut
     name, the number of axes of one lane (2 for ``(N, D)`` rows): a
@@ -77,13 +78,14 @@ def vectorize_lists(symbol, lane_ndims, dtype, training=False, ragged=False):
     With ``ragged`` the cuts' inputs are *ragged* rows instead: the ``M``
     elements of N lists of different lengths, list after list (see
     :data:`SEGMENT`); every lane of every cut must then be read by
-    vectorized sets alone, or None is returned."""
+    vectorized sets alone, or None is returned; ``incidence`` sums them
+    by a ``dot`` with :data:`INCIDENCE` instead of padding them."""
     graph = json.loads(symbol.tojson())
     nodes = graph['nodes']
     lanes = _find_lanes(nodes, lane_ndims)
     sums = _closed_sums(nodes, graph['heads'], lanes)
     if ragged:
-        return _rewrite(graph, sums, dtype, training, ragged=True) \
+        return _rewrite(graph, sums, dtype, training, ragged=True, incidence=incidence) \
             if _all_cuts_closed(nodes, graph['heads'], sums) else None
     if not sums:
         return symbol
@@ -100,11 +102,22 @@ reads is repeated per element by ``take`` along ``SEGMENT``; a sum over
 the lanes is a ``take`` along ``PADDED`` into ``(K, N, ...)``, a
 ``SequenceMask`` that sets the missing elements to zero (it assigns, so
 the row taken for them never leaks, NaN or not) and the ``dot`` with K
-ones."""
+ones.
+
+With ``incidence=True`` a sum over the lanes is instead one ``dot`` with
+:data:`INCIDENCE`, an ``(N, M)`` matrix of ones where list n holds element
+m: one op where the sum took three (its backward too), for a GEMM of
+N x M x D.  Steps small enough for that GEMM to cost less than the ops it
+replaces use it (see ``INCIDENCE_MAX`` in :mod:`~gluon_dynbatch.execute`).
+Its missing elements are not read at all, so nothing leaks from them
+either."""
 PADDED = 'dynbatch_padded'
 """Input of ragged lanes: ``(K, N)`` positions of the elements (see :data:`SEGMENT`)."""
 LENGTHS = 'dynbatch_lengths'
 """Input of ragged lanes: each list's length (see :data:`SEGMENT`)."""
+INCIDENCE = 'dynbatch_incidence'
+"""Input of ragged lanes summed by a ``dot``: ``(N, M)``, 1 where list n
+holds element m, else 0, in the lanes' dtype (see :data:`SEGMENT`)."""
 
 
 def _all_cuts_closed(nodes, heads, sums):
@@ -247,7 +260,7 @@ def _sets_below(groups):
     return out
 
 
-def _rewrite(graph, sums, dtype, training, ragged=False):
+def _rewrite(graph, sums, dtype, training, ragged=False, incidence=False):
     """The graph with one node per needed set, emitted after its last copy,
     and every sum in ``sums`` reading it (ragged: see :data:`SEGMENT`)."""
     nodes = graph['nodes']
@@ -294,6 +307,9 @@ def _rewrite(graph, sums, dtype, training, ragged=False):
     for i, node in enumerate(nodes):
         if i in sums:       # (K,) ones . (K, N, ...) lanes -> (N, ...)
             lanes = vector[id(sums[i])]
+            if incidence:   # (N, M) incidence . (M, ...) elements -> (N, ...)
+                moved[i] = add('dot', {}, [ragged_input(INCIDENCE), lanes], node['name'])[0]
+                continue
             if ragged:      # the M elements laid out (K, N, ...), missing ones zero
                 lanes = add('take', {'axis': '0', 'mode': 'clip'},
                             [lanes, ragged_input(PADDED)])

@@ -60,7 +60,7 @@ def test_tree_lstm_random_pairs(strategy, pad_lists, hoist, monkeypatch):
     assert ('hoisted' in ways) == (hoist and strategy != 'per-sample')
     # gathered sources come in powers of two parts (few programs per signature)
     parts = {way[1] for sig in node.signatures() for p in sig.programs for way in p
-             if way and way[0] in ('take', 'ragged')}
+             if way and way[0] in ('take', 'ragged', 'ragged_dot')}
     assert all(n & (n - 1) == 0 for n in parts)
 
 

@@ -11,7 +11,7 @@ from hypothesis import given, strategies as st
 from mxnet import autograd
 
 import gluon_dynbatch as dyb
-from gluon_dynbatch import lanes, lower
+from gluon_dynbatch import execute, lanes, lower
 from gluon_dynbatch.lanes import CUT, vectorize_lists
 
 from test_equivalence import make_tree_model, pair_forward, random_pairs
@@ -271,23 +271,28 @@ def test_switch_turns_lane_programs_off(monkeypatch):
 # --- ragged lanes: lists of different lengths, no padding elements ---------
 
 def ragged_inputs(lengths, width):
-    """``segment``, ``padded`` and ``lengths`` (see lanes.SEGMENT) of lists
-    of ``lengths`` in a step ``width`` elements wide, as NDArrays."""
+    """``segment``, ``padded``, ``lengths`` and ``incidence`` (see
+    lanes.SEGMENT) of lists of ``lengths`` in a step ``width`` elements
+    wide, as NDArrays."""
     lengths = np.asarray(lengths, dtype=np.int32)
     ends = np.cumsum(lengths)
     lane = np.arange(width)[:, None]
-    return {lanes.SEGMENT: mx.nd.array(np.repeat(np.arange(len(lengths)), lengths),
-                                       dtype='int32'),
+    segment = np.repeat(np.arange(len(lengths)), lengths)
+    incidence = np.zeros((len(lengths), len(segment)), dtype=np.float32)
+    incidence[segment, np.arange(len(segment))] = 1
+    return {lanes.SEGMENT: mx.nd.array(segment, dtype='int32'),
             lanes.PADDED: mx.nd.array(np.where(lane < lengths, ends - lengths + lane, 0),
                                       dtype='int32'),
-            lanes.LENGTHS: mx.nd.array(lengths, dtype='int32')}
+            lanes.LENGTHS: mx.nd.array(lengths, dtype='int32'),
+            lanes.INCIDENCE: mx.nd.array(incidence)}
 
 
-def ragged_and_reference(width, program, lengths, seed=0, poison=None):
+def ragged_and_reference(width, program, lengths, seed=0, poison=None, incidence=False):
     """Outputs and input gradients of ``program`` on lists of ``lengths``:
-    once ragged (one call), once per list through the per-element graph
-    of that list's length.  ``poison`` puts that value in every input row
-    of the first list."""
+    once ragged (one call; sums by the incidence ``dot`` with
+    ``incidence``), once per list through the per-element graph of that
+    list's length.  ``poison`` puts that value in every input row of the
+    first list."""
     rng = np.random.RandomState(seed)
     total, count = sum(lengths), len(lengths)
     values = {'h': rng.uniform(-1, 1, (total, D)), 'c': rng.uniform(-1, 1, (total, D)),
@@ -300,8 +305,10 @@ def ragged_and_reference(width, program, lengths, seed=0, poison=None):
             values[name][0] = poison
     weights = [rng.uniform(-1, 1, (count, D)) for _ in range(2)]
     ragged = vectorize_lists(build_lane_program(width, program),
-                             {CUT + '0': 2, CUT + '1': 2}, np.float32, ragged=True)
+                             {CUT + '0': 2, CUT + '1': 2}, np.float32, ragged=True,
+                             incidence=incidence)
     assert ragged is not None
+    assert ('SequenceMask' in ops(ragged)) != incidence
     starts = np.cumsum([0] + list(lengths))
 
     def run(use_ragged):
@@ -359,14 +366,16 @@ def _single(program, feed):
     return [values[-1], values[2]]
 
 
-@given(lane_programs(), st.lists(st.integers(1, 4), min_size=1, max_size=6))
-def test_random_ragged_lane_programs_equal_each_lists_own_graph(drawn, lengths):
+@given(lane_programs(), st.lists(st.integers(1, 4), min_size=1, max_size=6), st.booleans())
+def test_random_ragged_lane_programs_equal_each_lists_own_graph(drawn, lengths, incidence):
     """Ragged lanes give every list what the per-element graph of its own
-    length gives (values and input gradients): no padding element is
-    computed, so none has to be neutral."""
+    length gives (values and input gradients), their sums padded or by the
+    incidence ``dot``: no padding element is computed, so none has to be
+    neutral."""
     width, program = drawn
     width = max(width, max(lengths), 2)
-    (out_r, grad_r), (out_p, grad_p) = ragged_and_reference(width, program, lengths)
+    (out_r, grad_r), (out_p, grad_p) = ragged_and_reference(width, program, lengths,
+                                                            incidence=incidence)
     for got, want in zip(out_r, out_p):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     for name in grad_p:
@@ -376,7 +385,8 @@ def test_random_ragged_lane_programs_equal_each_lists_own_graph(drawn, lengths):
 
 def test_ragged_lanes_keep_a_lists_nan_to_itself():
     """The element a short list's missing slots read is masked by
-    assignment: a NaN in the first list reaches no other list."""
+    assignment: a NaN in the first list reaches no other list (the
+    incidence ``dot`` would spread it, 0 x NaN: inference never uses it)."""
     program = [('fc', 'fc', 0, False), ('pair', 'mul', 1, False)]
     lengths = [2, 1, 3, 1]
     (out, _), _ = ragged_and_reference(3, program, lengths, poison=np.nan)
@@ -403,13 +413,18 @@ def ragged_always(monkeypatch):
     monkeypatch.setitem(plan.PADDING_COST, 'family_step_us', {})
 
 
+@pytest.mark.parametrize('incidence', [False, True])
 @pytest.mark.parametrize('training', [False, True])
 @pytest.mark.parametrize('strategy', ['depth', 'agenda', 'cached'])
-def test_ragged_steps_equal_per_sample(strategy, training, ragged_always):
+def test_ragged_steps_equal_per_sample(strategy, training, incidence, ragged_always,
+                                       monkeypatch):
     """Node steps over children lists of every length run ragged, in
     inference and training, and for a cached plan on its miss, its first
     hit (recipes learned) and compiled; values and gradients equal
-    per-sample execution."""
+    per-sample execution.  With ``incidence`` (every step small enough)
+    training sums the lists by the incidence ``dot``; inference pads them
+    still."""
+    monkeypatch.setattr(execute, 'INCIDENCE_MAX', 10 ** 9 if incidence else 0)
     node, head = make_tree_model(pad_lists=True)
     pairs = random_pairs(np.random.RandomState(9), 8)
     forward = pair_forward(node, head, pairs)
@@ -426,8 +441,33 @@ def test_ragged_steps_equal_per_sample(strategy, training, ragged_always):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=param.name)
     programs = [p for sig in node.signatures()
                 for p in (sig.programs if training else sig.inference_programs).items()]
-    assert any(way and way[0] == 'ragged' for pattern, _ in programs for way in pattern)
-    assert any('SequenceMask' in ops(program.symbol) for _, program in programs)
+    dot = training and incidence
+    assert any(way and way[0] == ('ragged_dot' if dot else 'ragged')
+               for pattern, _ in programs for way in pattern)
+    assert not any(way and way[0] == ('ragged' if dot else 'ragged_dot')
+                   for pattern, _ in programs for way in pattern)
+    assert any('SequenceMask' in ops(program.symbol) for _, program in programs) != dot
     if strategy == 'cached':
         assert runs[-1] == 'cached-compiled'
 
+
+
+def test_a_plan_learned_in_training_pads_its_lists_in_inference(ragged_always, monkeypatch):
+    """A cached plan's recipes learned while training carry the incidence
+    matrices; replayed in inference the lists are padded (a NaN stays in
+    its own list there), with per-sample values."""
+    monkeypatch.setattr(execute, 'INCIDENCE_MAX', 10 ** 9)
+    node, head = make_tree_model(pad_lists=True)
+    forward = pair_forward(node, head, random_pairs(np.random.RandomState(9), 8))
+    params = list(node.collect_params().values()) + list(head.collect_params().values())
+    plan = dyb.CachedPlan(compile_after=10)
+    for _ in range(2):          # the miss, then the hit that learns the recipes
+        outputs_and_gradients(forward, params, plan, training=True)
+    want, _ = outputs_and_gradients(forward, params, None, training=False)
+    got, _ = outputs_and_gradients(forward, params, plan, training=False)
+    assert dyb.stats()['last']['strategy'] == 'cached'
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+    inference = [way[0] for sig in node.signatures() for pattern in sig.inference_programs
+                 for way in pattern if way]
+    assert 'ragged' in inference and 'ragged_dot' not in inference
