@@ -125,9 +125,14 @@ def build_parser():
                    help='equivalence tolerance: log-probs absolute, gradients relative to '
                         'the largest gradient entry of the parameter')
     p.add_argument('--seed', type=int, default=0, help='weights and pair order')
-    p.add_argument('--sparse-grad', action='store_true',
-                   help='row-sparse embedding gradients in every form (as the SICK example '
-                        'trains); default dense')
+    grads = p.add_mutually_exclusive_group()
+    grads.add_argument('--dense-grad', dest='sparse_grad', action='store_false',
+                       help='dense embedding gradients in every form (a vocabulary-sized '
+                            'gradient and update per step)')
+    grads.add_argument('--sparse-grad', dest='sparse_grad', action='store_true',
+                       help='row-sparse embedding gradients in every form: the default, as '
+                            'the SICK example trains and as DyNet updates lookup parameters')
+    p.set_defaults(sparse_grad=True)
     p.add_argument('--optimizer', default=OPTIMIZERS[0], choices=OPTIMIZERS,
                    help="every form's Adagrad: gluon_dynbatch.FusedAdaGrad (one op per "
                         "parameter, the same values) or MXNet's own")
@@ -955,6 +960,8 @@ def run_sweep(args):
                 cmd += ['--forms'] + args.forms
             if args.gc_freeze:
                 cmd += ['--gc-freeze']
+            if not args.sparse_grad:
+                cmd += ['--dense-grad']
             print('\n=== round %d: threads=%d %s ===' % (rnd + 1, threads, engine), flush=True)
             tic = time.perf_counter()
             proc = subprocess.run(cmd, check=False)
