@@ -109,8 +109,9 @@ With ``incidence=True`` a sum over the lanes is instead one ``dot`` with
 m: one op where the sum took three (its backward too), for a GEMM of
 N x M x D.  Steps small enough for that GEMM to cost less than the ops it
 replaces use it (see ``INCIDENCE_MAX`` in :mod:`~gluon_dynbatch.execute`).
-Its missing elements are not read at all, so nothing leaks from them
-either."""
+There is no missing element to mask, but the ``dot``'s zeros meet every
+element, so a NaN or infinity in one list's element reaches every list
+(0 x NaN): only training uses it (:func:`~.lower.ragged_how`)."""
 PADDED = 'dynbatch_padded'
 """Input of ragged lanes: ``(K, N)`` positions of the elements (see :data:`SEGMENT`)."""
 LENGTHS = 'dynbatch_lengths'
