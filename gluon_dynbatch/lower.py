@@ -61,7 +61,7 @@ from .trace import leaf_count
 __all__ = ['StepProgram', 'step_program', 'element_major', 'FlushProgram', 'flush_program',
            'share_host_part', 'host_part', 'embedding_reads', 'read_tables', 'HostSplit',
            'host_split', 'split_host_part', 'hoisted_rest', 'ragged_lists', 'RAGGED',
-           'ragged_how']
+           'ragged_how', 'compose_takes', 'INVERSE', 'INVERSE_SEGMENT']
 
 
 class StepProgram:
@@ -229,13 +229,15 @@ def _build(sig, pattern, training):
         if vectorized is None:
             raise RuntimeError('gluon_dynbatch: %s cannot run its lists ragged '
                                '(please report this)' % sig.describe())
-        symbol = vectorized
+        symbol = compose_takes(vectorized) if ragged else vectorized
     feeds = []
     for name in symbol.list_inputs():
         if name in params:
             feeds.append(('param', params[name]))
         elif name == INVERSE:
             feeds.append(('inverse', None))
+        elif name == INVERSE_SEGMENT:
+            feeds.append(('inverse_segment', None))
         elif name.startswith(TABLE):
             feeds.append(('table', params[name[len(TABLE):]]))
         elif name.startswith(HOISTED):
@@ -252,6 +254,67 @@ def _build(sig, pattern, training):
 INVERSE = 'dynbatch_inverse'
 """The input of a step program that runs on distinct host rows: for each
 row of the step, its distinct row (int32)."""
+
+INVERSE_SEGMENT = 'dynbatch_inverse_segment'
+"""The input that replaces :data:`INVERSE` taken along
+:data:`~.lanes.SEGMENT` (see :func:`compose_takes`): for each element of a
+ragged step's lists, the distinct host row of its list (int32)."""
+
+
+def compose_takes(symbol):
+    """``symbol`` with every ``take`` along :data:`~.lanes.SEGMENT` of a
+    ``take`` by :data:`INVERSE` that nothing else reads made one ``take``
+    by :data:`INVERSE_SEGMENT`, an index composed on the host.
+
+    A value of a ragged step's host part that every element of a list
+    reads (the Tree-LSTM's ``f_x``) is first expanded from the distinct
+    host rows to one row per call, then to one per element: two gathers,
+    and two in backward, where one does."""
+    graph = json.loads(symbol.tojson())
+    nodes = graph['nodes']
+    readers = {}
+    for node in nodes:
+        for entry in node['inputs']:
+            readers[entry[0]] = readers.get(entry[0], 0) + 1
+    for head in graph['heads']:
+        readers[head[0]] = readers.get(head[0], 0) + 1
+
+    def take_along(node, index):
+        return node['op'] == 'take' and len(node['inputs']) == 2 and \
+            node.get('attrs', {}).get('axis', '0') == '0' and \
+            node.get('attrs', {}).get('mode', 'clip') == 'clip' and \
+            nodes[node['inputs'][1][0]]['op'] == 'null' and \
+            nodes[node['inputs'][1][0]]['name'] == index
+
+    composed = {}       # outer take -> the inner take it reads
+    for i, node in enumerate(nodes):
+        if take_along(node, SEGMENT):
+            inner = node['inputs'][0][0]
+            if take_along(nodes[inner], INVERSE) and readers[inner] == 1:
+                composed[i] = inner
+    if not composed:
+        return symbol
+    skipped = set(composed.values())
+    out, moved = [], {}
+
+    def entry_for(entry):
+        return [moved[entry[0]], entry[1], 0]
+
+    for old, node in enumerate(nodes):
+        if old in skipped:
+            continue
+        node = dict(node)
+        if old in composed:
+            if INVERSE_SEGMENT not in moved:
+                moved[INVERSE_SEGMENT] = len(out)
+                out.append({'op': 'null', 'name': INVERSE_SEGMENT, 'inputs': []})
+            source = nodes[composed[old]]['inputs'][0]
+            node['inputs'] = [entry_for(source), [moved[INVERSE_SEGMENT], 0, 0]]
+        else:
+            node['inputs'] = [entry_for(entry) for entry in node['inputs']]
+        moved[old] = len(out)
+        out.append(node)
+    return _load(graph, out, [entry_for(entry) for entry in graph['heads']])
 
 _STOCHASTIC = ('Dropout', '_random', '_sample', 'random_', 'sample_')
 
@@ -580,15 +643,20 @@ def flush_program(steps, recipes, hoists=()):
                         ('direct' if how == 'host' or how[1] is None else
                          ragged_how(how[2]) if len(how) > 2 else 'take', 1)
                         for item, how in enumerate(recipe))
+        program = step_program(sig, pattern).symbol
+        wanted = set(program.list_inputs())
         bind = {}
         for how in recipe:
             if how not in ('empty', 'host') and len(how) > 2:   # ragged lists' inputs
-                for name, value in how[2].items():
-                    bind[name] = mx.sym.var('%s_s%d' % (name, number))
-                    spec['%s_s%d' % (name, number)] = ('const', value)
+                for name in (SEGMENT, PADDED, LENGTHS, INCIDENCE):
+                    if name in wanted or name == SEGMENT and INVERSE_SEGMENT in wanted:
+                        bind[name] = mx.sym.var('%s_s%d' % (name, number))
+                        spec['%s_s%d' % (name, number)] = ('const', how[2][name])
                 break
         if items:
             bind[INVERSE] = inverse
+            if INVERSE_SEGMENT in wanted:
+                bind[INVERSE_SEGMENT] = mx.sym.take(inverse, bind[SEGMENT], axis=0)
             for position in range(len(values.list_outputs())):
                 bind[HOISTED + str(position)] = values[position]
         for item, how in enumerate(recipe):
@@ -620,8 +688,6 @@ def flush_program(steps, recipes, hoists=()):
         for _, param in sig.param_slots:   # one input per parameter, shared by all steps
             params[param.name] = param
             bind[param.name] = param.var()
-        program = step_program(sig, pattern).symbol
-        wanted = set(program.list_inputs())
         symbol = program(**{name: value for name, value in bind.items() if name in wanted})
         outputs.append([symbol[i] for i in range(len(symbol.list_outputs()))])
     group = mx.sym.Group([out for outs in outputs for out in outs])

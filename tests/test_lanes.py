@@ -451,6 +451,55 @@ def test_ragged_steps_equal_per_sample(strategy, training, incidence, ragged_alw
         assert runs[-1] == 'cached-compiled'
 
 
+@pytest.mark.parametrize('training', [False, True])
+@pytest.mark.parametrize('strategy', ['depth', 'cached'])
+def test_ragged_elements_read_hoisted_values_by_one_take(strategy, training, ragged_always,
+                                                         monkeypatch):
+    """The cell's ``f_x``, computed once per distinct token by the flush's
+    run of the host part, reaches the elements of the children lists by
+    one ``take`` along an index composed on the host (lower.compose_takes),
+    in step programs and in a compiled plan; values and gradients equal
+    per-sample execution."""
+    monkeypatch.setattr(execute, 'HOIST_ROWS', 0)
+    node, head = make_tree_model(pad_lists=True)
+    forward = pair_forward(node, head, random_pairs(np.random.RandomState(9), 8))
+    params = list(node.collect_params().values()) + list(head.collect_params().values())
+    chosen = dyb.CachedPlan(compile_after=2) if strategy == 'cached' else strategy
+    want_outs, want_grads = outputs_and_gradients(forward, params, None, training)
+    for _ in range(4 if strategy == 'cached' else 1):
+        got_outs, got_grads = outputs_and_gradients(forward, params, chosen, training)
+        for want, got in zip(want_outs, got_outs):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        for param, want, got in zip(params, want_grads, got_grads):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=param.name)
+    if strategy == 'cached':
+        assert dyb.stats()['last']['strategy'] == 'cached-compiled'
+    programs = [program for sig in node.signatures() for pattern, program in
+                (sig.programs if training else sig.inference_programs).items()
+                if any(way and way[0] in lower.RAGGED for way in pattern)]
+    assert programs and all(lower.INVERSE_SEGMENT in p.symbol.list_inputs() for p in programs)
+    for program in programs:
+        nodes = json.loads(program.symbol.tojson())['nodes']
+        index_of = {i: nodes[node['inputs'][1][0]]['name'] for i, node in enumerate(nodes)
+                    if node['op'] == 'take'}
+        assert not any(index == lanes.SEGMENT and
+                       index_of.get(nodes[i]['inputs'][0][0]) == lower.INVERSE
+                       for i, index in index_of.items())
+
+
+def test_compose_takes_keeps_an_inner_take_read_elsewhere():
+    """``take(take(x, INVERSE), SEGMENT)`` becomes one take; an inner take
+    that something else reads too stays as it was."""
+    x = mx.sym.var('x')
+    inner = mx.sym.take(x, mx.sym.var(lower.INVERSE), axis=0)
+    alone = mx.sym.take(inner, mx.sym.var(lanes.SEGMENT), axis=0)
+    composed = lower.compose_takes(alone)
+    assert ops(composed) == ['take']
+    assert composed.list_inputs() == ['x', lower.INVERSE_SEGMENT]
+    shared = mx.sym.Group([alone, inner * 2])
+    assert ops(lower.compose_takes(shared)) == ops(shared)
+
+
 
 def test_a_plan_learned_in_training_pads_its_lists_in_inference(ragged_always, monkeypatch):
     """A cached plan's recipes learned while training carry the incidence
