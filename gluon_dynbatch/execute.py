@@ -299,6 +299,8 @@ class RaggedInputs:
             ends = np.cumsum(lengths, dtype=np.int32)
             lane = np.arange(self.width, dtype=np.int32)[:, None]
             return np.where(lane < lengths, ends - lengths + lane, 0).astype(np.int32)
+        if name != INCIDENCE:
+            raise KeyError(name)
         incidence = np.zeros((len(lengths), len(segment)), dtype=self.dtype)
         incidence[segment, np.arange(len(segment))] = 1
         return incidence

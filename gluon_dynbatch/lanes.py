@@ -44,7 +44,8 @@ import json
 import mxnet as mx
 import numpy as np
 
-__all__ = ['CUT', 'SEGMENT', 'PADDED', 'LENGTHS', 'INCIDENCE', 'vectorize_lists']
+__all__ = ['CUT', 'SEGMENT', 'PADDED', 'LENGTHS', 'INCIDENCE', 'vectorize_lists',
+           'graph_readers']
 
 CUT = 'dynbatch_cut'
 """Name prefix of the ``SliceChannel`` that cuts a list argument into its
@@ -208,16 +209,24 @@ def _complete(group):
     return all(_complete(s) for s in group.inputs if s is not None)
 
 
-def _closed_sums(nodes, heads, lanes):
-    """``{add_n node: set}`` for each ``add_n`` of all lanes of one set
-    whose sets (that one and those it reads, up to the cuts) are read by
-    nothing else, so that their copies can go."""
+def graph_readers(nodes, heads):
+    """``{node: [reader, ...]}`` over a symbol's JSON ``nodes``: the nodes
+    that read any output of each node, once per input that does, and None
+    for each of the graph's ``heads`` that is one."""
     readers = {}
     for i, node in enumerate(nodes):
         for entry in node['inputs']:
             readers.setdefault(entry[0], []).append(i)
     for entry in heads:
         readers.setdefault(entry[0], []).append(None)
+    return readers
+
+
+def _closed_sums(nodes, heads, lanes):
+    """``{add_n node: set}`` for each ``add_n`` of all lanes of one set
+    whose sets (that one and those it reads, up to the cuts) are read by
+    nothing else, so that their copies can go."""
+    readers = graph_readers(nodes, heads)
     sums = {}
     for i, node in enumerate(nodes):
         if node['op'] != 'add_n':

@@ -55,7 +55,8 @@ import json
 import mxnet as mx
 import numpy as np
 
-from .lanes import CUT, INCIDENCE, LENGTHS, PADDED, SEGMENT, vectorize_lists
+from .lanes import (CUT, INCIDENCE, LENGTHS, PADDED, SEGMENT, graph_readers,
+                    vectorize_lists)
 from .trace import leaf_count
 
 __all__ = ['StepProgram', 'step_program', 'element_major', 'FlushProgram', 'flush_program',
@@ -272,12 +273,7 @@ def compose_takes(symbol):
     and two in backward, where one does."""
     graph = json.loads(symbol.tojson())
     nodes = graph['nodes']
-    readers = {}
-    for node in nodes:
-        for entry in node['inputs']:
-            readers[entry[0]] = readers.get(entry[0], 0) + 1
-    for head in graph['heads']:
-        readers[head[0]] = readers.get(head[0], 0) + 1
+    readers = graph_readers(nodes, graph['heads'])
 
     def take_along(node, index):
         return node['op'] == 'take' and len(node['inputs']) == 2 and \
@@ -290,7 +286,7 @@ def compose_takes(symbol):
     for i, node in enumerate(nodes):
         if take_along(node, SEGMENT):
             inner = node['inputs'][0][0]
-            if take_along(nodes[inner], INVERSE) and readers[inner] == 1:
+            if take_along(nodes[inner], INVERSE) and len(readers[inner]) == 1:
                 composed[i] = inner
     if not composed:
         return symbol
@@ -303,15 +299,12 @@ def compose_takes(symbol):
     for old, node in enumerate(nodes):
         if old in skipped:
             continue
-        node = dict(node)
         if old in composed:
-            if INVERSE_SEGMENT not in moved:
-                moved[INVERSE_SEGMENT] = len(out)
-                out.append({'op': 'null', 'name': INVERSE_SEGMENT, 'inputs': []})
-            source = nodes[composed[old]]['inputs'][0]
-            node['inputs'] = [entry_for(source), [moved[INVERSE_SEGMENT], 0, 0]]
-        else:
-            node['inputs'] = [entry_for(entry) for entry in node['inputs']]
+            source = entry_for(nodes[composed[old]]['inputs'][0])
+            moved[old] = _take_along(out, moved, source, node['name'], INVERSE_SEGMENT)
+            continue
+        node = dict(node)
+        node['inputs'] = [entry_for(entry) for entry in node['inputs']]
         moved[old] = len(out)
         out.append(node)
     return _load(graph, out, [entry_for(entry) for entry in graph['heads']])
@@ -426,8 +419,8 @@ def share_host_part(symbol, host, shared, expand_outputs=True):
             return [moved[old], index, 0]
         key = (old, index)
         if key not in expanded:
-            expanded[key] = _take_by_inverse(out, moved, [moved[old], index, 0],
-                                             'dynbatch_expand%d' % (len(expanded) + 1))
+            expanded[key] = _take_along(out, moved, [moved[old], index, 0],
+                                        'dynbatch_expand%d' % (len(expanded) + 1))
         return [expanded[key], 0, 0]
 
     for old, node in enumerate(nodes):
@@ -549,8 +542,8 @@ def hoisted_rest(symbol, boundary):
             return [moved[entry[0]], entry[1], 0]
         if position not in taken:
             out.append({'op': 'null', 'name': HOISTED + str(position), 'inputs': []})
-            taken[position] = _take_by_inverse(out, moved, [len(out) - 1, 0, 0],
-                                               'dynbatch_hoist%d' % position)
+            taken[position] = _take_along(out, moved, [len(out) - 1, 0, 0],
+                                          'dynbatch_hoist%d' % position)
         return [taken[position], 0, 0]
 
     for old, node in enumerate(nodes):
@@ -561,15 +554,15 @@ def hoisted_rest(symbol, boundary):
     return _load(graph, out, [entry_for(entry) for entry in graph['heads']])
 
 
-def _take_by_inverse(out, moved, source, name):
+def _take_along(out, moved, source, name, index=INVERSE):
     """Append to the JSON nodes ``out`` a ``take`` of entry ``source`` by
-    the input :data:`INVERSE` (added to ``out`` at first use, its position
+    the input named ``index`` (added to ``out`` at first use, its position
     kept in ``moved``); return the take's position."""
-    if INVERSE not in moved:
-        moved[INVERSE] = len(out)
-        out.append({'op': 'null', 'name': INVERSE, 'inputs': []})
+    if index not in moved:
+        moved[index] = len(out)
+        out.append({'op': 'null', 'name': index, 'inputs': []})
     out.append({'op': 'take', 'name': name, 'attrs': {'axis': '0', 'mode': 'clip'},
-                'inputs': [source, [moved[INVERSE], 0, 0]]})
+                'inputs': [source, [moved[index], 0, 0]]})
     return len(out) - 1
 
 
