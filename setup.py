@@ -21,9 +21,12 @@ setup(
     ext_modules=[Extension('gluon_dynbatch._speedups', ['gluon_dynbatch/_speedups.c'],
                            extra_compile_args=['-O2'], optional=True),
                  # -fno-math-errno lets the square roots vectorise; the
-                 # arithmetic stays IEEE float32 (no -ffast-math)
+                 # arithmetic stays IEEE float32 (no -ffast-math); -fexceptions
+                 # lets an MXNet error raised in a C++ function it calls
+                 # unwind through it to the engine, which reports it
                  Extension('gluon_dynbatch._adagrad', ['gluon_dynbatch/_adagrad.c'],
-                           extra_compile_args=['-O3', '-fno-math-errno', '-ffp-contract=off'],
+                           extra_compile_args=['-O3', '-fno-math-errno', '-ffp-contract=off',
+                                               '-fexceptions'],
                            optional=True)],
     python_requires='>=3.8',
     install_requires=[

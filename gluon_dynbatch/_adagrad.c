@@ -28,6 +28,30 @@
  * run.  update_many pushes a Trainer step's updates after one wait, which
  * ends when the backward pass does (waiting per array and per update cost
  * 6-11% of a SICK training step).
+ *
+ * That wait keeps the Python thread from running ahead into the next
+ * minibatch while the engine's worker finishes the backward pass, so
+ * where it can, an update reads the addresses *in the job* instead
+ * (update_many_async): the engine runs the job only once every op pushed
+ * before it on the three arrays has run and none can start, so nothing is
+ * in flight on them, MXNDArrayGetData allocates a delay-allocated array
+ * as the op that writes it would, and the addresses are final.  Two
+ * things stand in the way, and set_chunk_reader checks both:
+ *   - MXNDArrayGetData on an array MKLDNN holds in a layout of its own (an
+ *     inference FullyConnected or Convolution may reorder its weight in
+ *     place) pushes a reorder and waits for it: inside the job, which holds
+ *     the array, that wait never ends.  So the job first turns the weight
+ *     and the gradient back to the default layout itself, with what that
+ *     reorder runs, NDArray::Chunk::Reorder2Default() (an exported symbol
+ *     of libmxnet; a no-op for an array in the default layout), on the
+ *     chunk the NDArray's first field points to (its shared_ptr<Chunk>).
+ *     That layout is checked on a probe array when the reader is set: the
+ *     chunk's first field, its storage handle's address, must be the
+ *     array's data address, for the array and for a row of it.
+ *   - The handles Python passes may be freed before the job runs, so the
+ *     job holds detached copies of them (MXNDArrayDetach: same storage,
+ *     same engine variable), freed after it has run.
+ * The gradient is pushed as written, not only read: its layout may change.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -44,6 +68,9 @@ typedef int (*GetShape32)(void *, int *, const int **);
 typedef int (*GetShape64)(void *, int *, const int64_t **);
 typedef int (*GetInt)(void *, int *);
 typedef int (*GetContext)(void *, int *, int *);
+typedef int (*Detach)(void *, void **);
+typedef int (*Free)(void *);
+typedef void (*ChunkReorder)(void *);
 
 static PushSyncND push_sync = NULL;
 static GetData get_data = NULL;
@@ -52,6 +79,12 @@ static void *get_shape = NULL;
 static int shape_64 = 0;
 static GetInt get_dtype = NULL, get_stype = NULL;
 static GetContext get_context = NULL;
+/* the in-job path (update_many_async); NULL until set_chunk_reader
+ * accepts them */
+static Detach detach = NULL;
+static Free free_array = NULL;
+static ChunkReorder chunk_reorder = NULL;
+static int in_job_ready = 0;
 
 /* mxnet::Context, as the engine reads it through a ContextHandle */
 static const struct { int dev_type; int32_t dev_id; } cpu_context = {1, 0};
@@ -61,6 +94,7 @@ typedef struct {
     const float *grad;
     int64_t rows, cols;
     float lr, eps, rescale, clip, decay;   /* clip < 0: none; decay 1: no weight decay */
+    void *handles[3];   /* in-job path: detached weight, gradient, history; else NULL */
 } Job;
 
 /* One row, in the order of MXNet's AdagradDnsRspDnsKernel<cpu>: rescale,
@@ -98,9 +132,8 @@ static int nonzero(const float *row, int64_t cols)
     return any != 0;
 }
 
-static void run_job(void *run_context, void *param)
+static void update_rows(const Job *job)
 {
-    const Job *job = (const Job *)param;
     const int64_t cols = job->cols;
     for (int64_t r = 0; r < job->rows; r++) {
         float *w = job->weight + r * cols, *h = job->history + r * cols;
@@ -111,6 +144,52 @@ static void run_job(void *run_context, void *param)
         if (nonzero(g, cols))    /* the rows a cast to row-sparse keeps */
             update_row(w, h, g, cols, job->lr, job->eps, job->rescale, job->clip);
     }
+}
+
+/* The job of update_many: addresses read before the push. */
+static void run_job(void *run_context, void *param)
+{
+    update_rows((const Job *)param);
+}
+
+/* The job of update_many_async: addresses read here, where no op is in
+ * flight on the arrays (see the top of this file).  A failure leaves the
+ * arrays as they were and is counted (failed_jobs), for the Python side to
+ * raise at its next call: it cannot happen once set_chunk_reader has
+ * accepted the reader, short of MXNet running out of memory. */
+static volatile long failed_jobs = 0;
+
+static void *chunk_of(void *handle)
+{
+    return *(void **)handle;        /* NDArray's first field: shared_ptr<Chunk> */
+}
+
+static void run_job_in_place(void *run_context, void *param)
+{
+    Job *job = (Job *)param;
+    void *w_data = NULL, *g_data = NULL, *h_data = NULL;
+    if (chunk_reorder != NULL) {        /* MXNet built with MKLDNN */
+        chunk_reorder(chunk_of(job->handles[0]));
+        chunk_reorder(chunk_of(job->handles[1]));
+    }
+    if (get_data(job->handles[0], &w_data) || get_data(job->handles[1], &g_data)
+        || get_data(job->handles[2], &h_data) || !w_data || !g_data || !h_data) {
+        __atomic_add_fetch(&failed_jobs, 1, __ATOMIC_SEQ_CST);
+        return;
+    }
+    job->weight = w_data;
+    job->grad = g_data;
+    job->history = h_data;
+    update_rows(job);
+}
+
+static void free_job(void *param)
+{
+    Job *job = (Job *)param;
+    for (int i = 0; i < 3; i++)
+        if (job->handles[i] != NULL)
+            free_array(job->handles[i]);
+    free(job);
 }
 
 static PyObject *set_engine(PyObject *self, PyObject *args)
@@ -195,7 +274,7 @@ static int push_update(const Request *r)
     if (job == NULL)
         return -1;
     *job = (Job){w_data, h_data, g_data, rows, size / rows, (float)r->lr, (float)r->eps,
-                 (float)r->rescale, (float)r->clip, (float)r->decay};
+                 (float)r->rescale, (float)r->clip, (float)r->decay, {NULL, NULL, NULL}};
     void *reads[1] = {r->grad}, *writes[2] = {r->weight, r->history};
     if (push_sync(run_job, job, free, &cpu_context, reads, 1, writes, 2, NULL, 0,
                   "gluon_dynbatch_adagrad") != 0)
@@ -222,6 +301,34 @@ static int push_all(const Request *requests, int *pushed, Py_ssize_t count)
     }
     Py_END_ALLOW_THREADS
     return out_of_memory ? -1 : 0;
+}
+
+/* Push one update whose job reads the addresses itself: 1 if pushed, 0
+ * as push_update, -1 out of memory.  Nothing here waits. */
+static int push_update_in_job(const Request *r)
+{
+    int64_t rows, g_rows, h_rows;
+    int64_t size = float_elements(r->weight, &rows);
+    if (size <= 0 || rows <= 0 || float_elements(r->grad, &g_rows) != size || g_rows != rows
+        || float_elements(r->history, &h_rows) != size || h_rows != rows)
+        return 0;
+    Job *job = calloc(1, sizeof(Job));
+    if (job == NULL)
+        return -1;
+    *job = (Job){NULL, NULL, NULL, rows, size / rows, (float)r->lr, (float)r->eps,
+                 (float)r->rescale, (float)r->clip, (float)r->decay, {NULL, NULL, NULL}};
+    void *given[3] = {r->weight, r->grad, r->history};
+    for (int i = 0; i < 3; i++) {
+        if (detach(given[i], &job->handles[i]) != 0 || job->handles[i] == NULL) {
+            free_job(job);
+            return 0;
+        }
+    }
+    void *writes[3] = {r->weight, r->grad, r->history};
+    if (push_sync(run_job_in_place, job, free_job, &cpu_context, NULL, 0, writes, 3, NULL, 0,
+                  "gluon_dynbatch_adagrad") != 0)
+        return 0;       /* as in push_update: the job is left to MXNet */
+    return 1;
 }
 
 /* update(weight, grad, history handles as ints, lr, eps, rescale, clip,
@@ -280,6 +387,96 @@ done:
     return result;
 }
 
+/* set_chunk_reader(addresses of MXNDArrayDetach, MXNDArrayFree,
+ * NDArray::Chunk::Reorder2Default or 0 when MXNet is built without MKLDNN,
+ * a probe NDArray handle, a handle of its second row): whether the in-job
+ * path is usable; the probe must have no op pending. */
+static PyObject *set_chunk_reader(PyObject *self, PyObject *args)
+{
+    PyObject *detach_addr, *free_addr, *reorder_addr;
+    unsigned long long probe, row;
+    if (!PyArg_ParseTuple(args, "OOOKK", &detach_addr, &free_addr, &reorder_addr, &probe, &row))
+        return NULL;
+    in_job_ready = 0;
+    if (get_data == NULL || push_sync == NULL)
+        Py_RETURN_FALSE;
+    detach = (Detach)PyLong_AsVoidPtr(detach_addr);
+    free_array = (Free)PyLong_AsVoidPtr(free_addr);
+    chunk_reorder = (ChunkReorder)PyLong_AsVoidPtr(reorder_addr);
+    if (PyErr_Occurred())
+        return NULL;
+    void *p = (void *)(uintptr_t)probe, *r = (void *)(uintptr_t)row;
+    void *p_data = NULL, *r_data = NULL;
+    int64_t rows, cols;
+    int64_t size = float_elements(p, &rows);
+    if (detach == NULL || free_array == NULL || size <= 0 || rows < 2
+        || get_data(p, &p_data) || get_data(r, &r_data) || p_data == NULL)
+        Py_RETURN_FALSE;
+    cols = size / rows;
+    void *chunk = chunk_of(p);
+    /* the array and its row share one chunk, whose storage handle starts
+     * with the address of the array's data */
+    int ok = chunk != NULL && chunk == chunk_of(r) && *(void **)chunk == p_data
+        && (char *)r_data == (char *)p_data + cols * sizeof(float);
+    if (ok && chunk_reorder != NULL) {
+        chunk_reorder(chunk);       /* default layout: must change nothing */
+        void *again = NULL;
+        ok = get_data(p, &again) == 0 && again == p_data;
+    }
+    in_job_ready = ok;
+    return PyBool_FromLong(ok);
+}
+
+/* update_many_async(sequence of update's argument tuples): as update_many,
+ * but each job reads its arrays' addresses when it runs, and nothing waits
+ * (see the top of this file).  Only after set_chunk_reader returned True. */
+static PyObject *update_many_async(PyObject *self, PyObject *requests)
+{
+    if (!in_job_ready) {
+        PyErr_SetString(PyExc_RuntimeError, "update_many_async: set_chunk_reader did not "
+                        "accept this MXNet; use update_many");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(requests, "update_many_async takes a sequence of tuples");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    PyObject *result = PyList_New(count);
+    for (Py_ssize_t i = 0; result != NULL && i < count; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        Request request;
+        if (!PyTuple_Check(item)) {
+            PyErr_SetString(PyExc_TypeError, "update_many_async takes a sequence of tuples");
+            Py_CLEAR(result);
+            break;
+        }
+        if (!parse_request(item, &request)) {
+            Py_CLEAR(result);
+            break;
+        }
+        int pushed;
+        /* without the GIL: under the NaiveEngine the job runs right here */
+        Py_BEGIN_ALLOW_THREADS
+        pushed = push_update_in_job(&request);
+        Py_END_ALLOW_THREADS
+        if (pushed < 0) {
+            PyErr_NoMemory();
+            Py_CLEAR(result);
+            break;
+        }
+        PyList_SET_ITEM(result, i, PyBool_FromLong(pushed));
+    }
+    Py_DECREF(seq);
+    return result;
+}
+
+/* failed_jobs(): how many in-job updates could not read their arrays (and
+ * left them unchanged) since the last call; the count restarts at 0. */
+static PyObject *take_failed_jobs(PyObject *self, PyObject *unused)
+{
+    return PyLong_FromLong(__atomic_exchange_n(&failed_jobs, 0, __ATOMIC_SEQ_CST));
+}
+
 static PyMethodDef methods[] = {
     {"set_engine", set_engine, METH_VARARGS,
      "set_engine(addresses of MXEnginePushSyncND, MXNDArrayGetData, MXNDArrayWaitAll, "
@@ -290,6 +487,15 @@ static PyMethodDef methods[] = {
      "update(weight, grad, history handles, lr, eps, rescale, clip, decay) -> pushed?"},
     {"update_many", update_many, METH_O,
      "update_many([update's argument tuples]) -> [pushed?], after one wait"},
+    {"set_chunk_reader", set_chunk_reader, METH_VARARGS,
+     "set_chunk_reader(addresses of MXNDArrayDetach, MXNDArrayFree, "
+     "NDArray::Chunk::Reorder2Default or 0; probe handle, handle of its second row) -> "
+     "whether update_many_async may be used"},
+    {"update_many_async", update_many_async, METH_O,
+     "update_many_async([update's argument tuples]) -> [pushed?]; the jobs read the "
+     "addresses, nothing waits"},
+    {"failed_jobs", take_failed_jobs, METH_NOARGS,
+     "failed_jobs() -> in-job updates that could not read their arrays since the last call"},
     {NULL, NULL, 0, NULL}
 };
 

@@ -24,12 +24,18 @@ cast would keep, as one operation pushed to MXNet's engine (so it runs in
 order with the ops around it, off the Python thread under a threaded
 engine).  MXNet's kernel takes a scalar square root per element (~4 ns
 here); this loop's are vectorised, and the cast's pass and op are gone.
-It reads the arrays' addresses only when no op is pending, so a Trainer
-step waits once for the backward pass that writes the gradients (the
-Python thread cannot run ahead of it into the next minibatch) and then
-pushes every update: the Trainer hands :class:`FusedAdaGrad` a step's
-updates together (``aggregate_num``).
 :data:`KERNEL` says whether it is in use.
+
+Each job reads its arrays' addresses when the engine runs it, after the
+backward pass that writes the gradient, so a Trainer step pushes the
+updates and returns at once: the Python thread goes on into the next
+minibatch (recording, planning, launching its forward) while the worker
+finishes this one's backward pass and updates (:data:`IN_JOB_ADDRESSES`;
+``_adagrad.c`` says why that is safe and what it checks).  Where those
+checks fail, a step waits for every pending op first and reads the
+addresses itself, which keeps the Python thread from running ahead.
+The Trainer hands :class:`FusedAdaGrad` a step's updates together
+(``aggregate_num``).
 
 Use it by name: ``gluon.Trainer(params, 'fusedadagrad', {...})`` (importing
 ``gluon_dynbatch`` registers it).
@@ -44,7 +50,7 @@ from mxnet import nd
 from mxnet.base import _LIB
 from mxnet.ndarray.ndarray import _int64_enabled
 
-__all__ = ['FusedAdaGrad', 'KERNEL']
+__all__ = ['FusedAdaGrad', 'KERNEL', 'IN_JOB_ADDRESSES', 'in_job_addresses']
 
 
 def _load_kernel():
@@ -67,10 +73,66 @@ def _load_kernel():
     return _adagrad
 
 
+_CHUNK_REORDER = '_ZN5mxnet7NDArray5Chunk15Reorder2DefaultEv'
+"""``mxnet::NDArray::Chunk::Reorder2Default()``, what MXNet runs to bring an
+array MKLDNN holds in a layout of its own back to the default one."""
+
+
+def _accept_in_job(kernel):
+    """Whether ``kernel`` may read addresses in its jobs (see
+    ``_adagrad.c``): it checks the layout of MXNet's arrays on a probe."""
+    if kernel is None:
+        return False
+    if mx.runtime.Features().is_enabled('MKLDNN'):
+        reorder = getattr(_LIB, _CHUNK_REORDER, None)
+        if reorder is None:
+            return False
+        reorder = ctypes.cast(reorder, ctypes.c_void_p).value
+    else:
+        reorder = 0
+    probe = nd.arange(12, ctx=mx.cpu()).reshape((4, 3))
+    row = probe[1:3]
+    probe.wait_to_read()
+    return bool(kernel.set_chunk_reader(
+        ctypes.cast(_LIB.MXNDArrayDetach, ctypes.c_void_p).value,
+        ctypes.cast(_LIB.MXNDArrayFree, ctypes.c_void_p).value,
+        reorder, probe.handle.value, row.handle.value))
+
+
 KERNEL = _load_kernel()
 """The C kernel module (``gluon_dynbatch._adagrad``) that updates dense
 float32 CPU gradients, or None where it is not built or turned off; set it
 to None to send every update through ``sparse.adagrad_update``."""
+
+IN_JOB_ADDRESSES = None
+"""Whether :data:`KERNEL`'s jobs read their arrays' addresses when they
+run, so that a Trainer step does not wait for the backward pass (see the
+module docstring): None until the first update checks it (not at import,
+which would start MXNet's engine before the user's settings); set it to
+False to wait as before."""
+
+
+def in_job_addresses():
+    """:data:`IN_JOB_ADDRESSES`, checked now if it is still None."""
+    global IN_JOB_ADDRESSES  # pylint: disable=global-statement
+    if IN_JOB_ADDRESSES is None:
+        IN_JOB_ADDRESSES = _accept_in_job(KERNEL)
+    return IN_JOB_ADDRESSES
+
+
+def _push(kernel, requests):
+    """Push ``requests`` (``_kernel_args`` tuples) to ``kernel``; whether
+    each was pushed.  Raises if an earlier update could not run (its job
+    found no address: it left the arrays unchanged)."""
+    if in_job_addresses():
+        failed = kernel.failed_jobs()
+        if failed:
+            raise RuntimeError(
+                'FusedAdaGrad: %d earlier update(s) could not read their arrays when they ran '
+                'and left the weights unchanged. Set gluon_dynbatch.optim.IN_JOB_ADDRESSES = '
+                'False and report this, with your MXNet build.' % failed)
+        return kernel.update_many_async(requests)
+    return kernel.update_many(requests)
 
 
 @mx.optimizer.register
@@ -98,8 +160,8 @@ class FusedAdaGrad(mx.optimizer.AdaGrad):
                 super().update_multi_precision(i, w, g, s)
         if not batch:
             return
-        pushed = KERNEL.update_many([self._kernel_args(w, g, s, lr, decay)
-                                     for _, w, g, s, lr, decay in batch])
+        pushed = _push(KERNEL, [self._kernel_args(w, g, s, lr, decay)
+                                for _, w, g, s, lr, decay in batch])
         for (_, w, g, s, lr, decay), done in zip(batch, pushed):
             if not done:
                 self._update_by_op(w, g, s, lr, decay)
@@ -110,8 +172,8 @@ class FusedAdaGrad(mx.optimizer.AdaGrad):
             return
         lr, decay = self._lr_and_decay(index)
         kernel = KERNEL
-        if kernel is None or not kernel.update(*self._kernel_args(weight, grad, state, lr,
-                                                                   decay)):
+        if kernel is None or not _push(kernel, [self._kernel_args(weight, grad, state, lr,
+                                                                  decay)])[0]:
             self._update_by_op(weight, grad, state, lr, decay)
 
     def _lr_and_decay(self, index):

@@ -16,12 +16,22 @@ KERNEL = optim.KERNEL
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason='the _adagrad C extension is not built')
 
 
-@pytest.fixture(params=['kernel', 'ops'])
+needs_in_job = pytest.mark.skipif(not optim.in_job_addresses(),
+                                  reason='the kernel does not read addresses in its jobs here')
+
+
+@pytest.fixture(params=['in-job', 'after-wait', 'ops'])
 def way(request, monkeypatch):
-    """Every test runs with dense CPU gradients updated by the C kernel and
-    by MXNet's ``sparse.adagrad_update`` (the kernel turned off)."""
-    if request.param == 'kernel' and KERNEL is None:
+    """Every test runs with dense CPU gradients updated by the C kernel,
+    whose jobs read their arrays' addresses (the default) or which waits for
+    every pending op and reads them first, and by MXNet's
+    ``sparse.adagrad_update`` (the kernel turned off)."""
+    if request.param != 'ops' and KERNEL is None:
         pytest.skip('the _adagrad C extension is not built')
+    if request.param == 'in-job' and not optim.in_job_addresses():
+        pytest.skip('the kernel does not read addresses in its jobs here')
+    if request.param == 'after-wait':
+        monkeypatch.setattr(optim, 'IN_JOB_ADDRESSES', False)
     if request.param == 'ops':
         monkeypatch.setattr(optim, 'KERNEL', None)
     return request.param
@@ -72,7 +82,7 @@ def test_every_update_is_the_fused_op(sparse_grad, way, monkeypatch):
         return mxnet_op(weight, grad, *args, **kwargs)
     monkeypatch.setattr(mx.nd.sparse, 'adagrad_update', counted)
     _train('fusedadagrad', {'learning_rate': 0.1, 'wd': 0.01}, sparse_grad)
-    if way == 'kernel':
+    if way != 'ops':
         assert storages == ['row_sparse'] * (4 if sparse_grad else 0)
     else:
         assert len(storages) == 4 * 5       # steps x parameters
@@ -214,27 +224,35 @@ def test_kernel_reads_addresses_only_once_no_op_on_the_arrays_is_in_flight():
 
 
 @needs_kernel
-def test_a_trainer_step_pushes_its_dense_updates_after_one_wait(monkeypatch):
+@pytest.mark.parametrize('in_job', [True, False])
+def test_a_trainer_step_pushes_its_dense_updates_in_one_call(in_job, monkeypatch):
     """The Updater hands FusedAdaGrad a step's updates together, and they
-    reach the kernel in one ``update_many`` (one wait for the backward
-    pass); what the kernel refuses (a row-sparse gradient) takes MXNet's
-    op, and the result is still AdaGrad's."""
+    reach the kernel in one call: ``update_many_async`` (no wait) or
+    ``update_many`` (one wait for the backward pass); what the kernel
+    refuses (a row-sparse gradient) takes MXNet's op, and the result is
+    still AdaGrad's."""
+    if in_job and not optim.in_job_addresses():
+        pytest.skip('the kernel does not read addresses in its jobs here')
     calls = []
 
     class Spy:
-        @staticmethod
-        def update(*args):
-            calls.append(('update', 1))
-            return KERNEL.update(*args)
+        failed_jobs = staticmethod(KERNEL.failed_jobs)
 
         @staticmethod
         def update_many(requests):
             pushed = KERNEL.update_many(requests)
             calls.append(('update_many', len(requests), sum(pushed)))
             return pushed
+
+        @staticmethod
+        def update_many_async(requests):
+            pushed = KERNEL.update_many_async(requests)
+            calls.append(('update_many_async', len(requests), sum(pushed)))
+            return pushed
     monkeypatch.setattr(optim, 'KERNEL', Spy)
+    monkeypatch.setattr(optim, 'IN_JOB_ADDRESSES', in_job)
     ours = _train('fusedadagrad', {'learning_rate': 0.1}, sparse_grad=True, steps=3)
-    assert calls == [('update_many', 5, 4)] * 3
+    assert calls == [('update_many_async' if in_job else 'update_many', 5, 4)] * 3
     theirs = _train('adagrad', {'learning_rate': 0.1}, sparse_grad=True, steps=3)
     for i, weight in enumerate(theirs[0]):
         np.testing.assert_array_equal(ours[0][i], weight, err_msg='parameter %d' % i)
@@ -252,3 +270,153 @@ def test_update_many_says_which_it_pushed():
     np.testing.assert_array_equal(history.asnumpy(), 1)
     with pytest.raises(TypeError):
         KERNEL.update_many([(weight.handle.value,)])
+
+
+# -------------------------------------------------------- addresses in the job
+
+def _reference(weight, grad, lr=0.5, eps=1e-7):
+    return weight - (grad / np.sqrt(grad * grad + np.float32(eps))) * np.float32(lr)
+
+
+def _args(weight, grad, history, lr=0.5):
+    return (weight.handle.value, grad.handle.value, history.handle.value, lr, 1e-7, 1.0, -1.0,
+            1.0)
+
+
+@needs_in_job
+def test_in_job_update_reads_a_history_whose_zeros_op_is_in_flight():
+    """The race the wait was for (see
+    ``test_kernel_updates_a_history_whose_zeros_op_is_in_flight``): the job
+    reads the history's address only once its ``zeros`` has run."""
+    grad = mx.nd.array(np.linspace(-1, 1, 300 * 60, dtype=np.float32).reshape(300, 60))
+    g = grad.asnumpy()
+    for _ in range(300):
+        weight = mx.nd.ones((300, 60))
+        history = mx.nd.zeros((300, 60))              # in flight
+        assert KERNEL.update_many_async([_args(weight, grad, history)]) == [True]
+        np.testing.assert_array_equal(history.asnumpy(), g * g)
+        np.testing.assert_array_equal(weight.asnumpy(), _reference(np.float32(1), g))
+    assert KERNEL.failed_jobs() == 0
+
+
+class _Gate(mx.operator.CustomOp):
+    """Copies its input once ``OPEN`` is set: an op that stays in flight
+    until the test lets it finish."""
+    OPEN = None
+
+    def forward(self, is_train, req, in_data, out_data, aux):
+        assert _Gate.OPEN.wait(30)
+        self.assign(out_data[0], req[0], in_data[0])
+
+    def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
+        raise NotImplementedError
+
+
+@mx.operator.register('dynbatch_test_gate')
+class _GateProp(mx.operator.CustomOpProp):
+    def __init__(self):
+        super().__init__(need_top_grad=False)
+
+    def infer_shape(self, in_shape):
+        return in_shape, [in_shape[0]], []
+
+    def create_operator(self, ctx, shapes, dtypes):
+        return _Gate()
+
+
+@needs_in_job
+@pytest.mark.skipif(not threaded_engine(), reason='ops run at once under the NaiveEngine')
+def test_in_job_update_does_not_wait_for_the_gradient():
+    """Pushing returns while the op that writes the gradient is still in
+    flight; the update then runs after it, on its values."""
+    import threading
+    _Gate.OPEN = threading.Event()
+    g = np.random.RandomState(1).randn(32, 16).astype(np.float32)
+    weight, history = mx.nd.ones((32, 16)), mx.nd.zeros((32, 16))
+    grad = mx.nd.Custom(mx.nd.array(g), op_type='dynbatch_test_gate')
+    try:
+        assert KERNEL.update_many_async([_args(weight, grad, history)]) == [True]
+        assert not _Gate.OPEN.is_set()      # returned with the gradient's op blocked
+    finally:
+        _Gate.OPEN.set()
+    np.testing.assert_array_equal(history.asnumpy(), g * g)
+    np.testing.assert_array_equal(weight.asnumpy(), _reference(np.float32(1), g))
+
+
+def _mkldnn_layout(array):
+    """Whether MKLDNN holds ``array`` in a layout of its own (MXNet then
+    refuses to hand out its default-layout data)."""
+    mx.nd.waitall()
+    try:
+        array.to_dlpack_for_read()
+    except mx.base.MXNetError:
+        return True
+    return False
+
+
+@needs_in_job
+@pytest.mark.skipif(not mx.runtime.Features().is_enabled('MKLDNN'),
+                    reason='MXNet built without MKLDNN')
+def test_in_job_update_of_a_weight_an_inference_convolution_reordered():
+    """An inference Convolution leaves its weight in MKLDNN's layout; the
+    job brings it back to the default one before it updates it (reading
+    its address the usual way would wait inside the job for ever)."""
+    conv = nn.Conv2D(16, 3, in_channels=16)
+    conv.initialize(mx.init.Uniform(0.5))
+    conv(mx.nd.ones((2, 16, 8, 8)))
+    weight = conv.weight.data()
+    assert _mkldnn_layout(weight), 'this MXNet no longer reorders the weight: test moot'
+    w = weight.asnumpy()
+    g = np.random.RandomState(2).randn(*w.shape).astype(np.float32)
+    grad, history = mx.nd.array(g), mx.nd.zeros(w.shape)
+    assert KERNEL.update_many_async([_args(weight, grad, history)]) == [True]
+    np.testing.assert_array_equal(weight.asnumpy(), _reference(w, g))
+    assert not _mkldnn_layout(weight)
+    assert KERNEL.failed_jobs() == 0
+
+
+@needs_in_job
+def test_in_job_update_outlives_the_handles_it_was_given():
+    """The arrays Python passed may be gone before the job runs: it holds
+    handles of its own, and the update lands in their memory."""
+    weight, history = mx.nd.ones((256, 32)), mx.nd.zeros((256, 32))
+    view = weight.reshape((32, 256))        # the same memory, another handle
+    source, ones = mx.nd.random.uniform(shape=(256, 4096)), mx.nd.ones((4096, 32))
+    grad = mx.nd.dot(source, ones)          # in flight under a threaded engine
+    assert KERNEL.update_many_async([_args(weight, grad, history)]) == [True]
+    del weight, grad, history
+    mx.nd.waitall()
+    g = source.asnumpy().sum(axis=1, keepdims=True) * np.ones((1, 32), np.float32)
+    np.testing.assert_allclose(view.asnumpy().reshape(256, 32), _reference(np.float32(1), g),
+                               rtol=1e-6)
+
+
+def _train_conv(optimizer, rounds=3):
+    """Weights after rounds of (train step, inference pass): the inference
+    Convolution reorders its weight, the next training step undoes it."""
+    mx.random.seed(4)
+    net = nn.HybridSequential()
+    net.add(nn.Conv2D(8, 3, in_channels=4), nn.Dense(3))
+    net.initialize(mx.init.Uniform(0.5))
+    trainer = gluon.Trainer(net.collect_params(), optimizer, {'learning_rate': 0.1})
+    rng = np.random.RandomState(6)
+    for _ in range(rounds):
+        x = mx.nd.array(rng.randn(2, 4, 6, 6))
+        with autograd.record():
+            loss = (net(x) ** 2).sum()
+        loss.backward()
+        trainer.step(2)
+        net(mx.nd.array(rng.randn(2, 4, 6, 6)))            # inference, nothing waits
+    return [p.data().asnumpy() for p in net.collect_params().values()]
+
+
+@pytest.mark.skipif(KERNEL is None, reason='the _adagrad C extension is not built')
+def test_training_with_inference_in_between_is_adagrads(way):
+    """Steps that nothing waits for, interleaved with inference passes
+    that change the Convolution weight's layout, give AdaGrad's weights."""
+    ours, theirs = _train_conv('fusedadagrad'), _train_conv('adagrad')
+    for i, weight in enumerate(theirs):
+        np.testing.assert_allclose(ours[i], weight, rtol=1e-6, atol=1e-7,
+                                   err_msg='parameter %d' % i)
+    if way != 'ops':
+        assert KERNEL.failed_jobs() == 0
