@@ -76,6 +76,8 @@ EMBED, HIDDEN, SIM_HIDDEN, CLASSES = 300, 150, 50, 5
 LEARNING_RATE = 0.05      # Adagrad, every form
 OPTIMIZERS = ('fusedadagrad', 'adagrad')   # gluon_dynbatch.FusedAdaGrad (default), MXNet's
 TRAIN_FORWARD_SHARE = 0.35
+TRAIN_TIMING = {False: 'training steps back to back, timed to the end of the last',
+                True: 'each training step waits for its own end (--sync-train)'}
 REPEATS, BUDGET_S = 8, 0.6
 """Per setting, 8 repeats in which each form runs for 0.6 s (the same 4.8 s
 per form as the 3 x 1.6 s before): the machine's speed drifts within
@@ -145,6 +147,11 @@ def build_parser():
     p.add_argument('--optimizer', default=OPTIMIZERS[0], choices=OPTIMIZERS,
                    help="every form's Adagrad: gluon_dynbatch.FusedAdaGrad (one op per "
                         "parameter, the same values) or MXNet's own")
+    p.add_argument('--sync-train', action='store_true',
+                   help='wait for each training step to finish before the next starts (as '
+                        'runs before this flag did); by default steps run back to back, as '
+                        'in a training loop that does not read its loss every step, and a '
+                        'timed turn ends when its last step has finished')
     p.add_argument('--gc-freeze', action='store_true',
                    help='gc.freeze() after loading the data, so that Python\'s full '
                         'collections do not walk the ~0.3M objects of the data set')
@@ -227,8 +234,12 @@ def _accel_status():
 def _kernel_status():
     """Whether ``'fusedadagrad'`` updates dense CPU gradients with its C
     kernel (gluon_dynbatch.optim.KERNEL) or with MXNet's op."""
-    import gluon_dynbatch.optim  # pylint: disable=import-outside-toplevel
-    return 'C kernel' if gluon_dynbatch.optim.KERNEL is not None else 'sparse.adagrad_update'
+    from gluon_dynbatch import optim  # pylint: disable=import-outside-toplevel
+    if optim.KERNEL is None:
+        return 'sparse.adagrad_update'
+    return 'C kernel, %s' % ('addresses read in the job: a step does not wait'
+                             if optim.in_job_addresses()
+                             else 'a step waits for the backward pass')
 
 
 # ==========================================================================
@@ -238,6 +249,7 @@ def _kernel_status():
 class Forms:
     """Builds every form over one set of parameters (imported lazily so that
     the environment is configured before MXNet loads)."""
+    sync_train = False      # time_cell: each training step waits for its end (--sync-train)
 
     def __init__(self, vocab_size, embedding, seed, wanted=None, sparse_grad=False,
                  optimizer=OPTIMIZERS[0]):
@@ -506,8 +518,10 @@ def covering_pairs(items):
 # Running a minibatch
 # ==========================================================================
 
-def run_minibatch(ctx, form, mode, pairs, targets, deadline=None):
-    """One inference or training step; returns the number of pairs done."""
+def run_minibatch(ctx, form, mode, pairs, targets, deadline=None, wait=True):
+    """One inference or training step; returns the number of pairs done.
+    A training step waits for its backward pass and update to finish unless
+    ``wait`` is False (then the next step's Python work overlaps them)."""
     mx = ctx.mx
     if mode == 'infer':
         logp = form(pairs, deadline)
@@ -519,7 +533,8 @@ def run_minibatch(ctx, form, mode, pairs, targets, deadline=None):
         loss = -(logp * _to_device(targets[:n])).sum()
     loss.backward()
     ctx.trainer.step(n, ignore_stale_grad=True)
-    mx.nd.waitall()
+    if wait:
+        mx.nd.waitall()
     return n
 
 
@@ -626,8 +641,11 @@ def gemm_limit(mx, items, rows=2048, seconds=0.25):
 def time_cell(ctx, name, mode, batch, items, targets, start, budget, same=False):
     """Run minibatches of ``name`` from position ``start`` until ``budget``
     seconds have passed (at least one); returns (pairs, seconds, cut).  With
-    ``same`` the minibatch at ``start`` runs every time."""
+    ``same`` the minibatch at ``start`` runs every time.  Training steps run
+    back to back and the time ends when the last has finished, unless
+    ``ctx.sync_train`` (each step waits for its own end)."""
     form = ctx.forms[name]
+    wait = mode != 'train' or ctx.sync_train
     cut = name in ctx.can_cut
     n_items = len(items)
     pos, done, partial = start, 0, False
@@ -639,13 +657,14 @@ def time_cell(ctx, name, mode, batch, items, targets, start, budget, same=False)
     while True:
         idx = [(pos + i) % n_items for i in range(batch)]
         pairs = [items[i] for i in idx]
-        n = run_minibatch(ctx, form, mode, pairs, targets[idx], cut_at if cut else None)
+        n = run_minibatch(ctx, form, mode, pairs, targets[idx], cut_at if cut else None, wait)
         partial |= n < batch
         done += n
         if not same:
             pos = (pos + n) % n_items
         if time.perf_counter() >= deadline:
             break
+    ctx.mx.nd.waitall()
     wall = time.perf_counter() - tic
     return done, wall, partial, (time.process_time() - cpu0) / wall
 
@@ -867,10 +886,11 @@ def caption(result):
     """One line: where and how the table was measured."""
     cfg = result['config']
     return ('%s, %d cores, MXNet %s, %s, %d thread(s), %s allocator, %s embedding gradients, '
-            '%s; %s; %.0f s.  *: per-sample form stopped mid-minibatch at the time budget; '
+            '%s; %s; %s; %.0f s.  *: per-sample form stopped mid-minibatch at the time budget; '
             '-: skipped.' % (cfg.get('cpu'), cfg.get('cores_available') or 0, cfg.get('mxnet'),
                              cfg.get('engine'), cfg.get('threads') or 0, cfg.get('allocator'),
                              result['model']['embedding_grad'], result['model']['optimizer'],
+                             TRAIN_TIMING[bool(result['timing'].get('sync_train', True))],
                              result['timing']['statistic'], result.get('elapsed_s') or 0))
 
 
@@ -1096,11 +1116,13 @@ def main(argv=None):
         gc.collect()
         gc.freeze()
     ctx = Forms(vocab_size, embedding, args.seed, args.forms, args.sparse_grad, args.optimizer)
+    ctx.sync_train = args.sync_train
     ctx.mx = mx
-    print('training: %s lr %g%s, %s embedding gradients'
+    print('training: %s lr %g%s, %s embedding gradients; %s'
           % (args.optimizer, LEARNING_RATE,
              ' (dense CPU gradients: %s)' % _kernel_status() if args.optimizer == 'fusedadagrad'
-             else '', 'row-sparse' if args.sparse_grad else 'dense'), flush=True)
+             else '', 'row-sparse' if args.sparse_grad else 'dense', TRAIN_TIMING[args.sync_train]),
+          flush=True)
     print('forms: %s | dynbatch strategies: %s' % (', '.join(ctx.order), list(dyb.STRATEGIES)),
           flush=True)
 
@@ -1122,7 +1144,7 @@ def main(argv=None):
                   'classes': CLASSES, 'optimizer': '%s lr %g' % (args.optimizer, LEARNING_RATE),
                   'loss': '-sum(target * logp) (KL up to a constant)'},
         'timing': {'repeats': repeats, 'budget_s': budget, 'max_batch_s': args.max_batch_s,
-                   'gc_freeze': args.gc_freeze,
+                   'gc_freeze': args.gc_freeze, 'sync_train': args.sync_train,
                    'statistic': 'median over repeats of pairs/s; forms interleaved per repeat; '
                                 'ratios: median over repeats of the ratio within a repeat'},
         'forms': ctx.measured, 'skipped_forms': ctx.skipped,
