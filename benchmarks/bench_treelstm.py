@@ -78,10 +78,15 @@ OPTIMIZERS = ('fusedadagrad', 'adagrad')   # gluon_dynbatch.FusedAdaGrad (defaul
 TRAIN_FORWARD_SHARE = 0.35
 TRAIN_TIMING = {False: 'training steps back to back, timed to the end of the last',
                 True: 'each training step waits for its own end (--sync-train)'}
-REPEATS, BUDGET_S = 8, 0.6
-"""Per setting, 8 repeats in which each form runs for 0.6 s (the same 4.8 s
-per form as the 3 x 1.6 s before): the machine's speed drifts within
-seconds, and shorter turns, rotated, spread it over the forms more evenly.
+REPEATS, BUDGET_S = 8, 0.55
+"""Per setting, 8 repeats in which each form runs for 0.55 s (about the
+4.8 s per form of the 3 x 1.6 s before: a turn ends with the minibatch that
+passes its budget): the machine's speed drifts within seconds, and shorter
+turns, rotated, spread it over the forms more evenly.  A form that cannot
+stop mid-minibatch skips settings whose minibatch takes over
+``--max-batch-s`` (1 s), since each repeat runs at least one: at 4 s,
+``dynbatch-per-sample`` ran 8 minibatches of 256 (~11 s), and a run in a
+slow hour took 495 s.
 Two forms running the same plans (``auto`` and ``depth``) differed by 4.9%
 on average over 9 cells with 3 x 1.6 s, by 3.4% with 8 x 0.6 s, and by 2.9%
 with their ratio taken repeat by repeat (:func:`paired_ratio`; three runs
@@ -121,7 +126,7 @@ def build_parser():
     p.add_argument('--repeats', type=int, default=None,
                    help='repeats per setting, forms interleaved (default %d; quick 2)'
                         % REPEATS)
-    p.add_argument('--max-batch-s', type=float, default=4.0,
+    p.add_argument('--max-batch-s', type=float, default=1.0,
                    help='skip a setting for a form that cannot stop mid-minibatch when one '
                         'minibatch is estimated to take longer than this')
     p.add_argument('--forms', nargs='+', default=None,
