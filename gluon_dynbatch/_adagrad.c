@@ -256,15 +256,26 @@ static int parse_request(PyObject *args, Request *r)
     return 1;
 }
 
+/* The elements of a request's arrays, and their rows, when they are three
+ * dense float32 CPU arrays of one shape; else 0. */
+static int64_t request_size(const Request *r, int64_t *rows)
+{
+    int64_t g_rows, h_rows;
+    int64_t size = float_elements(r->weight, rows);
+    if (size <= 0 || *rows <= 0 || float_elements(r->grad, &g_rows) != size || g_rows != *rows
+        || float_elements(r->history, &h_rows) != size || h_rows != *rows)
+        return 0;
+    return size;
+}
+
 /* Push one update, without the GIL, once no op is pending: 1 if pushed, 0
  * if the arrays are not three dense float32 CPU arrays of one shape (or
  * MXNet refused), -1 out of memory. */
 static int push_update(const Request *r)
 {
-    int64_t rows, g_rows, h_rows;
-    int64_t size = float_elements(r->weight, &rows);
-    if (size <= 0 || rows <= 0 || float_elements(r->grad, &g_rows) != size || g_rows != rows
-        || float_elements(r->history, &h_rows) != size || h_rows != rows)
+    int64_t rows;
+    int64_t size = request_size(r, &rows);
+    if (size == 0)
         return 0;
     void *w_data = NULL, *g_data = NULL, *h_data = NULL;
     if (get_data(r->weight, &w_data) || get_data(r->grad, &g_data)
@@ -307,10 +318,9 @@ static int push_all(const Request *requests, int *pushed, Py_ssize_t count)
  * as push_update, -1 out of memory.  Nothing here waits. */
 static int push_update_in_job(const Request *r)
 {
-    int64_t rows, g_rows, h_rows;
-    int64_t size = float_elements(r->weight, &rows);
-    if (size <= 0 || rows <= 0 || float_elements(r->grad, &g_rows) != size || g_rows != rows
-        || float_elements(r->history, &h_rows) != size || h_rows != rows)
+    int64_t rows;
+    int64_t size = request_size(r, &rows);
+    if (size == 0)
         return 0;
     Job *job = calloc(1, sizeof(Job));
     if (job == NULL)
