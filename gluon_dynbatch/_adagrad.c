@@ -341,25 +341,12 @@ static int push_update_in_job(const Request *r)
     return 1;
 }
 
-/* update(weight, grad, history handles as ints, lr, eps, rescale, clip,
- * decay): True once pushed; False when the arrays are not three dense
- * float32 arrays of one shape (the caller then takes MXNet's path). */
-static PyObject *update(PyObject *self, PyObject *args)
-{
-    Request request;
-    int pushed;
-    if (!parse_request(args, &request))
-        return NULL;
-    if (push_sync == NULL)
-        Py_RETURN_FALSE;
-    if (push_all(&request, &pushed, 1) < 0)
-        return PyErr_NoMemory();
-    return PyBool_FromLong(pushed);
-}
-
-/* update_many(sequence of update's argument tuples): a list of whether
- * each was pushed.  One wait serves them all: a Trainer step's updates,
- * each waiting on its own, waited for the one pushed before it. */
+/* update_many(sequence of requests, each a tuple (weight, grad, history
+ * handles as ints, lr, eps, rescale, clip, decay)): a list of whether each
+ * was pushed (False when the arrays are not three dense float32 arrays of
+ * one shape: the caller then takes MXNet's path).  One wait serves them
+ * all: a Trainer step's updates, each waiting on its own, waited for the
+ * one pushed before it. */
 static PyObject *update_many(PyObject *self, PyObject *requests)
 {
     PyObject *seq = PySequence_Fast(requests, "update_many takes a sequence of tuples");
@@ -437,7 +424,7 @@ static PyObject *set_chunk_reader(PyObject *self, PyObject *args)
     return PyBool_FromLong(ok);
 }
 
-/* update_many_async(sequence of update's argument tuples): as update_many,
+/* update_many_async(sequence of requests, as update_many's): as update_many,
  * but each job reads its arrays' addresses when it runs, and nothing waits
  * (see the top of this file).  Only after set_chunk_reader returned True. */
 static PyObject *update_many_async(PyObject *self, PyObject *requests)
@@ -493,16 +480,15 @@ static PyMethodDef methods[] = {
      "MXNDArrayGetShapeEx[64], "
      "MXNDArrayGetDType, MXNDArrayGetStorageType, MXNDArrayGetContext; whether the shape "
      "reader is the 64-bit one)"},
-    {"update", update, METH_VARARGS,
-     "update(weight, grad, history handles, lr, eps, rescale, clip, decay) -> pushed?"},
     {"update_many", update_many, METH_O,
-     "update_many([update's argument tuples]) -> [pushed?], after one wait"},
+     "update_many([(weight, grad, history handles, lr, eps, rescale, clip, decay)]) -> "
+     "[pushed?], after one wait"},
     {"set_chunk_reader", set_chunk_reader, METH_VARARGS,
      "set_chunk_reader(addresses of MXNDArrayDetach, MXNDArrayFree, "
      "NDArray::Chunk::Reorder2Default or 0; probe handle, handle of its second row) -> "
      "whether update_many_async may be used"},
     {"update_many_async", update_many_async, METH_O,
-     "update_many_async([update's argument tuples]) -> [pushed?]; the jobs read the "
+     "update_many_async([update_many's requests]) -> [pushed?]; the jobs read the "
      "addresses, nothing waits"},
     {"failed_jobs", take_failed_jobs, METH_NOARGS,
      "failed_jobs() -> in-job updates that could not read their arrays since the last call"},

@@ -275,7 +275,7 @@ def compose_takes(symbol):
     nodes = graph['nodes']
     readers = graph_readers(nodes, graph['heads'])
 
-    def take_along(node, index):
+    def is_take_along(node, index):
         return node['op'] == 'take' and len(node['inputs']) == 2 and \
             node.get('attrs', {}).get('axis', '0') == '0' and \
             node.get('attrs', {}).get('mode', 'clip') == 'clip' and \
@@ -284,9 +284,9 @@ def compose_takes(symbol):
 
     composed = {}       # outer take -> the inner take it reads
     for i, node in enumerate(nodes):
-        if take_along(node, SEGMENT):
+        if is_take_along(node, SEGMENT):
             inner = node['inputs'][0][0]
-            if take_along(nodes[inner], INVERSE) and len(readers[inner]) == 1:
+            if is_take_along(nodes[inner], INVERSE) and len(readers[inner]) == 1:
                 composed[i] = inner
     if not composed:
         return symbol

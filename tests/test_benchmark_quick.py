@@ -116,3 +116,16 @@ def test_pipeline_benchmark_runs_and_pipelines(tmp_path):
         flushes = row['flushes_per_minibatch']
         assert flushes['one flush'] == flushes['one flush (again)'] == 1
         assert flushes['every 40'] >= 2
+
+
+def test_paired_ratio_takes_the_ratio_turn_by_turn():
+    """Ratios between forms: the median of their ratios within each turn
+    (a slow turn slows both), else the ratio of their medians."""
+    bench = _bench_module()
+    ours = {'pairs_per_s': 200.0, 'pairs_per_s_repeats': [100.0, 200.0, 400.0]}
+    theirs = {'pairs_per_s': 200.0, 'pairs_per_s_repeats': [50.0, 400.0, 200.0]}
+    assert bench.paired_ratio(ours, theirs) == 2.0          # 2, 0.5, 2
+    unpaired = {'pairs_per_s': 100.0, 'pairs_per_s_repeats': [100.0]}
+    assert bench.paired_ratio(ours, unpaired) == 2.0        # 200 / 100
+    assert bench.paired_ratio(ours, None) is None
+    assert bench.paired_ratio(ours, {'skipped': 'too slow'}) is None

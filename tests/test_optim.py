@@ -66,6 +66,17 @@ def _train(optimizer, opts, sparse_grad, steps=4, embed_wd_mult=1.0):
     return weights, histories
 
 
+def _reference(weight, grad, lr=0.5, eps=1e-7):
+    return weight - (grad / np.sqrt(grad * grad + np.float32(eps))) * np.float32(lr)
+
+
+def _args(weight, grad, history, lr=0.5):
+    """A kernel request: the three arrays' handles, then ``lr``, eps, no
+    rescale, no clip, no weight decay."""
+    return (weight.handle.value, grad.handle.value, history.handle.value, lr, 1e-7, 1.0, -1.0,
+            1.0)
+
+
 @pytest.mark.parametrize('sparse_grad', [False, True])
 def test_every_update_is_the_fused_op(sparse_grad, way, monkeypatch):
     """No update falls back to AdaGrad's own (multi-op) path; with the
@@ -97,11 +108,9 @@ def test_kernel_refuses_what_it_cannot_update():
     cases = [mx.nd.ones((3, 4)), mx.nd.ones((4, 3)).tostype('row_sparse'),
              mx.nd.ones((4, 3), dtype='float64')]
     for grad in cases:
-        assert not KERNEL.update(weight.handle.value, grad.handle.value, history.handle.value,
-                                 0.1, 1e-7, 1.0, -1.0, 1.0)
-    assert not KERNEL.update(weight.handle.value, mx.nd.ones((4, 3)).handle.value,
-                             mx.nd.zeros((4, 3), dtype='float16').handle.value,
-                             0.1, 1e-7, 1.0, -1.0, 1.0)
+        assert KERNEL.update_many([_args(weight, grad, history, 0.1)]) == [False]
+    grad, history16 = mx.nd.ones((4, 3)), mx.nd.zeros((4, 3), dtype='float16')
+    assert KERNEL.update_many([_args(weight, grad, history16, 0.1)]) == [False]
     np.testing.assert_array_equal(weight.asnumpy(), before)
     np.testing.assert_array_equal(history.asnumpy(), 0)
 
@@ -114,12 +123,10 @@ def test_kernel_waits_for_the_gradient_and_is_waited_for():
     grad = mx.nd.zeros((64, 32))
     source = mx.nd.random.uniform(shape=(64, 2048))
     mx.nd.dot(source, mx.nd.ones((2048, 32)), out=grad)     # in flight under a threaded engine
-    assert KERNEL.update(weight.handle.value, grad.handle.value, history.handle.value,
-                         0.5, 1e-7, 1.0, -1.0, 1.0)
+    assert KERNEL.update_many([_args(weight, grad, history)]) == [True]
     g = grad.asnumpy()
     np.testing.assert_array_equal(history.asnumpy(), g * g)
-    np.testing.assert_array_equal(
-        weight.asnumpy(), np.float32(1) - (g / np.sqrt(g * g + np.float32(1e-7))) * np.float32(0.5))
+    np.testing.assert_array_equal(weight.asnumpy(), _reference(np.float32(1), g))
 
 
 @pytest.mark.parametrize('sparse_grad', [False, True])
@@ -199,12 +206,9 @@ def test_kernel_updates_a_history_whose_zeros_op_is_in_flight():
     for _ in range(300):
         weight = mx.nd.ones((300, 60))
         history = mx.nd.zeros((300, 60))              # in flight
-        assert KERNEL.update(weight.handle.value, grad.handle.value, history.handle.value,
-                             0.5, 1e-7, 1.0, -1.0, 1.0)
+        assert KERNEL.update_many([_args(weight, grad, history)]) == [True]
         np.testing.assert_array_equal(history.asnumpy(), g * g)
-        np.testing.assert_array_equal(
-            weight.asnumpy(),
-            np.float32(1) - (g / np.sqrt(g * g + np.float32(1e-7))) * np.float32(0.5))
+        np.testing.assert_array_equal(weight.asnumpy(), _reference(np.float32(1), g))
 
 
 @needs_kernel
@@ -217,8 +221,7 @@ def test_kernel_reads_addresses_only_once_no_op_on_the_arrays_is_in_flight():
     weight, history = mx.nd.ones((256, 32)), mx.nd.zeros((256, 32))
     source = mx.nd.random.uniform(shape=(256, 8192))
     mx.nd.dot(source, mx.nd.ones((8192, 32)), out=grad)     # in flight
-    assert KERNEL.update(weight.handle.value, grad.handle.value, history.handle.value,
-                         0.5, 1e-7, 1.0, -1.0, 1.0)
+    assert KERNEL.update_many([_args(weight, grad, history)]) == [True]
     assert (host > 1000).all(), 'the update was pushed before the dot writing its gradient ran'
     np.testing.assert_array_equal(history.asnumpy(), host * host)
 
@@ -273,15 +276,6 @@ def test_update_many_says_which_it_pushed():
 
 
 # -------------------------------------------------------- addresses in the job
-
-def _reference(weight, grad, lr=0.5, eps=1e-7):
-    return weight - (grad / np.sqrt(grad * grad + np.float32(eps))) * np.float32(lr)
-
-
-def _args(weight, grad, history, lr=0.5):
-    return (weight.handle.value, grad.handle.value, history.handle.value, lr, 1e-7, 1.0, -1.0,
-            1.0)
-
 
 @needs_in_job
 def test_in_job_update_reads_a_history_whose_zeros_op_is_in_flight():
