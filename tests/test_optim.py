@@ -38,9 +38,13 @@ def way(request, monkeypatch):
 
 
 def _model(sparse_grad):
-    net = nn.HybridSequential()
-    net.add(nn.Embedding(50, 8, sparse_grad=sparse_grad), nn.Dense(6, in_units=8, flatten=False),
-            nn.Dense(1, in_units=6, flatten=False))
+    # the same parameter names in every model: gluon.Trainer sorts a dict of
+    # parameters by name (so the optimizer's state indices follow names),
+    # and global names (dense9, dense10) order two models differently
+    net = nn.HybridSequential(prefix='net_')
+    with net.name_scope():
+        net.add(nn.Embedding(50, 8, sparse_grad=sparse_grad),
+                nn.Dense(6, in_units=8, flatten=False), nn.Dense(1, in_units=6, flatten=False))
     net.initialize(mx.init.Uniform(0.5))
     return net
 
