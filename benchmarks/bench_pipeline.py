@@ -61,6 +61,7 @@ def main():
 
     forms = {'one flush': Pipelined(None), 'one flush (again)': Pipelined(None)}
     forms.update(('every %d' % k, Pipelined(k)) for k in args.every)
+    forms['auto'] = Pipelined('auto')      # the default: follows the engine (see PIPELINE_FIRST)
     names = list(forms)
     results = []
     for setting in args.settings:

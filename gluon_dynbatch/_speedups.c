@@ -17,6 +17,8 @@
  *   finish_nodes(nodes, arrays)  -> execute.finish_nodes_py
  *   wrap_host(array)             -> mx.nd.from_numpy(array, zero_copy=True)
  *                                   (execute.to_device, threaded engines)
+ *   push_marker, marker_done     -> whether the engine has run a pipelined
+ *                                   scope's last part (no Python version)
  *
  * Each is an exact copy of the Python function named for the common case
  * only.  Whenever a call is unusual (nested lists, a failed producer, mixed
@@ -32,6 +34,7 @@
 #include <Python.h>
 #include <structmember.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -51,7 +54,7 @@ static Py_ssize_t lv_node, lv_index, lv_data;
 static Py_ssize_t n_sig, n_leaves, n_depth, n_scope, n_pos, n_state, n_used, n_arrays, n_row;
 
 static PyObject *s_out_info, *s_batch_safe, *s_group_key, *s_out_fmt,
-    *s_signatures, *s_trace, *s_pending, *s_flush_at, *s_flush,
+    *s_signatures, *s_trace, *s_pending, *s_flush_at, *s_pipeline,
     *s_shape, *s_dtype, *s_type, *s_context, *s_device_typeid, *s_device_id, *s_sig_id,
     *s_arrays, *s_value, *s_tape;
 
@@ -826,8 +829,9 @@ have_signature:
     }
     if (result == NULL) BAIL(error);
     ((TapeObject *)tape)->seconds += now() - start;
-    /* a pipelined scope runs what it holds every flush_at calls (see
-     * BatchingScope): the operators then run while the user records on */
+    /* a pipelined scope is asked to run what it holds once flush_at calls
+     * are pending (BatchingScope.pipeline): the operators then run while
+     * the user records on */
     PyObject *limit = scope_field(scope, sc_flush_at, s_flush_at);
     Py_ssize_t at = PY_SSIZE_T_MAX;
     if (limit == NULL) {
@@ -838,7 +842,7 @@ have_signature:
         if (at == -1 && PyErr_Occurred()) { Py_CLEAR(result); BAIL(error); }
     }
     if (PyList_GET_SIZE(pending) >= at) {
-        PyObject *flushed = PyObject_CallMethodNoArgs(scope, s_flush);
+        PyObject *flushed = PyObject_CallMethodNoArgs(scope, s_pipeline);
         if (flushed == NULL) { Py_CLEAR(result); BAIL(error); }
         Py_DECREF(flushed);
     }
@@ -1827,6 +1831,104 @@ static PyObject *wrap_host(PyObject *self, PyObject *array)
     return PyLong_FromVoidPtr(handle);
 }
 
+/* ------------------------------------------------------------- markers */
+/* A pipelined scope flushes its next part once MXNet's engine has run the
+ * part before (block.BatchingScope.pipeline).  MXNet 1.9 cannot ask
+ * whether an array is ready without waiting for it, so the scope pushes a
+ * *marker*: an engine operation that reads the part's last outputs and
+ * only sets a flag.  The flag lives in a block that the job and the Python
+ * capsule share; whichever lets go last frees it. */
+typedef void (*SyncFunc)(void *, void *);
+typedef void (*Deleter)(void *);
+typedef int (*PushSyncND)(SyncFunc, void *, Deleter, const void *, void **, int, void **, int,
+                          void *, int, const char *);
+typedef struct { int refs; int done; } Marker;
+static PushSyncND push_sync = NULL;
+static const char marker_name[] = "gluon_dynbatch.marker";
+
+static void marker_release(void *param)
+{
+    Marker *marker = (Marker *)param;
+    if (__atomic_sub_fetch(&marker->refs, 1, __ATOMIC_ACQ_REL) == 0)
+        free(marker);
+}
+
+static void marker_run(void *run_context, void *param)
+{
+    (void)run_context;
+    __atomic_store_n(&((Marker *)param)->done, 1, __ATOMIC_RELEASE);
+}
+
+static void marker_capsule_free(PyObject *capsule)
+{
+    marker_release(PyCapsule_GetPointer(capsule, marker_name));
+}
+
+static PyObject *set_engine_push(PyObject *self, PyObject *address)
+{
+    void *fn = address == Py_None ? NULL : PyLong_AsVoidPtr(address);
+    if (fn == NULL && PyErr_Occurred()) return NULL;
+    push_sync = (PushSyncND)fn;
+    Py_RETURN_NONE;
+}
+
+/* push_marker(handles, dev_type, dev_id): a capsule whose flag the engine
+ * sets once the arrays (addresses of NDArray handles) are ready, or None
+ * (no engine push known, or MXNet refused). */
+static PyObject *push_marker(PyObject *self, PyObject *args)
+{
+    PyObject *handles;
+    int dev_type, dev_id;
+    if (!PyArg_ParseTuple(args, "Oii", &handles, &dev_type, &dev_id)) return NULL;
+    if (push_sync == NULL) Py_RETURN_NONE;
+    PyObject *seq = PySequence_Fast(handles, "push_marker: handles must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    void **reads = PyMem_Malloc((count ? count : 1) * sizeof(void *));
+    Marker *marker = malloc(sizeof(Marker));
+    if (reads == NULL || marker == NULL) {
+        PyMem_Free(reads);
+        free(marker);
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < count; i++)
+        reads[i] = PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(seq, i));
+    Py_DECREF(seq);
+    if (PyErr_Occurred()) {
+        PyMem_Free(reads);
+        free(marker);
+        return NULL;
+    }
+    marker->refs = 2;       /* the job's and the capsule's */
+    marker->done = 0;
+    PyObject *capsule = PyCapsule_New(marker, marker_name, marker_capsule_free);
+    if (capsule == NULL) {
+        PyMem_Free(reads);
+        free(marker);
+        return NULL;
+    }
+    const struct { int32_t dev_type; int32_t dev_id; } context = {dev_type, dev_id};
+    int failed = push_sync(marker_run, marker, marker_release, &context, reads, (int)count,
+                           NULL, 0, NULL, 0, "gluon_dynbatch_marker");
+    PyMem_Free(reads);
+    if (failed) {
+        /* MXNet may or may not have released the job's share: leave it (a
+         * few bytes at worst) and let the caller flush as if none existed */
+        Py_DECREF(capsule);
+        Py_RETURN_NONE;
+    }
+    return capsule;
+}
+
+/* marker_done(capsule): whether the engine has run the marker. */
+static PyObject *marker_done(PyObject *self, PyObject *capsule)
+{
+    Marker *marker = PyCapsule_GetPointer(capsule, marker_name);
+    if (marker == NULL) return NULL;
+    return PyBool_FromLong(__atomic_load_n(&marker->done, __ATOMIC_ACQUIRE));
+}
+
 /* ------------------------------------------------------------- module */
 
 static PyMethodDef methods[] = {
@@ -1856,6 +1958,12 @@ static PyMethodDef methods[] = {
      "set_from_dlpack(address of MXNDArrayFromDLPackEx or None)"},
     {"wrap_host", wrap_host, METH_O,
      "wrap_host(numpy array): address of a new NDArray handle over its memory, or None"},
+    {"set_engine_push", set_engine_push, METH_O,
+     "set_engine_push(address of MXEnginePushSyncND or None)"},
+    {"push_marker", push_marker, METH_VARARGS,
+     "push_marker(NDArray handle addresses, dev_type, dev_id): a marker the engine sets once "
+     "they are ready, or None"},
+    {"marker_done", marker_done, METH_O, "marker_done(marker): whether the engine ran it"},
     {NULL, NULL, 0, NULL}
 };
 
@@ -1872,7 +1980,7 @@ PyMODINIT_FUNC PyInit__speedups(void)
     INTERN(s_group_key, "group_key"); INTERN(s_out_fmt, "out_fmt");
     INTERN(s_signatures, "_signatures");
     INTERN(s_trace, "_trace"); INTERN(s_pending, "pending");
-    INTERN(s_flush_at, "flush_at"); INTERN(s_flush, "flush");
+    INTERN(s_flush_at, "flush_at"); INTERN(s_pipeline, "pipeline");
     INTERN(s_tape, "tape");
     INTERN(s_shape, "shape"); INTERN(s_dtype, "dtype"); INTERN(s_type, "type");
     INTERN(s_context, "context"); INTERN(s_device_typeid, "device_typeid");

@@ -31,7 +31,13 @@ functions in C:
   structures built in C (~18 us of ctypes an array in Python); when MXNet
   frees the array, often on the engine's worker, the numpy array is only
   queued, and the next call releases it (``from_numpy``'s deleter takes
-  the GIL on the worker, which then waits while Python runs).
+  the GIL on the worker, which then waits while Python runs);
+* :func:`push_marker` and :func:`marker_done` - an engine operation that
+  only sets a flag once the arrays it reads are computed, and that flag:
+  how a pipelined scope knows that the engine's worker has run the part it
+  flushed before without waiting for it
+  (:meth:`~.block.BatchingScope.pipeline`); there is no Python version,
+  and without them such a scope flushes at fixed counts.
 
 ``record``, ``gather_index``, ``gather_item``, ``host_rows``, ``host_item`` and
 ``wrap_host`` return None for anything but the common case (``record`` before changing
@@ -53,13 +59,15 @@ from .graph import LazyValue, Node
 from .trace import _ZEROS, regroup
 
 __all__ = ['record', 'count_groups', 'depth_groups', 'structure_key', 'Tape', 'gather_index',
-           'gather_item', 'host_rows', 'host_item', 'finish_nodes', 'wrap_host', 'enable',
-           'STATUS']
+           'gather_item', 'host_rows', 'host_item', 'finish_nodes', 'wrap_host', 'push_marker',
+           'marker_done', 'enable', 'STATUS']
 
 FUNCTIONS = ('record', 'count_groups', 'depth_groups', 'structure_key', 'Tape', 'gather_index',
-             'gather_item', 'host_rows', 'host_item', 'finish_nodes', 'wrap_host')
+             'gather_item', 'host_rows', 'host_item', 'finish_nodes', 'wrap_host', 'push_marker',
+             'marker_done')
 record = count_groups = depth_groups = structure_key = Tape = None
 gather_index = gather_item = host_rows = host_item = finish_nodes = wrap_host = None
+push_marker = marker_done = None
 
 
 def _group_outputs(node):
@@ -81,6 +89,7 @@ def _load():
             np.empty((2, 3, 5), np.float32))
         _speedups.set_shape_reader(*_shape_reader())
         _speedups.set_from_dlpack(_from_dlpack())
+        _speedups.set_engine_push(_c_function('MXEnginePushSyncND'))
     except (ImportError, TypeError) as err:
         return 'pure Python (C extension unavailable: %s)' % err
     _LOADED.update({name: getattr(_speedups, name) for name in FUNCTIONS + ('call_method',)})
@@ -105,10 +114,16 @@ def _shape_reader():
 def _from_dlpack():
     """The address of MXNet's ``MXNDArrayFromDLPackEx`` (for
     :func:`wrap_host`), or None where this MXNet lacks it."""
+    return _c_function('MXNDArrayFromDLPackEx')
+
+
+def _c_function(name):
+    """The address of MXNet's C function ``name``, or None where this MXNet
+    lacks it."""
     # pylint: disable=import-outside-toplevel
     import ctypes
     from mxnet.base import _LIB
-    function = getattr(_LIB, 'MXNDArrayFromDLPackEx', None)
+    function = getattr(_LIB, name, None)
     return None if function is None else ctypes.cast(function, ctypes.c_void_p).value
 
 

@@ -41,12 +41,20 @@ finish, to get real step times (:meth:`~.plan.Strategy.wants_step_times`);
 the others overlap Python with the ops and report none."""
 _clock = time.perf_counter     # bound once: record() runs per call
 PIPELINE_CALLS = 6144
-"""Calls a pipelined scope (``batching(flush_every='auto')``, inference
-under the threaded engine) records before it runs them: enough that each
-flush still batches well (a SICK minibatch of 256 pairs, ~5,300 calls, runs
-as one flush), few enough that larger minibatches split into parts whose
-operators run on the engine's worker while Python records the next part
-(``benchmarks/bench_pipeline.py``)."""
+"""The most calls a pipelined scope (``batching(flush_every='auto')``,
+inference under the threaded engine) records before it runs them: enough
+that each part still batches well, few enough that a large minibatch splits
+into parts whose operators run on the engine's worker while Python records
+the next part (``benchmarks/bench_pipeline.py``)."""
+PIPELINE_FIRST = 2048
+"""Calls after which such a scope runs what it holds if the engine's worker
+has nothing left to do (at first, or once it has run the part before: see
+:meth:`BatchingScope.pipeline`), so that the worker does not wait for
+Python to record a whole minibatch; a SICK minibatch of 256 pairs (~5,000
+calls) then runs as about three parts."""
+PIPELINE_CHECK = 256
+"""While the worker still runs the last part, such a scope looks again
+every this many calls."""
 
 
 def current_scope():
@@ -57,17 +65,23 @@ def current_scope():
 class BatchingScope:
     """Holds the calls recorded since the last flush, and runs them.
 
-    A scope whose ``flush_at`` is set runs what it holds every ``flush_at``
-    calls (a pipelined scope, see :func:`batching`).
+    A *pipelined* scope (see :func:`batching`) runs what it holds while
+    recording goes on: every ``flush_every`` calls, or, one that follows
+    the engine, whenever the engine's worker is done with the part before
+    (:meth:`pipeline`).
 
     Its fields are ``__slots__``: the C recorder reads ``tape``,
     ``pending`` and ``flush_at`` at every call, straight from the slots."""
     __slots__ = ('strategy', 'pending', 'record_s', 'groups', 'used', 'unsafe', 'tape',
-                 'flush_at')
+                 'flush_at', 'flush_every', 'follow_engine', 'marker')
 
-    def __init__(self, strategy, flush_at=None):
+    def __init__(self, strategy, flush_every=None, follow_engine=False):
         self.strategy = strategy
-        self.flush_at = flush_at or sys.maxsize   # calls held before a flush
+        self.flush_every = flush_every or sys.maxsize
+        self.follow_engine = follow_engine
+        # calls pending when the recorder calls pipeline()
+        self.flush_at = PIPELINE_FIRST if follow_engine else self.flush_every
+        self.marker = None   # follow_engine: set by the engine once it ran the last part
         self.pending = []
         self.record_s = 0.0
         self.groups = {}     # (depth, family) -> calls
@@ -109,7 +123,7 @@ class BatchingScope:
             result = tuple(regroup(out_fmt, outputs)[0])
         self.record_s += _clock() - start
         if len(self.pending) >= self.flush_at:
-            self.flush()
+            self.pipeline()
         return result
 
     def take(self):
@@ -134,6 +148,24 @@ class BatchingScope:
         self.groups, self.used, self.unsafe = {}, {}, 0
         return nodes, summary
 
+    def pipeline(self):
+        """Called by the recorder once ``flush_at`` calls are pending: run
+        them, unless the scope follows the engine, the engine's worker is
+        still running the part flushed before and fewer than
+        :data:`PIPELINE_CALLS` are pending.  Then it records on and looks
+        again :data:`PIPELINE_CHECK` calls later: running a part costs the
+        worker less per call the more calls it batches, and the worker is
+        busy anyway.  (MXNet cannot say whether an array is ready without
+        waiting for it, so the flush pushes a *marker* behind its last
+        step, an engine operation that only sets a flag:
+        ``accel.push_marker``.)"""
+        done = accel.marker_done
+        if self.marker is not None and done is not None and \
+                len(self.pending) < self.flush_every and not done(self.marker):
+            self.flush_at = min(len(self.pending) + PIPELINE_CHECK, self.flush_every)
+            return
+        self.flush()
+
     def flush(self):
         """Plan and run every pending call."""
         if not self.pending:
@@ -151,6 +183,9 @@ class BatchingScope:
             _fail(nodes)
             raise
         self.strategy.observe(plan, step_seconds if timed else None, planned - start, nodes)
+        if self.follow_engine:
+            self.flush_at = PIPELINE_FIRST
+            self.marker = _push_marker(plan.steps[-1].nodes[-1])
         compile_s = self.strategy.last_compile_s
         debug.record_flush(plan, record_ms, (planned - start - compile_s) * 1e3,
                            (done - planned) * 1e3, getattr(self.strategy, 'last', None),
@@ -163,6 +198,17 @@ class BatchingScope:
         self.groups, self.used, self.unsafe = {}, {}, 0
         if self.tape is not None:
             self.tape.take()
+
+
+def _push_marker(node):
+    """A marker (``accel.push_marker``) that the engine sets once the
+    outputs of ``node``'s step are computed, or None."""
+    push = accel.push_marker
+    ctx = node.sig.ctx
+    if push is None or not node.arrays:
+        return None
+    return push([array.handle.value for array in node.arrays], ctx.device_typeid,
+                ctx.device_id)
 
 
 def _fail(nodes):
@@ -185,10 +231,14 @@ def batching(strategy='auto', flush_every='auto'):
         Run what was recorded every this many calls, so that MXNet's engine
         thread computes one part while Python records the next (a
         *pipelined* scope; results and gradients are the same, only when
-        the operators run changes).  ``'auto'`` (default): every
-        :data:`PIPELINE_CALLS` calls when the scope opens outside
-        ``autograd.record()`` under MXNet's threaded engine; otherwise
-        never: the NaiveEngine runs operators in the calling thread, so
+        the operators run changes).  ``'auto'`` (default): when the scope
+        opens outside ``autograd.record()`` under MXNet's threaded engine,
+        follow the engine: run what was recorded once
+        :data:`PIPELINE_FIRST` calls are pending and the engine's worker has
+        run the part before, and at the latest every
+        :data:`PIPELINE_CALLS` calls (without the C extension, which
+        pushes the markers that tell: every :data:`PIPELINE_CALLS` calls);
+        otherwise never: the NaiveEngine runs operators in the calling thread, so
         smaller flushes would only batch less, and in training the backward
         pass, which cannot start before the last flush, runs more and
         smaller steps.  None or 0: flush only when a value is read or the
@@ -210,14 +260,16 @@ def batching(strategy='auto', flush_every='auto'):
             raise ScopeError('unknown strategy %r; choose one of %s'
                              % (strategy, sorted(STRATEGIES)))
         strategy = STRATEGIES[strategy]
+    follow_engine = False
     if flush_every == 'auto':
-        flush_every = PIPELINE_CALLS if threaded_engine() and not autograd.is_recording() \
-            else None
+        pipelined = threaded_engine() and not autograd.is_recording()
+        flush_every = PIPELINE_CALLS if pipelined else None
+        follow_engine = pipelined and accel.push_marker is not None
     elif flush_every is not None and (type(flush_every) is not int or flush_every < 0):
         raise ScopeError("flush_every=%r: give a number of calls (> 0), None (flush only when "
                          "a value is read or the scope exits) or 'auto'." % (flush_every,))
     strategy.prepare()
-    scope = BatchingScope(strategy, flush_every)
+    scope = BatchingScope(strategy, flush_every, follow_engine)
     _LOCAL.scope = scope
     # Recording makes many small objects; the cyclic collector would walk every
     # live object of the process (datasets included) again and again, which

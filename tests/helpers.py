@@ -53,6 +53,33 @@ class AcrossBatch(mx.gluon.HybridBlock):
         return F.broadcast_sub(y, F.mean(y, axis=0, keepdims=True)) + y
 
 
+class Gate(mx.operator.CustomOp):
+    """Copies its input once ``OPEN`` (a ``threading.Event``) is set: an op
+    that stays in flight under a threaded engine until the test lets it
+    finish.  Use it as ``mx.nd.Custom(x, op_type=Gate.OP_TYPE)``."""
+    OPEN = None
+    OP_TYPE = 'dynbatch_test_gate'
+
+    def forward(self, is_train, req, in_data, out_data, aux):
+        assert Gate.OPEN.wait(30)
+        self.assign(out_data[0], req[0], in_data[0])
+
+    def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
+        raise NotImplementedError
+
+
+@mx.operator.register(Gate.OP_TYPE)
+class _GateProp(mx.operator.CustomOpProp):
+    def __init__(self):
+        super().__init__(need_top_grad=False)
+
+    def infer_shape(self, in_shape):
+        return in_shape, [in_shape[0]], []
+
+    def create_operator(self, ctx, shapes, dtypes):
+        return Gate()
+
+
 class Tree:
     __slots__ = ('idx', 'children')
 

@@ -1,6 +1,7 @@
 """Behaviour of the user-facing API: laziness, scopes, plans, parameters,
 and the errors each misuse gets."""
 import sys
+import time
 
 import mxnet as mx
 import numpy as np
@@ -9,10 +10,11 @@ from mxnet import autograd, gluon
 from mxnet.gluon import nn
 
 import gluon_dynbatch as dyb
+from gluon_dynbatch.execute import threaded_engine
 from gluon_dynbatch.plan import summarize
 from gluon_dynbatch.models import ChildSumTreeLSTMCell
 
-from helpers import DenseAddLists, random_tree
+from helpers import DenseAddLists, Gate, random_tree
 
 
 def dense(units=3, in_units=3):
@@ -240,22 +242,86 @@ def test_pipelined_scope_runs_every_flush_every_calls():
 @pytest.mark.parametrize('threaded', [False, True])
 def test_flush_every_auto_pipelines_inference_under_the_threaded_engine(monkeypatch, threaded):
     """Only there do the operators of one part run while Python records
-    the next; in training the backward pass would only get more steps."""
-    from gluon_dynbatch import block as block_module
+    the next; in training the backward pass would only get more steps.
+    With the C extension (its markers) the scope follows the engine."""
+    from gluon_dynbatch import accel, block as block_module
     monkeypatch.setattr(block_module, 'threaded_engine', lambda: threaded)
     never = sys.maxsize
+    following = threaded and accel.push_marker is not None
     with dyb.batching() as scope:
-        assert scope.flush_at == (block_module.PIPELINE_CALLS if threaded else never)
+        assert scope.follow_engine == following
+        assert scope.flush_every == (block_module.PIPELINE_CALLS if threaded else never)
+        assert scope.flush_at == (block_module.PIPELINE_FIRST if following else scope.flush_every)
     with autograd.record():
         with dyb.batching() as scope:
-            assert scope.flush_at == never
+            assert scope.flush_at == never and not scope.follow_engine
     with dyb.batching(flush_every=None) as scope:
         assert scope.flush_at == never
     with dyb.batching(flush_every=0) as scope:
         assert scope.flush_at == never
     with autograd.record():
         with dyb.batching(flush_every=500) as scope:
-            assert scope.flush_at == 500
+            assert scope.flush_at == 500 and not scope.follow_engine
+
+
+def test_scope_following_the_engine_runs_a_part_when_the_worker_is_done(monkeypatch):
+    """The first part runs at PIPELINE_FIRST calls; while the engine has
+    not run the last part, the scope records on, looking again every
+    PIPELINE_CHECK calls, up to PIPELINE_CALLS."""
+    from gluon_dynbatch import accel, block as block_module
+    if accel.push_marker is None:
+        pytest.skip(accel.STATUS)
+    monkeypatch.setattr(block_module, 'threaded_engine', lambda: True)
+    monkeypatch.setattr(block_module, 'PIPELINE_FIRST', 4)
+    monkeypatch.setattr(block_module, 'PIPELINE_CHECK', 2)
+    monkeypatch.setattr(block_module, 'PIPELINE_CALLS', 9)
+    busy, asked = [True], []
+
+    def marker_done(marker):
+        asked.append(marker)
+        return not busy[0]
+    monkeypatch.setattr(accel, 'marker_done', marker_done)
+    block = dense()
+    dyb.reset_stats()
+    flushed_after = []
+    with dyb.batching() as scope:
+        ys = [block(mx.nd.ones((1, 3)))]
+        for calls in range(2, 30):
+            if calls == 16:
+                busy[0] = False
+            ys.append(block(ys[-1]))
+            if dyb.stats()['flushes'] > len(flushed_after):
+                flushed_after.append(calls)
+    # first part at 4 calls; busy: looked at 4, 6 and 8 pending, ran at 9;
+    # done from call 16 on: a part every 4 calls, each after one look
+    assert flushed_after == [4, 13, 17, 21, 25, 29]
+    assert len(asked) == 3 + 4 and all(m is not None for m in asked)
+    assert ys[-1].ready and scope.marker is not None
+
+
+@pytest.mark.skipif(not threaded_engine(), reason='ops run at once under the NaiveEngine')
+def test_marker_is_set_once_the_engine_has_computed_what_it_reads():
+    import threading
+    from gluon_dynbatch import accel
+    if accel.push_marker is None:
+        pytest.skip(accel.STATUS)
+    Gate.OPEN = threading.Event()
+    x = mx.nd.Custom(mx.nd.ones((2, 3)), op_type=Gate.OP_TYPE)
+    try:
+        marker = accel.push_marker([x.handle.value], 1, 0)
+        assert not accel.marker_done(marker)
+        time.sleep(0.05)
+        assert not accel.marker_done(marker)      # the op it reads is still in flight
+    finally:
+        Gate.OPEN.set()
+    mx.nd.waitall()
+    assert accel.marker_done(marker)
+    free = accel.push_marker([], 1, 0)             # reads nothing: runs at once
+    mx.nd.waitall()
+    assert accel.marker_done(free)
+    del x
+    mx.nd.waitall()
+    assert accel.marker_done(marker)               # outlives the arrays it read
 
 
 @pytest.mark.parametrize('value', [-1, 2.5, 'often', True])

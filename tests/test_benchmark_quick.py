@@ -111,10 +111,11 @@ def test_pipeline_benchmark_runs_and_pipelines(tmp_path):
         res = json.load(f)
     assert [(r['mode'], r['batch_size']) for r in res['results']] == [('infer', 8), ('train', 4)]
     for row in res['results']:
-        assert set(row['pairs_per_s']) == {'one flush', 'one flush (again)', 'every 40'}
+        assert set(row['pairs_per_s']) == {'one flush', 'one flush (again)', 'every 40', 'auto'}
         assert all(math.isfinite(v) and v > 0 for v in row['pairs_per_s'].values())
         flushes = row['flushes_per_minibatch']
-        assert flushes['one flush'] == flushes['one flush (again)'] == 1
+        # 'auto' (the default) follows the engine: a minibatch this small is one part
+        assert flushes['one flush'] == flushes['one flush (again)'] == flushes['auto'] == 1
         assert flushes['every 40'] >= 2
 
 

@@ -89,6 +89,35 @@ def test_pipelined_scopes_equal_per_sample(strategy, flush_every, accelerated):
         accel.enable(was_on)
 
 
+@pytest.mark.parametrize('strategy', ['depth', 'cached', 'auto'])
+@pytest.mark.parametrize('answers', [(True,), (False,), (False, False, True)])
+def test_scopes_following_the_engine_equal_per_sample(monkeypatch, strategy, answers):
+    """Inference in a scope that follows the engine (the default under a
+    threaded engine) runs a part whenever the engine's worker is done with
+    the last one, wherever that cuts trees and pairs: the values still
+    equal per-sample execution, whatever the engine answers."""
+    import itertools
+    from gluon_dynbatch import accel, block as block_module
+    if accel.push_marker is None:
+        pytest.skip(accel.STATUS)
+    monkeypatch.setattr(block_module, 'threaded_engine', lambda: True)
+    monkeypatch.setattr(block_module, 'PIPELINE_FIRST', 7)
+    monkeypatch.setattr(block_module, 'PIPELINE_CHECK', 3)
+    monkeypatch.setattr(block_module, 'PIPELINE_CALLS', 20)
+    replies = itertools.cycle(answers)
+    monkeypatch.setattr(accel, 'marker_done', lambda marker: next(replies))
+    node, head = make_tree_model(pad_lists=True)
+    forward = pair_forward(node, head, random_pairs(np.random.RandomState(6), 6))
+    expected = [out.asnumpy() for out in forward()]
+    dyb.reset_stats()
+    with dyb.batching(strategy) as scope:
+        assert scope.follow_engine
+        outs = forward()
+    assert dyb.stats()['flushes'] > 2
+    for got, want in zip(outs, expected):
+        np.testing.assert_allclose(got.asnumpy(), want, rtol=1e-4, atol=1e-5)
+
+
 class MeanOfChildren(gluon.HybridBlock):
     """Padding its list with zeros would change the mean: must be refused."""
     dynbatch_pad_lists = True

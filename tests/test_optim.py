@@ -12,6 +12,8 @@ from gluon_dynbatch import optim
 from gluon_dynbatch.execute import threaded_engine, to_device
 from gluon_dynbatch.optim import FusedAdaGrad
 
+from helpers import Gate
+
 KERNEL = optim.KERNEL
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason='the _adagrad C extension is not built')
 
@@ -288,46 +290,21 @@ def test_update_many_says_which_it_pushed():
 
 # -------------------------------------------------------- addresses in the job
 
-class _Gate(mx.operator.CustomOp):
-    """Copies its input once ``OPEN`` is set: an op that stays in flight
-    until the test lets it finish."""
-    OPEN = None
-
-    def forward(self, is_train, req, in_data, out_data, aux):
-        assert _Gate.OPEN.wait(30)
-        self.assign(out_data[0], req[0], in_data[0])
-
-    def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
-        raise NotImplementedError
-
-
-@mx.operator.register('dynbatch_test_gate')
-class _GateProp(mx.operator.CustomOpProp):
-    def __init__(self):
-        super().__init__(need_top_grad=False)
-
-    def infer_shape(self, in_shape):
-        return in_shape, [in_shape[0]], []
-
-    def create_operator(self, ctx, shapes, dtypes):
-        return _Gate()
-
-
 @needs_in_job
 @pytest.mark.skipif(not threaded_engine(), reason='ops run at once under the NaiveEngine')
 def test_in_job_update_does_not_wait_for_the_gradient():
     """Pushing returns while the op that writes the gradient is still in
     flight; the update then runs after it, on its values."""
     import threading
-    _Gate.OPEN = threading.Event()
+    Gate.OPEN = threading.Event()
     g = np.random.RandomState(1).randn(32, 16).astype(np.float32)
     weight, history = mx.nd.ones((32, 16)), mx.nd.zeros((32, 16))
-    grad = mx.nd.Custom(mx.nd.array(g), op_type='dynbatch_test_gate')
+    grad = mx.nd.Custom(mx.nd.array(g), op_type=Gate.OP_TYPE)
     try:
         assert KERNEL.update_many_async([_args(weight, grad, history)]) == [True]
-        assert not _Gate.OPEN.is_set()      # returned with the gradient's op blocked
+        assert not Gate.OPEN.is_set()      # returned with the gradient's op blocked
     finally:
-        _Gate.OPEN.set()
+        Gate.OPEN.set()
     np.testing.assert_array_equal(history.asnumpy(), g * g)
     np.testing.assert_array_equal(weight.asnumpy(), _reference(np.float32(1), g))
 
