@@ -197,7 +197,7 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hois
         inverse = hoisted.inverse
     elif inverse is not None and pattern[host[0]][0] == 'distinct':
         rows, inverse = inverse, None
-    program = step_program(sig, tuple(pattern))
+    program = step_program(sig, tuple(pattern)).for_rows(len(nodes))
     inputs = [sources[item[0]][item[1]] if kind == 'src' else indices[item] if kind == 'idx'
               else tables.table(item, ctx) if kind == 'table'
               else hoisted.values[item] if kind == 'hoisted' else ragged[item] if kind == 'ragged'

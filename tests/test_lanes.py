@@ -501,6 +501,62 @@ def test_compose_takes_keeps_an_inner_take_read_elsewhere():
 
 
 
+def test_tanh_by_sigmoid_keeps_values_gradients_and_inputs():
+    """``2 * sigmoid(2 x) - 1`` for every ``Activation(tanh)``: the same
+    values and gradients to float rounding, the same inputs in the same
+    order (a program's feeds stay valid); a symbol without one is kept."""
+    x, w = mx.sym.var('x'), mx.sym.var('w')
+    hidden = mx.sym.Activation(mx.sym.FullyConnected(x, w, num_hidden=4, no_bias=True),
+                               act_type='tanh')
+    symbol = mx.sym.Group([mx.sym.Activation(hidden * x, act_type='tanh'),
+                           mx.sym.Activation(hidden, act_type='sigmoid')])
+    rewritten = lower.tanh_by_sigmoid(symbol)
+    assert rewritten.list_inputs() == symbol.list_inputs()
+    assert ops(rewritten).count('Activation') == 3 and 'tanh' not in rewritten.tojson()
+    rng = np.random.RandomState(0)
+    values = [mx.nd.array(rng.uniform(-6, 6, (50, 4))), mx.nd.array(rng.uniform(-1, 1, (4, 4)))]
+    results = []
+    for sym in (symbol, rewritten):
+        for v in values:
+            v.attach_grad()
+        with autograd.record():
+            outs = mx.nd.CachedOp(sym)(*values)
+            loss = sum((o * (k + 1)).sum() for k, o in enumerate(outs))
+        loss.backward()
+        results.append([o.asnumpy() for o in outs] + [v.grad.asnumpy().copy() for v in values])
+    for want, got in zip(*results):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    plain = mx.sym.Activation(x, act_type='relu')
+    assert lower.tanh_by_sigmoid(plain) is plain
+
+
+@pytest.mark.parametrize('training', [False, True])
+@pytest.mark.parametrize('strategy', ['depth', 'cached'])
+def test_steps_of_many_calls_compute_tanh_by_sigmoid(strategy, training, monkeypatch):
+    """Steps of at least TANH_BY_SIGMOID_ROWS calls run their program's
+    variant with ``tanh`` through ``sigmoid``, in step programs and in a
+    compiled plan; values and gradients equal per-sample execution."""
+    monkeypatch.setattr(lower, 'TANH_BY_SIGMOID_ROWS', {True: 4, False: 4})
+    node, head = make_tree_model(pad_lists=True)
+    forward = pair_forward(node, head, random_pairs(np.random.RandomState(4), 8))
+    params = list(node.collect_params().values()) + list(head.collect_params().values())
+    chosen = dyb.CachedPlan(compile_after=2) if strategy == 'cached' else strategy
+    want_outs, want_grads = outputs_and_gradients(forward, params, None, training)
+    for _ in range(4 if strategy == 'cached' else 1):
+        got_outs, got_grads = outputs_and_gradients(forward, params, chosen, training)
+        for want, got in zip(want_outs, got_outs):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        for param, want, got in zip(params, want_grads, got_grads):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=param.name)
+    if strategy == 'cached':
+        assert dyb.stats()['last']['strategy'] == 'cached-compiled'
+    programs = [program for sig in node.signatures() for program in
+                (sig.programs if training else sig.inference_programs).values()]
+    wide = [p._wide for p in programs if p._wide is not None and p._wide is not p]
+    assert wide and all('tanh' not in p.symbol.tojson() for p in wide)
+    assert any('tanh' in p.symbol.tojson() for p in programs)     # the originals keep it
+
+
 def test_a_plan_learned_in_training_pads_its_lists_in_inference(ragged_always, monkeypatch):
     """A cached plan's recipes learned while training carry the incidence
     matrices; replayed in inference the lists are padded (a NaN stays in
