@@ -14,7 +14,7 @@ from gluon_dynbatch.execute import threaded_engine
 from gluon_dynbatch.plan import summarize
 from gluon_dynbatch.models import ChildSumTreeLSTMCell
 
-from helpers import DenseAddLists, Gate, random_tree
+from helpers import DenseAddLists, Gate, follow_engine, random_tree
 
 
 def dense(units=3, in_units=3):
@@ -268,19 +268,12 @@ def test_scope_following_the_engine_runs_a_part_when_the_worker_is_done(monkeypa
     """The first part runs at PIPELINE_FIRST calls; while the engine has
     not run the last part, the scope records on, looking again every
     PIPELINE_CHECK calls, up to PIPELINE_CALLS."""
-    from gluon_dynbatch import accel, block as block_module
-    if accel.push_marker is None:
-        pytest.skip(accel.STATUS)
-    monkeypatch.setattr(block_module, 'threaded_engine', lambda: True)
-    monkeypatch.setattr(block_module, 'PIPELINE_FIRST', 4)
-    monkeypatch.setattr(block_module, 'PIPELINE_CHECK', 2)
-    monkeypatch.setattr(block_module, 'PIPELINE_CALLS', 9)
     busy, asked = [True], []
 
     def marker_done(marker):
         asked.append(marker)
         return not busy[0]
-    monkeypatch.setattr(accel, 'marker_done', marker_done)
+    follow_engine(monkeypatch, first=4, check=2, most=9, marker_done=marker_done)
     block = dense()
     dyb.reset_stats()
     flushed_after = []

@@ -10,8 +10,8 @@ import gluon_dynbatch as dyb
 from gluon_dynbatch.models import ChildSumTreeLSTMCell, Similarity, TreeLSTMNode
 from gluon_dynbatch.lower import RAGGED
 
-from helpers import (AcrossBatch, Tree, TwoOutputs, assert_same, random_tree, run_both,
-                     tree_from_parents)
+from helpers import (AcrossBatch, Tree, TwoOutputs, assert_same, follow_engine, random_tree,
+                     run_both, tree_from_parents)
 
 STRATEGIES = ['depth', 'agenda', 'per-sample', 'cached', 'auto']
 
@@ -97,15 +97,8 @@ def test_scopes_following_the_engine_equal_per_sample(monkeypatch, strategy, ans
     the last one, wherever that cuts trees and pairs: the values still
     equal per-sample execution, whatever the engine answers."""
     import itertools
-    from gluon_dynbatch import accel, block as block_module
-    if accel.push_marker is None:
-        pytest.skip(accel.STATUS)
-    monkeypatch.setattr(block_module, 'threaded_engine', lambda: True)
-    monkeypatch.setattr(block_module, 'PIPELINE_FIRST', 7)
-    monkeypatch.setattr(block_module, 'PIPELINE_CHECK', 3)
-    monkeypatch.setattr(block_module, 'PIPELINE_CALLS', 20)
     replies = itertools.cycle(answers)
-    monkeypatch.setattr(accel, 'marker_done', lambda marker: next(replies))
+    follow_engine(monkeypatch, first=7, check=3, most=20, marker_done=lambda marker: next(replies))
     node, head = make_tree_model(pad_lists=True)
     forward = pair_forward(node, head, random_pairs(np.random.RandomState(6), 6))
     expected = [out.asnumpy() for out in forward()]

@@ -451,18 +451,12 @@ def test_ragged_steps_equal_per_sample(strategy, training, incidence, ragged_alw
         assert runs[-1] == 'cached-compiled'
 
 
-@pytest.mark.parametrize('training', [False, True])
-@pytest.mark.parametrize('strategy', ['depth', 'cached'])
-def test_ragged_elements_read_hoisted_values_by_one_take(strategy, training, ragged_always,
-                                                         monkeypatch):
-    """The cell's ``f_x``, computed once per distinct token by the flush's
-    run of the host part, reaches the elements of the children lists by
-    one ``take`` along an index composed on the host (lower.compose_takes),
-    in step programs and in a compiled plan; values and gradients equal
-    per-sample execution."""
-    monkeypatch.setattr(execute, 'HOIST_ROWS', 0)
+def _tree_model_matches_per_sample(strategy, training, seed):
+    """A Tree-LSTM model run on 8 random pairs by ``strategy`` ('depth', or
+    'cached', four times so that the plan compiles): values and gradients
+    equal per-sample execution.  Returns the model's node block."""
     node, head = make_tree_model(pad_lists=True)
-    forward = pair_forward(node, head, random_pairs(np.random.RandomState(9), 8))
+    forward = pair_forward(node, head, random_pairs(np.random.RandomState(seed), 8))
     params = list(node.collect_params().values()) + list(head.collect_params().values())
     chosen = dyb.CachedPlan(compile_after=2) if strategy == 'cached' else strategy
     want_outs, want_grads = outputs_and_gradients(forward, params, None, training)
@@ -474,6 +468,20 @@ def test_ragged_elements_read_hoisted_values_by_one_take(strategy, training, rag
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=param.name)
     if strategy == 'cached':
         assert dyb.stats()['last']['strategy'] == 'cached-compiled'
+    return node
+
+
+@pytest.mark.parametrize('training', [False, True])
+@pytest.mark.parametrize('strategy', ['depth', 'cached'])
+def test_ragged_elements_read_hoisted_values_by_one_take(strategy, training, ragged_always,
+                                                         monkeypatch):
+    """The cell's ``f_x``, computed once per distinct token by the flush's
+    run of the host part, reaches the elements of the children lists by
+    one ``take`` along an index composed on the host (lower.compose_takes),
+    in step programs and in a compiled plan; values and gradients equal
+    per-sample execution."""
+    monkeypatch.setattr(execute, 'HOIST_ROWS', 0)
+    node = _tree_model_matches_per_sample(strategy, training, seed=9)
     programs = [program for sig in node.signatures() for pattern, program in
                 (sig.programs if training else sig.inference_programs).items()
                 if any(way and way[0] in lower.RAGGED for way in pattern)]
@@ -537,19 +545,7 @@ def test_steps_of_many_calls_compute_tanh_by_sigmoid(strategy, training, monkeyp
     variant with ``tanh`` through ``sigmoid``, in step programs and in a
     compiled plan; values and gradients equal per-sample execution."""
     monkeypatch.setattr(lower, 'TANH_BY_SIGMOID_ROWS', {True: 4, False: 4})
-    node, head = make_tree_model(pad_lists=True)
-    forward = pair_forward(node, head, random_pairs(np.random.RandomState(4), 8))
-    params = list(node.collect_params().values()) + list(head.collect_params().values())
-    chosen = dyb.CachedPlan(compile_after=2) if strategy == 'cached' else strategy
-    want_outs, want_grads = outputs_and_gradients(forward, params, None, training)
-    for _ in range(4 if strategy == 'cached' else 1):
-        got_outs, got_grads = outputs_and_gradients(forward, params, chosen, training)
-        for want, got in zip(want_outs, got_outs):
-            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-        for param, want, got in zip(params, want_grads, got_grads):
-            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=param.name)
-    if strategy == 'cached':
-        assert dyb.stats()['last']['strategy'] == 'cached-compiled'
+    node = _tree_model_matches_per_sample(strategy, training, seed=4)
     programs = [program for sig in node.signatures() for program in
                 (sig.programs if training else sig.inference_programs).values()]
     wide = [p._wide for p in programs if p._wide is not None and p._wide is not p]
