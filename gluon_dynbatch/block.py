@@ -51,7 +51,8 @@ PIPELINE_FIRST = 2048
 has nothing left to do (at first, or once it has run the part before: see
 :meth:`BatchingScope.pipeline`), so that the worker does not wait for
 Python to record a whole minibatch; a SICK minibatch of 256 pairs (~5,000
-calls) then runs as about three parts."""
+calls) then runs as two or three parts (2.2 on average in
+``benchmarks/bench_pipeline.py``)."""
 PIPELINE_CHECK = 256
 """While the worker still runs the last part, such a scope looks again
 every this many calls."""

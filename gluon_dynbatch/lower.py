@@ -304,8 +304,11 @@ def tanh_by_sigmoid(symbol):
     is unchanged, so the program's feeds are too."""
     graph = json.loads(symbol.tojson())
     nodes = graph['nodes']
-    if not any(n['op'] == 'Activation' and n.get('attrs', {}).get('act_type') == 'tanh'
-               for n in nodes):
+
+    def is_tanh(node):
+        return node['op'] == 'Activation' and node.get('attrs', {}).get('act_type') == 'tanh'
+
+    if not any(is_tanh(node) for node in nodes):
         return symbol
     out, moved = [], {}
 
@@ -315,7 +318,7 @@ def tanh_by_sigmoid(symbol):
     for old, node in enumerate(nodes):
         node = dict(node)
         node['inputs'] = [entry_for(entry) for entry in node['inputs']]
-        if node['op'] == 'Activation' and node.get('attrs', {}).get('act_type') == 'tanh':
+        if is_tanh(node):
             name = node['name']
             out.append({'op': '_mul_scalar', 'name': name + '_x2', 'attrs': {'scalar': '2'},
                         'inputs': node['inputs']})
