@@ -9,6 +9,7 @@
  *   record(scope, dblock, args)  -> BatchingScope.record; None: run Python's
  *   count_groups(nodes)          -> plan.count_groups_py
  *   depth_groups(nodes)          -> plan.depth_groups_py
+ *   agenda_groups(nodes)         -> plan.agenda_groups_py
  *   Tape, structure_key(nodes)   -> plan.structure_key_py, as int32 words
  *                                   (a Tape writes them while recording)
  *   gather_index(leaves, ZeroRow)-> the lazy-value case of execute.collect
@@ -1693,6 +1694,169 @@ error:
     return NULL;
 }
 
+/* ------------------------------------------------------- agenda_groups */
+
+/* One signature family's side of the agenda: the average depth of its calls
+ * (the priority) and its ready calls, ready[head:n] in the order they
+ * became ready. */
+typedef struct {
+    long key;
+    long long depth_sum;
+    Py_ssize_t count, head, n, room;
+    Py_ssize_t *ready;
+} AgendaKey;
+
+static int agenda_push(AgendaKey *k, Py_ssize_t node)
+{
+    if (k->n == k->room) {
+        Py_ssize_t room = k->room ? 2 * k->room : 16;
+        Py_ssize_t *grown = PyMem_Realloc(k->ready, room * sizeof(Py_ssize_t));
+        if (grown == NULL) { PyErr_NoMemory(); return -1; }
+        k->ready = grown;
+        k->room = room;
+    }
+    k->ready[k->n++] = node;
+    return 0;
+}
+
+/* Runs ``body`` once for each distinct pending node that node i reads,
+ * with p its index in ``nodes`` (seen[p] == stamp: p met already for node
+ * i).  A pending producer that is not at its ``pos`` in ``nodes``, before
+ * node i, jumps to ``fallback`` (the caller runs the Python version). */
+#define FOR_PRODUCERS(leaves, body)                                          \
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(leaves); j++) {               \
+        PyObject *leaf = PyList_GET_ITEM(leaves, j);                         \
+        if (Py_TYPE(leaf) != LazyValueType) continue;                        \
+        PyObject *producer = SLOT(leaf, lv_node);                            \
+        if (small_int(SLOT(producer, n_state)) != PENDING) continue;         \
+        Py_ssize_t p = PyLong_AsSsize_t(SLOT(producer, n_pos));              \
+        if (p < 0 || p >= i || PyList_GET_ITEM(nodes, p) != producer) {      \
+            PyErr_Clear();                                                   \
+            goto fallback;                                                   \
+        }                                                                    \
+        if (seen[p] == stamp) continue;                                      \
+        seen[p] = stamp;                                                     \
+        body                                                                 \
+    }
+
+/* plan.agenda_groups_py in C: the agenda's groups of nodes (tuples), in the
+ * order they run; None for anything unusual (a node's leaves not a list, a
+ * pending producer not in ``nodes`` at its ``pos``), which the Python
+ * version then handles. */
+static PyObject *agenda_groups(PyObject *self, PyObject *nodes)
+{
+    if (!configured || !PyList_Check(nodes)) {
+        PyErr_SetString(PyExc_TypeError, "agenda_groups(list of nodes)");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(nodes), n_keys = 0, last = -1;
+    Py_ssize_t *key_of = PyMem_Malloc((n + 1) * sizeof(Py_ssize_t));
+    Py_ssize_t *waiting = PyMem_Calloc(n + 1, sizeof(Py_ssize_t));
+    Py_ssize_t *starts = PyMem_Calloc(n + 2, sizeof(Py_ssize_t));
+    Py_ssize_t *seen = PyMem_Malloc((n + 1) * sizeof(Py_ssize_t));
+    Py_ssize_t *group = PyMem_Malloc((n + 1) * sizeof(Py_ssize_t));
+    Py_ssize_t *users = NULL;
+    AgendaKey *keys = PyMem_Calloc(n + 1, sizeof(AgendaKey));  /* at most one per node */
+    PyObject *result = NULL;
+    if (!key_of || !waiting || !starts || !seen || !group || !keys) {
+        PyErr_NoMemory();
+        goto error;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) seen[i] = -1;
+    /* pass 1: each node's family, its producers, how many users each has */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *node = PyList_GET_ITEM(nodes, i);
+        if (Py_TYPE(node) != NodeType) {
+            PyErr_SetString(PyExc_TypeError, "agenda_groups: not a Node");
+            goto error;
+        }
+        SigInfo *info = sig_info(SLOT(node, n_sig));
+        if (info == NULL) goto error;
+        long key = PyLong_AsLong(info->family);
+        if (key == -1 && PyErr_Occurred()) goto error;
+        Py_ssize_t k = last;            /* consecutive calls often share a family */
+        if (k < 0 || keys[k].key != key)
+            for (k = 0; k < n_keys && keys[k].key != key; k++)
+                ;
+        if (k == n_keys) keys[n_keys++].key = key;
+        last = key_of[i] = k;
+        keys[k].depth_sum += small_int(SLOT(node, n_depth));
+        keys[k].count++;
+        PyObject *leaves = SLOT(node, n_leaves);
+        if (!PyList_Check(leaves)) goto fallback;
+        Py_ssize_t stamp = i;
+        FOR_PRODUCERS(leaves, { waiting[i]++; starts[p + 1]++; })
+    }
+    for (Py_ssize_t i = 0; i < n; i++) starts[i + 1] += starts[i];
+    users = PyMem_Malloc((starts[n] + 1) * sizeof(Py_ssize_t));
+    if (users == NULL) { PyErr_NoMemory(); goto error; }
+    /* pass 2: each producer's users, in recording order (group[] counts
+     * how many are filled in so far) */
+    memset(group, 0, (n + 1) * sizeof(Py_ssize_t));
+    for (Py_ssize_t i = 0; i < n; i++) seen[i] = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *leaves = SLOT(PyList_GET_ITEM(nodes, i), n_leaves);
+        Py_ssize_t stamp = i;
+        FOR_PRODUCERS(leaves, { users[starts[p] + group[p]++] = i; })
+        if (waiting[i] == 0 && agenda_push(&keys[key_of[i]], i)) goto error;
+    }
+    result = PyList_New(0);
+    if (result == NULL) goto error;
+    for (;;) {
+        /* the family of lowest average depth among those with ready calls
+         * (ties: the lower key), as min() over (depth_sum / count, key) */
+        AgendaKey *best = NULL;
+        double best_avg = 0.0;
+        for (Py_ssize_t k = 0; k < n_keys; k++) {
+            AgendaKey *c = &keys[k];
+            if (c->head == c->n) continue;
+            double avg = (double)c->depth_sum / (double)c->count;
+            if (best == NULL || avg < best_avg || (avg == best_avg && c->key < best->key)) {
+                best = c;
+                best_avg = avg;
+            }
+        }
+        if (best == NULL) break;
+        Py_ssize_t size;
+        if (best->key < 0) {            /* not batch-safe: one call, the rest stay */
+            group[0] = best->ready[best->head++];
+            size = 1;
+        } else {
+            size = best->n - best->head;
+            memcpy(group, best->ready + best->head, size * sizeof(Py_ssize_t));
+            best->head = best->n;
+        }
+        if (best->head == best->n) best->head = best->n = 0;
+        PyObject *members = PyTuple_New(size);
+        if (members == NULL) goto error;
+        for (Py_ssize_t g = 0; g < size; g++)
+            PyTuple_SET_ITEM(members, g, Py_NewRef(PyList_GET_ITEM(nodes, group[g])));
+        int rc = PyList_Append(result, members);
+        Py_DECREF(members);
+        if (rc) goto error;
+        for (Py_ssize_t g = 0; g < size; g++) {
+            Py_ssize_t done = group[g];
+            for (Py_ssize_t u = starts[done]; u < starts[done + 1]; u++)
+                if (--waiting[users[u]] == 0 && agenda_push(&keys[key_of[users[u]]], users[u]))
+                    goto error;
+        }
+    }
+    goto done;
+fallback:
+    Py_CLEAR(result);
+    result = Py_NewRef(Py_None);
+    goto done;
+error:
+    Py_CLEAR(result);
+done:
+    if (keys != NULL)
+        for (Py_ssize_t k = 0; k < n_keys; k++) PyMem_Free(keys[k].ready);
+    PyMem_Free(keys); PyMem_Free(key_of); PyMem_Free(waiting); PyMem_Free(starts);
+    PyMem_Free(seen); PyMem_Free(group); PyMem_Free(users);
+    return result;
+}
+#undef FOR_PRODUCERS
+
 /* ----------------------------------------------------- wrap_host
  *
  * Under a threaded engine a host array (token ids, a gather index) becomes
@@ -1954,6 +2118,8 @@ static PyMethodDef methods[] = {
      "finish_nodes(nodes, arrays, rows=None): see execute.finish_nodes_py"},
     {"count_groups", count_groups, METH_O, "count_groups(nodes): see plan.count_groups_py"},
     {"depth_groups", depth_groups, METH_O, "depth_groups(nodes): see plan.depth_groups_py"},
+    {"agenda_groups", agenda_groups, METH_O,
+     "agenda_groups(nodes): see plan.agenda_groups_py; None for the unusual case"},
     {"set_from_dlpack", set_from_dlpack, METH_O,
      "set_from_dlpack(address of MXNDArrayFromDLPackEx or None)"},
     {"wrap_host", wrap_host, METH_O,

@@ -11,7 +11,9 @@ functions in C:
   the scope's slots directly), which leaves counting the calls per group
   to :func:`count_groups` (:func:`~.plan.count_groups_py`), one pass at
   the flush;
-* :func:`depth_groups` - :func:`~.plan.depth_groups_py` (depth grouping);
+* :func:`depth_groups` - :func:`~.plan.depth_groups_py` (depth grouping),
+  and :func:`agenda_groups` - :func:`~.plan.agenda_groups_py` (the agenda's
+  order);
 * :func:`structure_key` - :func:`~.plan.structure_key_py` (cached plans hash
   every flush) as int32 words in bytes, and :class:`Tape`, which a scope
   holds to write those words as calls are recorded (and to sum the time
@@ -39,8 +41,8 @@ functions in C:
   (:meth:`~.block.BatchingScope.pipeline`); there is no Python version,
   and without them such a scope flushes at fixed counts.
 
-``record``, ``gather_index``, ``gather_item``, ``host_rows``, ``host_item`` and
-``wrap_host`` return None for anything but the common case (``record`` before changing
+``record``, ``agenda_groups``, ``gather_index``, ``gather_item``, ``host_rows``,
+``host_item`` and ``wrap_host`` return None for anything but the common case (``record`` before changing
 anything), and the caller then
 runs the Python version, which stays the reference and the only place user
 errors are raised.
@@ -58,14 +60,14 @@ import numpy as np
 from .graph import LazyValue, Node
 from .trace import _ZEROS, regroup
 
-__all__ = ['record', 'count_groups', 'depth_groups', 'structure_key', 'Tape', 'gather_index',
-           'gather_item', 'host_rows', 'host_item', 'finish_nodes', 'wrap_host', 'push_marker',
-           'marker_done', 'enable', 'STATUS']
+__all__ = ['record', 'count_groups', 'depth_groups', 'agenda_groups', 'structure_key', 'Tape',
+           'gather_index', 'gather_item', 'host_rows', 'host_item', 'finish_nodes', 'wrap_host',
+           'push_marker', 'marker_done', 'enable', 'STATUS']
 
-FUNCTIONS = ('record', 'count_groups', 'depth_groups', 'structure_key', 'Tape', 'gather_index',
-             'gather_item', 'host_rows', 'host_item', 'finish_nodes', 'wrap_host', 'push_marker',
-             'marker_done')
-record = count_groups = depth_groups = structure_key = Tape = None
+FUNCTIONS = ('record', 'count_groups', 'depth_groups', 'agenda_groups', 'structure_key', 'Tape',
+             'gather_index', 'gather_item', 'host_rows', 'host_item', 'finish_nodes', 'wrap_host',
+             'push_marker', 'marker_done')
+record = count_groups = depth_groups = agenda_groups = structure_key = Tape = None
 gather_index = gather_item = host_rows = host_item = finish_nodes = wrap_host = None
 push_marker = marker_done = None
 

@@ -17,7 +17,8 @@ from gluon_dynbatch.block import BatchingScope, _signature_key, private_scope
 from gluon_dynbatch.execute import ZeroRow, collect, host_array, run_plan
 from gluon_dynbatch.graph import LazyValue
 from gluon_dynbatch.models import ChildSumTreeLSTMCell
-from gluon_dynbatch.plan import ByDepth, count_groups_py, depth_groups_py, structure_key_py
+from gluon_dynbatch.plan import (ByDepth, agenda_groups_py, count_groups_py, depth_groups_py,
+                                 structure_key_py)
 from gluon_dynbatch.trace import flatten
 
 from helpers import AcrossBatch, DenseAddLists, TwoOutputs, assert_same, run_both
@@ -147,6 +148,7 @@ def test_record_counts_groups_and_keys_match_python(ops):
                 assert [(k, list(v.items())) for k, v in fast_groups[0].items()] == \
                     [(k, list(v.items())) for k, v in depth_groups_py(nodes)[0].items()]
                 assert fast_groups[1] == depth_groups_py(nodes)[1]
+                assert accel._LOADED['agenda_groups'](nodes) == agenda_groups_py(nodes)
                 fast_key = accel._LOADED['structure_key'](nodes)
                 assert fast_key == as_words(structure_key_py(nodes))
                 # the tape wrote the same words while recording (for the
@@ -156,6 +158,36 @@ def test_record_counts_groups_and_keys_match_python(ops):
         finally:
             accel.enable(True)
     assert seen[0] == seen[1]
+
+
+@needs_extension
+def test_agenda_runs_each_call_once_after_its_producers_and_defers_the_unusual():
+    """The C agenda's order on a graph with calls that must run alone and
+    sinks at several depths: every call once, after its producers, calls
+    that must run alone one per group; and None (the Python version runs)
+    when a pending producer is not in the list at its position."""
+    blocks = Blocks()
+    ops = [(kind, [i, 2 * i, 3 * i, i + 1, 7, 11, 13, 17]) for i, kind in
+           enumerate(['cell', 'alone', 'two', 'lstm', 'alone', 'cell', 'nested', 'two'] * 3)]
+    with private_scope('depth') as scope:
+        run_program(blocks, ops)
+        nodes = list(scope.pending)
+        groups = accel._LOADED['agenda_groups'](nodes)
+        assert groups == agenda_groups_py(nodes)
+        order = [node for group in groups for node in group]
+        assert sorted(map(id, order)) == sorted(map(id, nodes))
+        ran = set()
+        for group in groups:
+            assert len({node.sig.group_key for node in group}) == 1
+            if group[0].sig.group_key < 0:
+                assert len(group) == 1
+            for node in group:
+                assert all(id(p) in ran for p in node.producers())
+            ran.update(map(id, group))
+        assert any(node.sig.group_key < 0 for node in nodes) and len(groups) < len(nodes)
+        reader = next(node for node in nodes if node.producers())
+        assert accel._LOADED['agenda_groups']([reader]) is None
+        scope.abandon()
 
 
 def as_words(key):
