@@ -394,7 +394,11 @@ class CachedPlan(Strategy):
     ``compile_after`` times, its recipes learned, is compiled into one
     CachedOp for the whole plan (:func:`~.lower.flush_program`; the time it
     takes is reported as ``compile_ms``); at most ``max_compiled`` such
-    programs are kept, the least recently used dropped first."""
+    programs are kept, the least recently used dropped first.  A structure
+    whose program was dropped is not compiled again (it replays its
+    recipes): it came back less often than ``max_compiled`` others, and
+    evaluating a fixed split of 197 minibatches again and again recompiled
+    every one each time (~8 ms each), so ``auto`` ran 0.5x ``depth``."""
     name = 'cached'
 
     def __init__(self, fallback=None, capacity=4096, compile_after=2, max_compiled=64):
@@ -434,7 +438,7 @@ class CachedPlan(Strategy):
         entry.hits += 1
         steps = tuple(BatchStep(sig, rows(nodes), ragged) for sig, rows, ragged in entry.steps)
         if entry.program is None and entry.hits >= self.compile_after and \
-                not entry.uncompilable and None not in entry.recipes:
+                not entry.uncompilable and not entry.dropped and None not in entry.recipes:
             self._compile(key, entry, steps)
         if entry.program is not None:
             self.compiled.move_to_end(key)
@@ -455,6 +459,7 @@ class CachedPlan(Strategy):
         if len(self.compiled) > self.max_compiled:
             _, oldest = self.compiled.popitem(last=False)
             oldest.program = None
+            oldest.dropped = True
 
     def store(self, key, plan):
         """Remember ``plan`` under structure ``key``, its recipes (None per
@@ -482,14 +487,16 @@ def _picker(positions):
 
 class _Entry:
     """A cached plan: steps as (signature, picker of its nodes, ragged), recipes, how
-    often it was reused, and its compiled program once there is one."""
-    __slots__ = ('steps', 'recipes', 'hits', 'program', 'uncompilable')
+    often it was reused, its compiled program once there is one, and
+    whether that program was dropped (see :class:`CachedPlan`)."""
+    __slots__ = ('steps', 'recipes', 'hits', 'program', 'uncompilable', 'dropped')
 
     def __init__(self, steps, recipes):
         self.steps, self.recipes = steps, recipes
         self.hits = 0
         self.program = None
         self.uncompilable = False
+        self.dropped = False
 
 
 STRATEGIES = {strategy.name: strategy for strategy in (PerSample(), ByDepth(), Agenda(),
