@@ -1770,10 +1770,15 @@ static PyObject *agenda_groups(PyObject *self, PyObject *nodes)
             PyErr_SetString(PyExc_TypeError, "agenda_groups: not a Node");
             goto error;
         }
+        /* anything unreadable (a signature without what the recorder
+         * reads, a depth or key that is not a small int): Python's turn */
         SigInfo *info = sig_info(SLOT(node, n_sig));
-        if (info == NULL) goto error;
-        long key = PyLong_AsLong(info->family);
-        if (key == -1 && PyErr_Occurred()) goto error;
+        long key = info == NULL ? -1 : PyLong_AsLong(info->family);
+        if (PyErr_Occurred()) {
+            if (PyErr_ExceptionMatches(PyExc_MemoryError)) goto error;
+            PyErr_Clear();
+            goto fallback;
+        }
         Py_ssize_t k = last;            /* consecutive calls often share a family */
         if (k < 0 || keys[k].key != key)
             for (k = 0; k < n_keys && keys[k].key != key; k++)
@@ -1786,6 +1791,10 @@ static PyObject *agenda_groups(PyObject *self, PyObject *nodes)
         if (!PyList_Check(leaves)) goto fallback;
         Py_ssize_t stamp = i;
         FOR_PRODUCERS(leaves, { waiting[i]++; starts[p + 1]++; })
+        if (PyErr_Occurred()) {         /* a depth or state that is not an int */
+            PyErr_Clear();
+            goto fallback;
+        }
     }
     for (Py_ssize_t i = 0; i < n; i++) starts[i + 1] += starts[i];
     users = PyMem_Malloc((starts[n] + 1) * sizeof(Py_ssize_t));

@@ -94,6 +94,9 @@ def _load():
         _speedups.set_engine_push(_c_function('MXEnginePushSyncND'))
     except (ImportError, TypeError) as err:
         return 'pure Python (C extension unavailable: %s)' % err
+    missing = [name for name in FUNCTIONS + ('call_method',) if not hasattr(_speedups, name)]
+    if missing:     # an extension built from older sources: rebuild (pip install -e .)
+        return 'pure Python (C extension out of date, lacks %s)' % ', '.join(missing)
     _LOADED.update({name: getattr(_speedups, name) for name in FUNCTIONS + ('call_method',)})
     _EXTRAS['ScopeSlot'] = _speedups.ScopeSlot
     enable(True)

@@ -553,6 +553,14 @@ class Auto(Strategy):
             # what varies (a one-off compile, a first call, a busy machine)
             # only adds
             record = self._repeat(fingerprint)
+            if name == 'cached':
+                # a compiled run and a replay cost different amounts: when
+                # the plan's program comes or goes (dropped, see CachedPlan),
+                # the best time of the other kind of run no longer applies
+                compiled = plan.program is not None
+                if record.cached_compiled is not None and compiled != record.cached_compiled:
+                    record.best_ms.pop('cached', None)
+                record.cached_compiled = compiled
             if timed and (name == 'cached' or BUILT[0] == self.last['built']):
                 total = (analyse_s - self.last_compile_s + sum(step_seconds)) * 1e3
                 record.best_ms[name] = min(total, record.best_ms.get(name, total))
@@ -571,13 +579,14 @@ class Auto(Strategy):
 
 class _Repeating:
     """What :class:`Auto` measured on one repeating summary: how often it
-    came back, how often its cached plan ran, and each strategy's best
-    total (analysis + run, ms)."""
-    __slots__ = ('sightings', 'cached_runs', 'best_ms', 'rival_timed')
+    came back, how often its cached plan ran (and whether compiled, the
+    last time), and each strategy's best total (analysis + run, ms)."""
+    __slots__ = ('sightings', 'cached_runs', 'cached_compiled', 'best_ms', 'rival_timed')
 
     def __init__(self):
         self.sightings = 0
         self.cached_runs = 0
+        self.cached_compiled = None
         self.best_ms = {}
         self.rival_timed = False    # has the best other strategy run plainly?
 

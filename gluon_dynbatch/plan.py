@@ -395,10 +395,12 @@ class CachedPlan(Strategy):
     CachedOp for the whole plan (:func:`~.lower.flush_program`; the time it
     takes is reported as ``compile_ms``); at most ``max_compiled`` such
     programs are kept, the least recently used dropped first.  A structure
-    whose program was dropped is not compiled again (it replays its
-    recipes): it came back less often than ``max_compiled`` others, and
-    evaluating a fixed split of 197 minibatches again and again recompiled
-    every one each time (~8 ms each), so ``auto`` ran 0.5x ``depth``."""
+    whose program was dropped replays its recipes, and is compiled again
+    only when it comes back within ``max_compiled`` hits of its last one
+    (it is in use again): one that comes back less often would be dropped
+    again before its next hit, and evaluating a fixed split of 197
+    minibatches again and again recompiled every one each time (~8 ms
+    each), so ``auto`` ran 0.5x ``depth``."""
     name = 'cached'
 
     def __init__(self, fallback=None, capacity=4096, compile_after=2, max_compiled=64):
@@ -436,6 +438,9 @@ class CachedPlan(Strategy):
             return Plan(self.name + '-miss:' + plan.strategy, plan.steps)
         self.hits += 1
         entry.hits += 1
+        if entry.dropped and self.hits - entry.last_hit <= self.max_compiled:
+            entry.dropped = False           # in use again (see the class)
+        entry.last_hit = self.hits
         steps = tuple(BatchStep(sig, rows(nodes), ragged) for sig, rows, ragged in entry.steps)
         if entry.program is None and entry.hits >= self.compile_after and \
                 not entry.uncompilable and not entry.dropped and None not in entry.recipes:
@@ -487,13 +492,14 @@ def _picker(positions):
 
 class _Entry:
     """A cached plan: steps as (signature, picker of its nodes, ragged), recipes, how
-    often it was reused, its compiled program once there is one, and
-    whether that program was dropped (see :class:`CachedPlan`)."""
-    __slots__ = ('steps', 'recipes', 'hits', 'program', 'uncompilable', 'dropped')
+    often it was reused and when last (the strategy's hit count then), its
+    compiled program once there is one, and whether that program was
+    dropped (see :class:`CachedPlan`)."""
+    __slots__ = ('steps', 'recipes', 'hits', 'last_hit', 'program', 'uncompilable', 'dropped')
 
     def __init__(self, steps, recipes):
         self.steps, self.recipes = steps, recipes
-        self.hits = 0
+        self.hits = self.last_hit = 0
         self.program = None
         self.uncompilable = False
         self.dropped = False

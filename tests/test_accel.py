@@ -187,6 +187,9 @@ def test_agenda_runs_each_call_once_after_its_producers_and_defers_the_unusual()
         assert any(node.sig.group_key < 0 for node in nodes) and len(groups) < len(nodes)
         reader = next(node for node in nodes if node.producers())
         assert accel._LOADED['agenda_groups']([reader]) is None
+        depth, nodes[0].depth = nodes[0].depth, 1.5      # not an int: Python's turn
+        assert accel._LOADED['agenda_groups'](nodes) is None
+        nodes[0].depth = depth
         scope.abandon()
 
 

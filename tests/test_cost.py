@@ -246,7 +246,8 @@ def test_a_structure_whose_compiled_program_was_dropped_is_not_compiled_again():
     fixed evaluation split, minibatch after minibatch): each is compiled
     once, and once its program is dropped it replays its recipes instead
     of compiling again (recompiling every time ran ``auto`` at 0.5x
-    ``depth``), with the same results."""
+    ``depth``), with the same results, until it comes back within
+    ``max_compiled`` hits of its last: then it is in use again."""
     _, rng, trees, enc = small_tree_lstm(20, 6, 7, (2, 5, 9, 4, 8))
     cached = dyb.CachedPlan(compile_after=1, max_compiled=1)
     compiles = []
@@ -255,18 +256,19 @@ def test_a_structure_whose_compiled_program_was_dropped_is_not_compiled_again():
     groups = [trees[:2], trees[2:]]             # two structures, one after the other
     ids = rng.randint(0, 20, 12).astype(np.float32)
     strategies = []
-    for turn in range(8):
-        group = groups[turn % 2]
+    for turn in range(10):
+        group = groups[turn % 2 if turn < 8 else 0]
         with dyb.batching(cached):
             got = [enc(t, ids)[0] for t in group]
         strategies.append(dyb.stats()['last']['strategy'])
         want = [enc(t, ids)[0] for t in group]
         for a, b in zip(got, want):
             np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-5, atol=1e-6)
-    assert len(compiles) == 2 and len(set(compiles)) == 2
     assert strategies[:6] == ['cached-miss:depth'] * 2 + ['cached'] * 2 + \
         ['cached-compiled'] * 2
-    assert strategies[6:] == ['cached', 'cached-compiled']      # the first was dropped
+    assert strategies[6:8] == ['cached', 'cached-compiled']     # the first was dropped
+    assert strategies[8:] == ['cached', 'cached-compiled']      # back at once: again
+    assert len(compiles) == 3 and compiles[2] == compiles[0]
     assert sorted(entry.dropped for entry in cached.cache.values()) == [False, True]
 
 
@@ -700,6 +702,25 @@ def test_cached_plan_not_yet_timed_keeps_running():
     record.best_ms['cached'] = 20.0
     record.sightings = 0
     assert not auto._cached_measured_best('summary')
+
+
+def test_a_cached_plans_best_time_is_forgotten_when_its_program_comes_or_goes():
+    """A compiled run and a replay of one cached plan cost different
+    amounts: when the plan's compiled program is dropped, the best time of
+    its compiled runs no longer stands for it (auto would keep a replay
+    that is slower than its rival)."""
+    from gluon_dynbatch.plan import Plan
+    auto = dyb.Auto(model=dyb.CostModel())
+    auto._seen['summary'] = 3
+    record = auto._repeat('summary')
+    for program, seconds, best in ((object(), 0.002, 3.0), (object(), 0.004, 3.0),
+                                   (None, 0.006, 7.0), (None, 0.009, 7.0)):
+        auto.last = {'predicted_ms': 1.0, 'fingerprint': 'summary', 'choice': 'cached',
+                     'built': BUILT[0], 'kind': frozenset(), 'sized': (frozenset(), 0),
+                     'raw_run_ms': 1.0, 'depth_steps': 0}
+        auto.observe(Plan('cached', (), program=program), [seconds], 0.001, [])
+        assert record.best_ms['cached'] == pytest.approx(best)
+    assert record.cached_runs == 4 and record.cached_compiled is False
 
 
 def test_rival_run_slowed_by_a_build_is_timed_again():
