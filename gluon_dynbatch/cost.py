@@ -253,9 +253,10 @@ class Auto(Strategy):
       totals decide: the cached plan runs its first ``cached_trials`` times
       (it speeds up as it is reused: recipes, then a compiled flush), the
       best other strategy then runs once to be timed, and the cached plan
-      is kept while its best measured total (hashing included) is within 5%
-      of the best measured other, and tried again every ``probe_every``-th
-      time the summary comes back.
+      is kept while its best measured total (hashing included; over runs
+      of its current kind, compiled or replayed) is within 5% of the best
+      measured other, and tried again every ``probe_every``-th time the
+      summary comes back.
       Otherwise the prediction decides, and the structure is hashed only when
       the cached plan's prediction wins.
     """
