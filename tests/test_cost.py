@@ -241,7 +241,8 @@ def test_a_miss_runs_as_its_fallback_and_the_first_hit_learns_recipes():
     assert plans[0].recipes is None and plans[1].recipes is entry.recipes
     assert learned == [0, steps, steps]
 
-def test_a_structure_whose_compiled_program_was_dropped_is_not_compiled_again():
+
+def test_a_dropped_compiled_plan_replays_its_recipes_until_it_is_in_use_again():
     """More structures reused in turn than compiled programs are kept (a
     fixed evaluation split, minibatch after minibatch): each is compiled
     once, and once its program is dropped it replays its recipes instead
