@@ -21,7 +21,7 @@ from mxnet.ndarray.ndarray import _DTYPE_NP_TO_MX, DLDataType, _int64_enabled
 
 from . import accel
 from .graph import DONE, LazyValue
-from .lanes import INCIDENCE, LENGTHS, PADDED, SEGMENT
+from .lanes import INCIDENCE, PADDED, SEGMENT
 from .lower import (element_major, embedding_reads, host_part, host_split, ragged_how,
                     step_program)
 from .trace import leaf_count
@@ -263,10 +263,10 @@ class RaggedInputs:
     :data:`~.lanes.SEGMENT`) for lists of ``lengths`` (int32, one per call)
     in a step ``width`` elements wide, by name: made on the host and sent
     to ``ctx`` when a program first reads them.  A training program reads
-    ``SEGMENT`` and ``INCIDENCE``, an inference one ``SEGMENT``, ``PADDED``
-    and ``LENGTHS``, and a recipe keeps one object for either (a plan
-    learned in training may run in inference); sending all four for every
-    step cost an upload per unread input.  ``INCIDENCE`` is ``in`` only
+    ``SEGMENT`` and ``INCIDENCE``, an inference one ``SEGMENT`` and
+    ``PADDED``, and a recipe keeps one object for either (a plan learned in
+    training may run in inference); sending all three for every step cost
+    an upload per unread input.  ``INCIDENCE`` is ``in`` only
     for steps of at most :data:`INCIDENCE_MAX` entries."""
     __slots__ = ('lengths', 'width', 'segment', 'dtype', 'ctx', '_arrays')
 
@@ -278,7 +278,7 @@ class RaggedInputs:
     def __contains__(self, name):
         if name == INCIDENCE:
             return len(self.lengths) * len(self.segment) <= INCIDENCE_MAX
-        return name in (SEGMENT, PADDED, LENGTHS)
+        return name in (SEGMENT, PADDED)
 
     def __getitem__(self, name):
         array = self._arrays.get(name)
@@ -293,12 +293,10 @@ class RaggedInputs:
         lengths, segment = self.lengths, self.segment
         if name == SEGMENT:
             return segment
-        if name == LENGTHS:
-            return lengths
         if name == PADDED:
             ends = np.cumsum(lengths, dtype=np.int32)
             lane = np.arange(self.width, dtype=np.int32)[:, None]
-            return np.where(lane < lengths, ends - lengths + lane, 0).astype(np.int32)
+            return np.where(lane < lengths, ends - lengths + lane, len(segment)).astype(np.int32)
         if name != INCIDENCE:
             raise KeyError(name)
         incidence = np.zeros((len(lengths), len(segment)), dtype=self.dtype)
@@ -306,14 +304,15 @@ class RaggedInputs:
         return incidence
 
 
-INCIDENCE_MAX = 20000
+INCIDENCE_MAX = 12000
 """Most entries (lists x elements) of the incidence matrix with which a
 ragged step sums its lists by one ``dot`` when training (see
 :data:`~.lanes.INCIDENCE` and :func:`~.lower.ragged_how`); other steps pad
-them (a ``take``, a ``SequenceMask`` and a ``dot``).  The ``dot`` is a GEMM
-of lists x elements x row width, cheaper than the three ops up to ~100 x
-150 (MXNet 1.9.1, one thread, forward and backward) and far dearer at
-~1000 x 1000.  0 turns it off."""
+them (a zero row appended, a ``take`` and a ``dot``).  The ``dot`` is a
+GEMM of lists x elements x row width, cheaper than those ops up to ~13,000
+entries for rows of 150 (MXNet 1.9.1, one thread, forward and backward:
+77 against 101 us at 50 x 130, 177 against 140 at 100 x 241) and far
+dearer at ~1000 x 1000.  0 turns it off."""
 
 
 def _ragged_layout(lists, sources):

@@ -55,8 +55,7 @@ import json
 import mxnet as mx
 import numpy as np
 
-from .lanes import (CUT, INCIDENCE, LENGTHS, PADDED, SEGMENT, graph_readers,
-                    vectorize_lists)
+from .lanes import CUT, INCIDENCE, PADDED, SEGMENT, graph_readers, vectorize_lists
 from .trace import leaf_count
 
 __all__ = ['StepProgram', 'step_program', 'element_major', 'FlushProgram', 'flush_program',
@@ -262,7 +261,7 @@ def _build(sig, pattern, training):
             feeds.append(('table', params[name[len(TABLE):]]))
         elif name.startswith(HOISTED):
             feeds.append(('hoisted', int(name[len(HOISTED):])))
-        elif name in (SEGMENT, PADDED, LENGTHS, INCIDENCE):
+        elif name in (SEGMENT, PADDED, INCIDENCE):
             feeds.append(('ragged', name))
         elif name.startswith('src'):
             feeds.append(('src', tuple(int(n) for n in name[3:].split('_'))))
@@ -713,7 +712,7 @@ def flush_program(steps, recipes, hoists=()):
         bind = {}
         for how in recipe:
             if how not in ('empty', 'host') and len(how) > 2:   # ragged lists' inputs
-                for name in (SEGMENT, PADDED, LENGTHS, INCIDENCE):
+                for name in (SEGMENT, PADDED, INCIDENCE):
                     if name in wanted or name == SEGMENT and INVERSE_SEGMENT in wanted:
                         bind[name] = mx.sym.var('%s_s%d' % (name, number))
                         spec['%s_s%d' % (name, number)] = ('const', how[2][name])

@@ -271,9 +271,9 @@ def test_switch_turns_lane_programs_off(monkeypatch):
 # --- ragged lanes: lists of different lengths, no padding elements ---------
 
 def ragged_inputs(lengths, width):
-    """``segment``, ``padded``, ``lengths`` and ``incidence`` (see
-    lanes.SEGMENT) of lists of ``lengths`` in a step ``width`` elements
-    wide, as NDArrays."""
+    """``segment``, ``padded`` and ``incidence`` (see lanes.SEGMENT) of
+    lists of ``lengths`` in a step ``width`` elements wide, as NDArrays.
+    A missing element's position is M, the zero row after the M elements."""
     lengths = np.asarray(lengths, dtype=np.int32)
     ends = np.cumsum(lengths)
     lane = np.arange(width)[:, None]
@@ -281,9 +281,8 @@ def ragged_inputs(lengths, width):
     incidence = np.zeros((len(lengths), len(segment)), dtype=np.float32)
     incidence[segment, np.arange(len(segment))] = 1
     return {lanes.SEGMENT: mx.nd.array(segment, dtype='int32'),
-            lanes.PADDED: mx.nd.array(np.where(lane < lengths, ends - lengths + lane, 0),
-                                      dtype='int32'),
-            lanes.LENGTHS: mx.nd.array(lengths, dtype='int32'),
+            lanes.PADDED: mx.nd.array(np.where(lane < lengths, ends - lengths + lane,
+                                               len(segment)), dtype='int32'),
             lanes.INCIDENCE: mx.nd.array(incidence)}
 
 
@@ -308,7 +307,7 @@ def ragged_and_reference(width, program, lengths, seed=0, poison=None, incidence
                              {CUT + '0': 2, CUT + '1': 2}, np.float32, ragged=True,
                              incidence=incidence)
     assert ragged is not None
-    assert ('SequenceMask' in ops(ragged)) != incidence
+    assert ('_zeros' in ops(ragged)) != incidence and 'SequenceMask' not in ops(ragged)
     starts = np.cumsum([0] + list(lengths))
 
     def run(use_ragged):
@@ -384,14 +383,35 @@ def test_random_ragged_lane_programs_equal_each_lists_own_graph(drawn, lengths, 
 
 
 def test_ragged_lanes_keep_a_lists_nan_to_itself():
-    """The element a short list's missing slots read is masked by
-    assignment: a NaN in the first list reaches no other list (the
-    incidence ``dot`` would spread it, 0 x NaN: inference never uses it)."""
+    """A short list's missing slots read a constant zero row, not an
+    element: a NaN in the first list reaches no other list (the incidence
+    ``dot`` would spread it, 0 x NaN: inference never uses it)."""
     program = [('fc', 'fc', 0, False), ('pair', 'mul', 1, False)]
     lengths = [2, 1, 3, 1]
     (out, _), _ = ragged_and_reference(3, program, lengths, poison=np.nan)
     for o in out:
         assert np.isnan(o[0]).all() and np.isfinite(o[1:]).all()
+
+
+def test_ragged_sums_of_lanes_with_more_axes():
+    """Lanes of rank 3 ((M, 2, D) elements): the zero row's other axes come
+    from shape inference, and each list's sums are its own elements'."""
+    hs, cs = cut('h'), cut('c', item=1)
+    symbol = mx.sym.Group([mx.sym.add_n(*[mx.sym.Activation(h, act_type='sigmoid') * c
+                                          for h, c in zip(hs, cs)]), mx.sym.add_n(*hs)])
+    ragged = vectorize_lists(symbol, {CUT + '0': 3, CUT + '1': 3}, np.float32, ragged=True)
+    assert ragged is not None and ops(ragged).count('_zeros') == 2
+    lengths = [2, 1, 3]
+    rng = np.random.RandomState(3)
+    h, c = (rng.uniform(-1, 1, (sum(lengths), 2, D)).astype(np.float32) for _ in 'hc')
+    feed = dict(ragged_inputs(lengths, K), h=mx.nd.array(h), c=mx.nd.array(c))
+    kept, total = (o.asnumpy() for o in mx.nd.CachedOp(ragged)(
+        *[feed[name] for name in ragged.list_inputs()]))
+    starts = np.cumsum([0] + lengths)
+    for n, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
+        np.testing.assert_allclose(total[n], h[a:b].sum(axis=0), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(kept[n], (c[a:b] / (1 + np.exp(-h[a:b]))).sum(axis=0),
+                                   rtol=1e-5, atol=1e-6)
 
 
 def test_ragged_needs_every_lane_closed():
@@ -402,7 +422,7 @@ def test_ragged_needs_every_lane_closed():
     ndims = {CUT + '0': 2, CUT + '1': 2}
     assert vectorize_lists(open_, ndims, np.float32, ragged=True) is None
     after = vectorize_lists(closed, ndims, np.float32, ragged=True)
-    assert 'SliceChannel' not in ops(after) and ops(after).count('SequenceMask') == 2
+    assert 'SliceChannel' not in ops(after) and ops(after).count('_zeros') == 2
 
 
 @pytest.fixture
@@ -446,7 +466,7 @@ def test_ragged_steps_equal_per_sample(strategy, training, incidence, ragged_alw
                for pattern, _ in programs for way in pattern)
     assert not any(way and way[0] == ('ragged' if dot else 'ragged_dot')
                    for pattern, _ in programs for way in pattern)
-    assert any('SequenceMask' in ops(program.symbol) for _, program in programs) != dot
+    assert any('_zeros' in ops(program.symbol) for _, program in programs) != dot
     if strategy == 'cached':
         assert runs[-1] == 'cached-compiled'
 
