@@ -1282,6 +1282,9 @@ error:
  * of nodes), without the list of leaves: ``span_of(sig)`` gives (first leaf, leaf count) of the
  * argument in a node of signature ``sig``; each node contributes
  * ``width`` entries, the missing ones (a shorter list) read ``zero``.
+ * Returns (parts, index, lengths): lengths, each node's list length as
+ * int32 bytes, None when none is shorter than ``width`` (a step's ragged
+ * layout is read from it: execute._ragged_layout).
  * None when a leaf is not a computed lazy value, a node is not a Node, or
  * a list is longer than ``width`` or short with no ``zero``. */
 #define SPAN_CACHE 8
@@ -1323,8 +1326,9 @@ static int node_span(Spans *s, PyObject *node, PyObject **leaves, Py_ssize_t *po
 
 static PyObject *gather_item(PyObject *self, PyObject *args)
 {
-    PyObject *nodes, *zero, *zero_type;
+    PyObject *nodes, *zero, *zero_type, *lengths = NULL;
     Py_ssize_t width;
+    int short_lists = 0;
     Gather g = {NULL};
     Spans spans = {NULL};
     if (!PyArg_ParseTuple(args, "OOnOO", &nodes, &spans.span_of, &width, &zero, &zero_type))
@@ -1333,12 +1337,16 @@ static PyObject *gather_item(PyObject *self, PyObject *args)
         Py_RETURN_NONE;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(nodes);
     if (gather_start(&g, n * width, zero_type)) goto error;
+    if ((lengths = PyBytes_FromStringAndSize(NULL, (n ? n : 1) * 4)) == NULL) goto error;
+    int32_t *length_out = (int32_t *)PyBytes_AS_STRING(lengths);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *leaves;
         Py_ssize_t pos, len;
         int found = node_span(&spans, PySequence_Fast_ITEMS(nodes)[i], &leaves, &pos, &len);
         if (found < 0) goto error;
         if (!found || len > width || (len < width && zero == Py_None)) goto fallback;
+        length_out[i] = (int32_t)len;
+        short_lists |= len < width;
         PyObject **items = PySequence_Fast_ITEMS(leaves) + pos;
         for (Py_ssize_t j = 0; j < width; j++) {
             int rc = gather_leaf(&g, i * width + j, j < len ? items[j] : zero);
@@ -1346,12 +1354,21 @@ static PyObject *gather_item(PyObject *self, PyObject *args)
             if (rc > 0) goto fallback;
         }
     }
-    return gather_result(&g, n * width);
+    PyObject *found = gather_result(&g, n * width);
+    if (found == NULL) { Py_DECREF(lengths); return NULL; }
+    /* (parts, index, each list's length or None when none is short) */
+    PyObject *out = Py_BuildValue("(OON)", PyTuple_GET_ITEM(found, 0), PyTuple_GET_ITEM(found, 1),
+                                  short_lists ? lengths : Py_NewRef(Py_None));
+    if (!short_lists) Py_DECREF(lengths);
+    Py_DECREF(found);
+    return out;
 fallback:
     gather_drop(&g);
+    Py_XDECREF(lengths);
     Py_RETURN_NONE;
 error:
     gather_drop(&g);
+    Py_XDECREF(lengths);
     return NULL;
 }
 
@@ -2116,7 +2133,9 @@ static PyMethodDef methods[] = {
     {"set_shape_reader", set_shape_reader, METH_VARARGS,
      "set_shape_reader(address of MXNDArrayGetShapeEx[64] or None, is_64)"},
     {"gather_item", gather_item, METH_VARARGS,
-     "gather_item(nodes, span_of, width, zero or None, ZeroRow): as gather_index, or None"},
+     "gather_item(nodes, span_of, width, zero or None, ZeroRow): (parts, index, lengths) "
+     "as gather_index, with each node's list length (int32 bytes, None when none is short); "
+     "or None"},
     {"call_method", call_method, METH_VARARGS,
      "call_method(DynBatchBlock, thread-local holding .scope, python_call(dblock, args), "
      "BatchingScope)"},

@@ -558,6 +558,8 @@ class DynBatchBlock(Block):
             with mx.Context(ctx):
                 sig = trace_signature(next(_SIG_IDS), self.block, fmt, shapes, dtypes)
             sig.ctx, sig.fmt, sig.dblock, sig.in_shapes, sig.key = ctx, fmt, self, shapes, key
+            widths = [leaf_count(nesting) for nesting in fmt]
+            sig.spans = tuple((sum(widths[:item]), width) for item, width in enumerate(widths))
             sig.out_info = [(shape, dtype, ctx)
                             for shape, dtype in zip(sig.out_shapes, sig.out_dtypes)]
             sig.group_key = self._family_id(key, fmt) if sig.batch_safe else -1 - sig.sig_id

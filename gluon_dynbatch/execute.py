@@ -24,7 +24,6 @@ from .graph import DONE, LazyValue
 from .lanes import INCIDENCE, PADDED, SEGMENT
 from .lower import (element_major, embedding_reads, host_part, host_split, ragged_how,
                     step_program)
-from .trace import leaf_count
 
 __all__ = ['run_plan', 'run_step', 'FlushTables', 'FlushHoist', 'collect', 'gather_rows',
            'pad_leaves', 'to_device', 'threaded_engine', 'ZeroRow', 'flush_hoists',
@@ -137,9 +136,8 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hois
         recipe = None
     learned = [] if where is not None else None
     pattern, sources, indices, uploads = [], {}, {}, {}
-    lists, ragged = {}, None     # list items gathered anew: item -> (index, distinct, zero)
-    for item, fmt in enumerate(sig.fmt):
-        width = leaf_count(fmt)
+    lists, ragged = {}, None     # list items gathered anew: item -> (index, distinct, zero, lengths)
+    for item, (fmt, (_, width)) in enumerate(zip(sig.fmt, sig.spans)):
         how = recipe[item] if recipe is not None else None
         if width == 0:
             pattern.append(None)
@@ -163,9 +161,9 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hois
             sources[item] = [host_item_rows(nodes, item)]
             index = None
         else:
-            sources[item], index, distinct, zero = _gather_item(nodes, sig, item, ctx)
+            sources[item], index, distinct, zero, lengths = _gather_item(nodes, sig, item, ctx)
             if fmt != 0 and width > 1:      # laid out once every list is gathered
-                lists[item] = (index, distinct, zero)
+                lists[item] = (index, distinct, zero, lengths)
                 if learned is not None:
                     learned.append(None)
             else:
@@ -227,7 +225,8 @@ def _upload_index(index, uploads, ctx):
 def _lay_out_lists(sig, lists, sources, indices, pattern, uploads, learned, where, ctx,
                    ragged):
     """Index the list arguments of a step, gathered anew (``lists``: item
-    -> its ``(N, K)`` index, distinct sources and padding :class:`ZeroRow`),
+    -> its ``(N, K)`` index, distinct sources, padding :class:`ZeroRow` and
+    list lengths, as :func:`_gather_item` gives them),
     and note their recipes.  Returns the step's ragged inputs (see
     :data:`~.lanes.SEGMENT`) when its lists run ragged, else None.
 
@@ -238,14 +237,15 @@ def _lay_out_lists(sig, lists, sources, indices, pattern, uploads, learned, wher
     gathered, list after list.  Otherwise each is gathered whole, padding
     included, element-major where :func:`~.lower.element_major` says so."""
     layout = None
-    if ragged and any(zero is not None for _, _, zero in lists.values()) and \
-            len(lists) == sum(1 for fmt in sig.fmt if fmt != 0 and leaf_count(fmt) > 1):
-        layout = _ragged_layout(lists, sources)
+    if ragged and any(zero is not None for _, _, zero, _ in lists.values()) and \
+            len(lists) == sum(1 for fmt, (_, width) in zip(sig.fmt, sig.spans)
+                              if fmt != 0 and width > 1):
+        layout = _ragged_layout(lists)
     ragged = None
     if layout is not None:
         real, lengths = layout
         ragged = RaggedInputs(lengths, real.shape[1], sig.key[-2], ctx)
-    for item, (index, distinct, zero) in lists.items():
+    for item, (index, distinct, zero, _) in lists.items():
         if layout is not None:
             index = np.ascontiguousarray(index[layout[0]])
             pattern[item] = (ragged_how(ragged),) + pattern[item][1:]
@@ -315,26 +315,20 @@ entries for rows of 150 (MXNet 1.9.1, one thread, forward and backward:
 dearer at ~1000 x 1000.  0 turns it off."""
 
 
-def _ragged_layout(lists, sources):
+def _ragged_layout(lists):
     """``(real, lengths)`` for list arguments whose calls all have equal
     lengths (``real``: ``(N, K)`` bool, which entries of the indices are
-    elements, not padding; ``lengths``: int32 per call), else None."""
+    elements, not padding, the first ``lengths`` of each row; ``lengths``:
+    int32 per call), else None."""
     layout = None
-    for item, (index, _, zero) in lists.items():
-        if zero is None:
-            real = np.ones(index.shape, dtype=bool)
-        else:
-            offset = 0
-            for part in sources[item]:
-                if part is zero.arrays[0]:
-                    break
-                offset += part.shape[0]
-            real = index != offset
-        if layout is None:
-            layout = real
-        elif not np.array_equal(layout, real):
+    for number, (index, _, _, lengths) in enumerate(lists.values()):
+        if lengths is None:
+            lengths = np.full(index.shape[0], index.shape[1], dtype=np.int32)
+        if number == 0:
+            layout = lengths
+        elif not np.array_equal(layout, lengths):
             return None
-    return layout, layout.sum(axis=1, dtype=np.int32)
+    return np.arange(index.shape[1], dtype=np.int32) < layout[:, None], layout
 
 
 def _pad_parts(parts, sig, item, ctx):
@@ -639,40 +633,41 @@ def host_item_rows(nodes, item):
 
 def _gather_item(nodes, sig, item, ctx):
     """Where argument ``item`` of every node lives: ``(parts, index,
-    distinct, zero)`` with ``parts`` and ``index`` as :func:`collect` gives
+    distinct, zero, lengths)`` with ``parts`` and ``index`` as :func:`collect` gives
     them, but ``index`` an int32 array, ``(N, K)`` for a list that ``sig``
     makes K long and ``(N,)`` otherwise, or None when the parts already are
     the rows in order; ``distinct``, the arrays the parts are made of (None
     for host rows); ``zero``, the :class:`ZeroRow` that pads shorter lists
-    (None when none is shorter).  Shorter lists are padded in the index, not
-    per node."""
+    (None when none is shorter); ``lengths``, each node's list length
+    (int32; None when none is shorter).  Shorter lists are padded in the
+    index, at their end, not per node."""
     fmt = sig.fmt[item]
-    width = leaf_count(fmt)      # a nested list is gathered as its flat leaves
+    width = sig.spans[item][1]      # a nested list is gathered as its flat leaves
     fast = accel.gather_item
     if fast is not None and not _host_first(nodes, item):
         zero = None if fmt == 0 else _zero_row(sig, item, ctx)
-        found = fast(nodes, lambda s: (s.item_pos(item), leaf_count(s.fmt[item])), width,
-                     zero, ZeroRow)
+        found = fast(nodes, lambda s: s.spans[item], width, zero, ZeroRow)
         if found is not None:
-            parts, index = found
+            parts, index, lengths = found
             distinct = parts
             if index is not None:
                 index = np.frombuffer(index, dtype=np.int32)
             if fmt == 0:
-                return parts, index, distinct, None
+                return parts, index, distinct, None, None
             if index is None:
                 index = np.arange(len(nodes) * width, dtype=np.int32)
-            padded = any(array is zero.arrays[0] for array in distinct)
-            return parts, index.reshape(len(nodes), width), distinct, zero if padded else None
+            if lengths is None:
+                return parts, index.reshape(len(nodes), width), distinct, None, None
+            return (parts, index.reshape(len(nodes), width), distinct, zero,
+                    np.frombuffer(lengths, dtype=np.int32))
     if fmt == 0:
         host = host_item_rows(nodes, item) if _host_first(nodes, item) else None
         if host is not None:   # sent to the device by run_step
-            return [host], None, None, None
+            return [host], None, None, None, None
         parts, index, distinct = collect(_item_rows(nodes, item), ctx)
         return (parts, None if index is None else np.asarray(index, dtype=np.int32),
-                distinct, None)
-    spans = {s: (s.item_pos(item), leaf_count(s.fmt[item]))
-             for s in {node.sig for node in nodes}}
+                distinct, None, None)
+    spans = {s: s.spans[item] for s in {node.sig for node in nodes}}
     counts = None
     if len(spans) == 1 and next(iter(spans.values()))[1] == width:
         pos = next(iter(spans.values()))[0]
@@ -691,10 +686,11 @@ def _gather_item(nodes, sig, item, ctx):
     index = np.arange(len(leaves), dtype=np.int32) if index is None else \
         np.asarray(index, dtype=np.int32)
     if zero is None:
-        return parts, index.reshape(len(nodes), width), distinct, None
+        return parts, index.reshape(len(nodes), width), distinct, None, None
+    lengths = np.asarray(counts, dtype=np.int32)
     matrix = np.full((len(nodes), width), index[-1], dtype=np.int32)
-    matrix[np.arange(width) < np.asarray(counts)[:, None]] = index[:-1]
-    return parts, matrix, distinct, zero
+    matrix[np.arange(width) < lengths[:, None]] = index[:-1]
+    return parts, matrix, distinct, zero, lengths
 
 
 def _zero_row(sig, item, ctx):

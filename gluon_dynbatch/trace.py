@@ -100,9 +100,10 @@ class TracedSignature:
 
     def item_pos(self, item):
         """Position among the flat leaves of top-level argument ``item``'s
-        first leaf.  Needs ``fmt``, which :class:`~.block.DynBatchBlock`
-        sets after tracing."""
-        return sum(leaf_count(x) for x in self.fmt[:item])
+        first leaf.  Needs ``spans``, which :class:`~.block.DynBatchBlock`
+        sets after tracing with ``fmt``: per top-level argument, (position
+        of its first leaf, number of leaves), read per step."""
+        return self.spans[item][0]
 
     def item_shape(self, item, elem=0):
         """Per-sample shape of top-level argument ``item`` (element ``elem``

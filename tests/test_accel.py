@@ -262,7 +262,8 @@ def gathers_match_python(ops):
                 found.append(python_gather(nodes, sig, item, ctx))
             finally:
                 accel.enable(True)
-        (parts, index, distinct, zero), (py_parts, py_index, py_distinct, py_zero) = found
+        (parts, index, distinct, zero, lengths), \
+            (py_parts, py_index, py_distinct, py_zero, py_lengths) = found
         # the same rows from the same arrays, maybe in another order (Python
         # puts the padding row last, C where first used); host rows and
         # device copies of them are made anew each time: compared by value
@@ -270,6 +271,11 @@ def gathers_match_python(ops):
         assert sorted(map(id, distinct or ())) == sorted(map(id, py_distinct or ())) or \
             any(isinstance(leaf, np.ndarray) for node in nodes for leaf in node.leaves)
         assert zero is py_zero
+        if lengths is None:     # each list's length, given where one is short
+            assert py_lengths is None and zero is None
+        else:
+            assert lengths.dtype == py_lengths.dtype == np.int32 and zero is not None
+            np.testing.assert_array_equal(lengths, py_lengths)
         if index is None:
             assert py_index is None
         else:
