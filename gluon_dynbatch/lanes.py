@@ -325,8 +325,10 @@ def _rewrite(graph, sums, dtype, training, ragged=False, incidence=False):
                 moved[i] = add('dot', {}, [ragged_input(INCIDENCE), lanes], node['name'])[0]
                 continue
             if ragged:      # the M elements and a zero row, laid out (K, N, ...)
-                # a lane's other axes are left to shape inference (0: unknown)
-                zero = add('_zeros', {'shape': str((1,) + (0,) * (sums[i].ndim - 1)),
+                # a lane's other axes are left to shape inference (-1: unknown,
+                # under legacy and numpy shape semantics alike; 0 is a real
+                # zero under numpy's)
+                zero = add('_zeros', {'shape': str((1,) + (-1,) * (sums[i].ndim - 1)),
                                       'dtype': np.dtype(dtype).name}, [])
                 lanes = add('Concat', {'dim': '0', 'num_args': '2'}, [lanes, zero])
                 lanes = add('take', {'axis': '0', 'mode': 'clip'},

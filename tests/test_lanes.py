@@ -393,9 +393,12 @@ def test_ragged_lanes_keep_a_lists_nan_to_itself():
         assert np.isnan(o[0]).all() and np.isfinite(o[1:]).all()
 
 
-def test_ragged_sums_of_lanes_with_more_axes():
+@pytest.mark.parametrize('numpy_shapes', [False, True])
+def test_ragged_sums_of_lanes_with_more_axes(numpy_shapes):
     """Lanes of rank 3 ((M, 2, D) elements): the zero row's other axes come
-    from shape inference, and each list's sums are its own elements'."""
+    from shape inference, under MXNet's legacy shape semantics and numpy's
+    (where a 0 in a shape is a real zero), and each list's sums are its own
+    elements'."""
     hs, cs = cut('h'), cut('c', item=1)
     symbol = mx.sym.Group([mx.sym.add_n(*[mx.sym.Activation(h, act_type='sigmoid') * c
                                           for h, c in zip(hs, cs)]), mx.sym.add_n(*hs)])
@@ -405,8 +408,9 @@ def test_ragged_sums_of_lanes_with_more_axes():
     rng = np.random.RandomState(3)
     h, c = (rng.uniform(-1, 1, (sum(lengths), 2, D)).astype(np.float32) for _ in 'hc')
     feed = dict(ragged_inputs(lengths, K), h=mx.nd.array(h), c=mx.nd.array(c))
-    kept, total = (o.asnumpy() for o in mx.nd.CachedOp(ragged)(
-        *[feed[name] for name in ragged.list_inputs()]))
+    with mx.util.np_shape(numpy_shapes):
+        kept, total = (o.asnumpy() for o in mx.nd.CachedOp(ragged)(
+            *[feed[name] for name in ragged.list_inputs()]))
     starts = np.cumsum([0] + lengths)
     for n, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
         np.testing.assert_allclose(total[n], h[a:b].sum(axis=0), rtol=1e-6, atol=1e-6)
