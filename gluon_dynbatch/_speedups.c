@@ -1354,13 +1354,14 @@ static PyObject *gather_item(PyObject *self, PyObject *args)
             if (rc > 0) goto fallback;
         }
     }
-    PyObject *found = gather_result(&g, n * width);
-    if (found == NULL) { Py_DECREF(lengths); return NULL; }
+    PyObject *gathered = gather_result(&g, n * width);
+    if (gathered == NULL) { Py_DECREF(lengths); return NULL; }
     /* (parts, index, each list's length or None when none is short) */
-    PyObject *out = Py_BuildValue("(OON)", PyTuple_GET_ITEM(found, 0), PyTuple_GET_ITEM(found, 1),
+    PyObject *out = Py_BuildValue("(OON)", PyTuple_GET_ITEM(gathered, 0),
+                                  PyTuple_GET_ITEM(gathered, 1),
                                   short_lists ? lengths : Py_NewRef(Py_None));
     if (!short_lists) Py_DECREF(lengths);
-    Py_DECREF(found);
+    Py_DECREF(gathered);
     return out;
 fallback:
     gather_drop(&g);
@@ -2168,6 +2169,11 @@ static struct PyModuleDef module = {
 
 #define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
 
+/* Bumped whenever a function's arguments or results change meaning
+ * (accel.ABI must match, else the pure-Python path runs): an extension
+ * built from older sources would otherwise still load, and fail. */
+#define ABI 2
+
 PyMODINIT_FUNC PyInit__speedups(void)
 {
     INTERN(s_out_info, "out_info"); INTERN(s_batch_safe, "batch_safe");
@@ -2189,7 +2195,8 @@ PyMODINIT_FUNC PyInit__speedups(void)
     PyObject *mod = PyModule_Create(&module);
     if (mod != NULL && (PyModule_AddObjectRef(mod, "Tape", (PyObject *)&TapeType) < 0
                         || PyModule_AddObjectRef(mod, "ScopeSlot",
-                                                 (PyObject *)&ScopeSlotType) < 0))
+                                                 (PyObject *)&ScopeSlotType) < 0
+                        || PyModule_AddIntConstant(mod, "ABI", ABI) < 0))
         Py_CLEAR(mod);
     return mod;
 }

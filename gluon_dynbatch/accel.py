@@ -50,7 +50,10 @@ errors are raised.
 The extension is built by ``pip install`` when a C compiler is present
 (``setup.py`` marks it optional); without it everything runs in Python.
 ``GLUON_DYNBATCH_PURE_PYTHON=1`` turns it off; :data:`STATUS` says which
-is in use and why.
+is in use and why.  An extension built from older sources (a checkout
+updated without ``pip install -e .``) is not used: one that lacks a
+function, or whose :data:`ABI` differs from this code's, leaves everything
+to Python until it is rebuilt.
 """
 import os
 
@@ -63,6 +66,11 @@ from .trace import _ZEROS, regroup
 __all__ = ['record', 'count_groups', 'depth_groups', 'agenda_groups', 'structure_key', 'Tape',
            'gather_index', 'gather_item', 'host_rows', 'host_item', 'finish_nodes', 'wrap_host',
            'push_marker', 'marker_done', 'enable', 'STATUS']
+
+ABI = 2
+"""The interface of ``_speedups`` this code expects (its ``ABI``; 2:
+``gather_item`` returns each list's length too).  An extension built from
+older sources still has every function, so its names alone cannot tell."""
 
 FUNCTIONS = ('record', 'count_groups', 'depth_groups', 'agenda_groups', 'structure_key', 'Tape',
              'gather_index', 'gather_item', 'host_rows', 'host_item', 'finish_nodes', 'wrap_host',
@@ -97,6 +105,9 @@ def _load():
     missing = [name for name in FUNCTIONS + ('call_method',) if not hasattr(_speedups, name)]
     if missing:     # an extension built from older sources: rebuild (pip install -e .)
         return 'pure Python (C extension out of date, lacks %s)' % ', '.join(missing)
+    if getattr(_speedups, 'ABI', 1) != ABI:     # same names, results of another form
+        return ('pure Python (C extension out of date: built for interface %d, this code '
+                'needs %d; rebuild it: pip install -e .)' % (getattr(_speedups, 'ABI', 1), ABI))
     _LOADED.update({name: getattr(_speedups, name) for name in FUNCTIONS + ('call_method',)})
     _EXTRAS['ScopeSlot'] = _speedups.ScopeSlot
     enable(True)

@@ -136,7 +136,7 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hois
         recipe = None
     learned = [] if where is not None else None
     pattern, sources, indices, uploads = [], {}, {}, {}
-    lists, ragged = {}, None     # list items gathered anew: item -> (index, distinct, zero, lengths)
+    lists, ragged = {}, None     # items gathered anew: item -> (index, distinct, zero, lengths)
     for item, (fmt, (_, width)) in enumerate(zip(sig.fmt, sig.spans)):
         how = recipe[item] if recipe is not None else None
         if width == 0:
@@ -320,15 +320,15 @@ def _ragged_layout(lists):
     lengths (``real``: ``(N, K)`` bool, which entries of the indices are
     elements, not padding, the first ``lengths`` of each row; ``lengths``:
     int32 per call), else None."""
-    layout = None
+    layout = width = None
     for number, (index, _, _, lengths) in enumerate(lists.values()):
         if lengths is None:
             lengths = np.full(index.shape[0], index.shape[1], dtype=np.int32)
         if number == 0:
-            layout = lengths
-        elif not np.array_equal(layout, lengths):
+            layout, width = lengths, index.shape[1]
+        elif index.shape[1] != width or not np.array_equal(layout, lengths):
             return None
-    return np.arange(index.shape[1], dtype=np.int32) < layout[:, None], layout
+    return np.arange(width, dtype=np.int32) < layout[:, None], layout
 
 
 def _pad_parts(parts, sig, item, ctx):

@@ -45,6 +45,21 @@ def test_extension_is_built_where_a_compiler_is():
     assert accel.STATUS == 'C extension'
 
 
+@needs_extension
+def test_an_extension_built_for_another_interface_is_not_used():
+    """An extension built from older sources has every function's name, but
+    not every function's results (e.g. gather_item's list lengths): its
+    ABI number tells, and the Python path runs instead of failing."""
+    import subprocess
+    import sys
+    code = ('from gluon_dynbatch import accel, _speedups; '
+            'print(_speedups.ABI == accel.ABI); accel.ABI += 1; print(accel._load())')
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                         check=True).stdout.split('\n')
+    assert out[0] == 'True'
+    assert out[1].startswith('pure Python (C extension out of date: built for interface')
+
+
 def test_environment_variable_turns_the_extension_off():
     """GLUON_DYNBATCH_PURE_PYTHON=1: nothing of the extension is used, and
     DynBatchBlock keeps its Python __call__."""
