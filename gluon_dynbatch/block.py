@@ -82,7 +82,7 @@ class BatchingScope:
         self.follow_engine = follow_engine
         # calls pending when the recorder calls pipeline()
         self.flush_at = PIPELINE_FIRST if follow_engine else self.flush_every
-        self.marker = None   # follow_engine: set by the engine once it ran the last part
+        self.marker = None   # follow_engine: set by the engine once it ran most of the last part
         self.pending = []
         self.record_s = 0.0
         self.groups = {}     # (depth, family) -> calls
@@ -157,9 +157,9 @@ class BatchingScope:
         again :data:`PIPELINE_CHECK` calls later: running a part costs the
         worker less per call the more calls it batches, and the worker is
         busy anyway.  (MXNet cannot say whether an array is ready without
-        waiting for it, so the flush pushes a *marker* behind its last
-        step, an engine operation that only sets a flag:
-        ``accel.push_marker``.)"""
+        waiting for it, so the flush pushes a *marker*, an engine operation
+        that only sets a flag (``accel.push_marker``), behind the step by
+        which all but :data:`PIPELINE_LEAD` of its calls are launched.)"""
         done = accel.marker_done
         if self.marker is not None and done is not None and \
                 len(self.pending) < self.flush_every and not done(self.marker):
@@ -178,7 +178,8 @@ class BatchingScope:
             plan = self.strategy.plan(nodes, summary)
             planned = time.perf_counter()
             timed = not threaded_engine() or self.strategy.wants_step_times(TIMED_EVERY)
-            step_seconds = run_plan(plan, wait=timed and threaded_engine())
+            mark = _Mark(plan) if self.follow_engine else None
+            step_seconds = run_plan(plan, wait=timed and threaded_engine(), after_step=mark)
             done = time.perf_counter()
         except BaseException:
             _fail(nodes)
@@ -186,7 +187,7 @@ class BatchingScope:
         self.strategy.observe(plan, step_seconds if timed else None, planned - start, nodes)
         if self.follow_engine:
             self.flush_at = PIPELINE_FIRST
-            self.marker = _push_marker(plan.steps[-1].nodes[-1])
+            self.marker = mark.marker
         compile_s = self.strategy.last_compile_s
         debug.record_flush(plan, record_ms, (planned - start - compile_s) * 1e3,
                            (done - planned) * 1e3, getattr(self.strategy, 'last', None),
@@ -199,6 +200,37 @@ class BatchingScope:
         self.groups, self.used, self.unsafe = {}, {}, 0
         if self.tape is not None:
             self.tape.take()
+
+
+PIPELINE_LEAD = 0.15
+"""A pipelined part's marker goes behind the step by which all but this
+share of the part's calls are launched, not behind its last step: the
+worker then still has the part's last steps to run while Python plans and
+launches the next part, instead of waiting for it (~1 ms a SICK minibatch
+of 256; 1.05-1.06x at inference 256 and 1,024, ``docs/performance.rst``)."""
+
+
+class _Mark:
+    """Pushes a pipelined part's marker (:func:`_push_marker`) right after
+    the step it belongs behind is launched (the engine's worker runs its
+    queue in order, so a marker pushed later would wait for every step
+    launched before it); ``marker`` is then set."""
+    __slots__ = ('at', 'marker')
+
+    def __init__(self, plan):
+        sizes = [len(step.nodes) for step in plan.steps]
+        goal, done = (1 - PIPELINE_LEAD) * sum(sizes), 0
+        self.at = len(sizes) - 1
+        for number, size in enumerate(sizes):
+            done += size
+            if done >= goal:
+                self.at = number
+                break
+        self.marker = None
+
+    def __call__(self, number, step):
+        if number == self.at:
+            self.marker = _push_marker(step.nodes[-1])
 
 
 def _push_marker(node):

@@ -32,7 +32,7 @@ __all__ = ['run_plan', 'run_step', 'FlushTables', 'FlushHoist', 'collect', 'gath
 NDArray = mx.nd.NDArray
 
 
-def run_plan(plan, wait=False):
+def run_plan(plan, wait=False, after_step=None):
     """Execute every step of ``plan`` in order; return each step's seconds
     (exact under NaiveEngine; with a threaded engine only launch time,
     unless ``wait``: then each step waits for its ops to finish, which
@@ -42,9 +42,14 @@ def run_plan(plan, wait=False):
     earlier flush) runs each step from its recipe where one is known, with
     no per-row Python work, and fills in the recipes of steps run the long
     way.  A plan that carries a compiled ``program`` runs as one call
-    (:func:`run_compiled`)."""
+    (:func:`run_compiled`).  ``after_step(number, step)``, if given, is
+    called once each step is launched (for a compiled plan, once with its
+    last step)."""
     if plan.program is not None:
-        return run_compiled(plan)
+        seconds = run_compiled(plan)
+        if after_step is not None:
+            after_step(len(plan.steps) - 1, plan.steps[-1])
+        return seconds
     seconds = []
     clock = time.perf_counter
     recipes = plan.recipes
@@ -62,6 +67,8 @@ def run_plan(plan, wait=False):
         recipe = recipes[number] if recipes is not None else None
         hoisted = hoist.for_step(number) if hoist is not None else None
         outs, learned = run_step(step, step.sig.ctx, recipe, outputs, where, tables, hoisted)
+        if after_step is not None:
+            after_step(number, step)
         if wait:
             mx.nd.waitall()
         if recipes is not None:

@@ -292,6 +292,41 @@ def test_scope_following_the_engine_runs_a_part_when_the_worker_is_done(monkeypa
     assert ys[-1].ready and scope.marker is not None
 
 
+def test_a_part_marker_is_pushed_once_most_of_its_calls_are_launched(monkeypatch):
+    """A part's marker goes behind the step by which all but PIPELINE_LEAD
+    of its calls are launched, pushed right then (the engine's worker runs
+    its queue in order): the worker still has the part's tail to run when
+    the scope sees the marker done and launches the next part."""
+    from gluon_dynbatch import block as block_module, execute
+    events = []
+    launch = execute.run_step
+
+    def run_step(step, *args, **kwargs):
+        events.append(('step', len(step.nodes)))
+        return launch(step, *args, **kwargs)
+    monkeypatch.setattr(execute, 'run_step', run_step)
+    monkeypatch.setattr(block_module, '_push_marker',
+                        lambda node: events.append(('marker', node.depth)) or object())
+    follow_engine(monkeypatch, first=32, check=2, most=100, marker_done=lambda m: False)
+    monkeypatch.setattr(block_module, 'PIPELINE_LEAD', 0.3)
+    block = dense()
+    with dyb.batching('depth') as scope:
+        xs = [block(mx.nd.ones((1, 3))) for _ in range(8)]    # 8 chains of 4 calls
+        for _ in range(3):
+            xs = [block(x) for x in xs]
+        assert scope.marker is not None
+    # 70% of 32 calls: 22.4, launched by the third step (24 calls), so the
+    # marker goes right behind it, before the last step
+    assert events == [('step', 8), ('step', 8), ('step', 8), ('marker', 2), ('step', 8)]
+    monkeypatch.setattr(block_module, 'PIPELINE_LEAD', 0.0)
+    del events[:]
+    with dyb.batching('depth'):
+        xs = [block(mx.nd.ones((1, 3))) for _ in range(8)]
+        for _ in range(3):
+            xs = [block(x) for x in xs]
+    assert events == [('step', 8)] * 4 + [('marker', 3)]      # behind the last step
+
+
 @pytest.mark.skipif(not threaded_engine(), reason='ops run at once under the NaiveEngine')
 def test_marker_is_set_once_the_engine_has_computed_what_it_reads():
     import threading

@@ -622,7 +622,8 @@ def test_threaded_engine_times_only_the_flushes_a_strategy_asks_for(monkeypatch)
     waits = []
     run_plan = block_module.run_plan
     monkeypatch.setattr(block_module, 'run_plan',
-                        lambda plan, wait: waits.append(wait) or run_plan(plan, wait=wait))
+                        lambda plan, wait, **kwargs: waits.append(wait) or
+                        run_plan(plan, wait=wait, **kwargs))
     block = dyb.DynBatchBlock(mx.gluon.nn.Dense(3, in_units=3))
     block.initialize()
     spy = Spy()
