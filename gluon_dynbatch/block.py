@@ -46,13 +46,19 @@ inference under the threaded engine) records before it runs them: enough
 that each part still batches well, few enough that a large minibatch splits
 into parts whose operators run on the engine's worker while Python records
 the next part (``benchmarks/bench_pipeline.py``)."""
-PIPELINE_FIRST = 2048
-"""Calls after which such a scope runs what it holds if the engine's worker
-has nothing left to do (at first, or once it has run the part before: see
-:meth:`BatchingScope.pipeline`), so that the worker does not wait for
-Python to record a whole minibatch; a SICK minibatch of 256 pairs (~5,000
-calls) then runs as two or three parts (2.2 on average in
-``benchmarks/bench_pipeline.py``)."""
+PIPELINE_FIRST = 1536
+"""Calls after which such a scope runs its first part, so that the engine's
+worker does not wait for Python to record a whole minibatch (it waits
+while these are recorded).  Against 2,048: 1.01-1.05x at SICK inference
+256, 1.04-1.09x at 512, 1.06-1.08x at 128 and 0.98-1.02x at 1,024
+(``benchmarks/ab_revision.py``, 15 repeats, in three runs; two at 512);
+1,024 ran 0.86x at 256 (more, smaller parts)."""
+PIPELINE_NEXT = 2048
+"""Calls after which such a scope runs its next part if the engine's worker
+has run most of the part before (see :meth:`BatchingScope.pipeline`); a
+SICK minibatch of 256 pairs (~5,000 calls) then runs as two or three
+parts.  Parts of 1,024 or 1,536 calls ran 0.86x at inference 256: each
+part runs a step per depth, so more parts make more, smaller steps."""
 PIPELINE_CHECK = 256
 """While the worker still runs the last part, such a scope looks again
 every this many calls."""
@@ -186,7 +192,7 @@ class BatchingScope:
             raise
         self.strategy.observe(plan, step_seconds if timed else None, planned - start, nodes)
         if self.follow_engine:
-            self.flush_at = PIPELINE_FIRST
+            self.flush_at = PIPELINE_NEXT
             self.marker = mark.marker
         compile_s = self.strategy.last_compile_s
         debug.record_flush(plan, record_ms, (planned - start - compile_s) * 1e3,
@@ -266,9 +272,10 @@ def batching(strategy='auto', flush_every='auto'):
         *pipelined* scope; results and gradients are the same, only when
         the operators run changes).  ``'auto'`` (default): when the scope
         opens outside ``autograd.record()`` under MXNet's threaded engine,
-        follow the engine: run what was recorded once
-        :data:`PIPELINE_FIRST` calls are pending and the engine's worker has
-        run the part before, and at the latest every
+        follow the engine: run the first :data:`PIPELINE_FIRST` calls, then
+        what was recorded once :data:`PIPELINE_NEXT` calls are pending and
+        the engine's worker has run most of the part before, and at the
+        latest every
         :data:`PIPELINE_CALLS` calls (without the C extension, which
         pushes the markers that tell: every :data:`PIPELINE_CALLS` calls);
         otherwise never: the NaiveEngine runs operators in the calling thread, so

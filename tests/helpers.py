@@ -80,16 +80,18 @@ class _GateProp(mx.operator.CustomOpProp):
         return Gate()
 
 
-def follow_engine(monkeypatch, first, check, most, marker_done):
+def follow_engine(monkeypatch, first, check, most, marker_done, next_=None):
     """Make scopes that open now follow the engine (as under a threaded
-    engine with the C extension), with small PIPELINE_FIRST / CHECK /
-    CALLS, and ``marker_done(marker)`` saying whether the engine has run
-    the last part; skips the test without the extension's markers."""
+    engine with the C extension), with small PIPELINE_FIRST / NEXT (by
+    default ``first``) / CHECK / CALLS, and ``marker_done(marker)`` saying
+    whether the engine has run the last part; skips the test without the
+    extension's markers."""
     from gluon_dynbatch import accel, block
     if accel.push_marker is None:
         pytest.skip(accel.STATUS)
     monkeypatch.setattr(block, 'threaded_engine', lambda: True)
     monkeypatch.setattr(block, 'PIPELINE_FIRST', first)
+    monkeypatch.setattr(block, 'PIPELINE_NEXT', first if next_ is None else next_)
     monkeypatch.setattr(block, 'PIPELINE_CHECK', check)
     monkeypatch.setattr(block, 'PIPELINE_CALLS', most)
     monkeypatch.setattr(accel, 'marker_done', marker_done)

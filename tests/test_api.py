@@ -265,15 +265,16 @@ def test_flush_every_auto_pipelines_inference_under_the_threaded_engine(monkeypa
 
 
 def test_scope_following_the_engine_runs_a_part_when_the_worker_is_done(monkeypatch):
-    """The first part runs at PIPELINE_FIRST calls; while the engine has
-    not run the last part, the scope records on, looking again every
-    PIPELINE_CHECK calls, up to PIPELINE_CALLS."""
+    """The first part runs at PIPELINE_FIRST calls; then, once PIPELINE_NEXT
+    are pending, while the engine has not run the last part, the scope
+    records on, looking again every PIPELINE_CHECK calls, up to
+    PIPELINE_CALLS."""
     busy, asked = [True], []
 
     def marker_done(marker):
         asked.append(marker)
         return not busy[0]
-    follow_engine(monkeypatch, first=4, check=2, most=9, marker_done=marker_done)
+    follow_engine(monkeypatch, first=3, check=2, most=9, marker_done=marker_done, next_=4)
     block = dense()
     dyb.reset_stats()
     flushed_after = []
@@ -285,9 +286,9 @@ def test_scope_following_the_engine_runs_a_part_when_the_worker_is_done(monkeypa
             ys.append(block(ys[-1]))
             if dyb.stats()['flushes'] > len(flushed_after):
                 flushed_after.append(calls)
-    # first part at 4 calls; busy: looked at 4, 6 and 8 pending, ran at 9;
-    # done from call 16 on: a part every 4 calls, each after one look
-    assert flushed_after == [4, 13, 17, 21, 25, 29]
+    # first part at 3 calls; busy: looked at 4, 6 and 8 pending, ran at 9
+    # (call 12); done from call 16 on: a part every 4 calls, each after one look
+    assert flushed_after == [3, 12, 16, 20, 24, 28]
     assert len(asked) == 3 + 4 and all(m is not None for m in asked)
     assert ys[-1].ready and scope.marker is not None
 
