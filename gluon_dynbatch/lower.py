@@ -61,7 +61,8 @@ from .trace import leaf_count
 __all__ = ['StepProgram', 'step_program', 'element_major', 'FlushProgram', 'flush_program',
            'share_host_part', 'host_part', 'embedding_reads', 'read_tables', 'HostSplit',
            'host_split', 'split_host_part', 'hoisted_rest', 'ragged_lists', 'RAGGED',
-           'ragged_how', 'compose_takes', 'tanh_by_sigmoid', 'INVERSE', 'INVERSE_SEGMENT']
+           'ragged_how', 'compose_takes', 'tanh_by_sigmoid', 'adds_by_broadcast', 'INVERSE',
+           'INVERSE_SEGMENT']
 
 
 class StepProgram:
@@ -85,6 +86,8 @@ class StepProgram:
     __slots__ = ('symbol', 'cached_op', 'feeds', 'training', '_wide')
 
     def __init__(self, symbol, feeds, training=False):
+        if training:
+            symbol = adds_by_broadcast(symbol)
         self.symbol = symbol
         self.cached_op = mx.nd.CachedOp(symbol, [('static_alloc', True)] if training else [])
         self.feeds = feeds
@@ -331,6 +334,36 @@ def tanh_by_sigmoid(symbol):
             out.append(node)
         moved[old] = len(out) - 1
     return _load(graph, out, [entry_for(entry) for entry in graph['heads']])
+
+
+ELEMWISE_ADD = ('elemwise_add', '_plus', '_Plus', '_add')
+"""The names of MXNet's ``elemwise_add`` (``a + b`` of two symbols)."""
+
+
+def adds_by_broadcast(symbol):
+    """``symbol`` with every ``elemwise_add`` made a ``broadcast_add`` (the
+    same values for operands of one shape), or ``symbol`` itself when it
+    has none.  Programs that run with ``static_alloc`` under autograd (step
+    programs for training, compiled flushes, which may) get this.
+
+    MXNet 1.9.1 computes wrong gradients there otherwise (apache/mxnet
+    issue 20293): the gradient of ``elemwise_add`` is one array cloned to
+    both operands, and when an operand reached from the program's inputs
+    needs no gradient (a user's NDArray, host rows, a frozen parameter) the
+    static backward graph drops or misroutes the other's: a block computing
+    ``tanh(x + W h)`` with ``x`` such an input got zero or garbage
+    gradients for ``W``, and one variant of it failed MXNet's storage-type
+    check in backward.  ``broadcast_add`` computes its gradients itself and
+    runs correctly; ``add_n`` did too."""
+    graph = json.loads(symbol.tojson())
+    nodes = graph['nodes']
+    if not any(node['op'] in ELEMWISE_ADD for node in nodes):
+        return symbol
+    for node in nodes:
+        if node['op'] in ELEMWISE_ADD:
+            node['op'] = 'broadcast_add'
+            node['attrs'] = {}
+    return _load(graph, nodes, graph['heads'])
 
 
 def compose_takes(symbol):
@@ -663,7 +696,9 @@ class FlushProgram:
         # still fresh arrays on every call; a call recorded for backward
         # keeps its own buffers (tests/test_cost.py checks both).
         flags = [('static_alloc', True)] + ([] if hoists else [('static_shape', True)])
-        self.cached_op = mx.nd.CachedOp(symbol, flags)
+        # static_alloc, and a plan compiled in inference may run in training
+        # (its structure is the same): see adds_by_broadcast
+        self.cached_op = mx.nd.CachedOp(adds_by_broadcast(symbol), flags)
         self.feeds = feeds
         self.out_counts = out_counts
         self.hoists = hoists

@@ -267,6 +267,86 @@ def test_dag_shared_values_and_several_outputs(strategy):
     assert_same(run_both(forward, [block], inputs=xs, strategy=strategy))
 
 
+class InputPlusState(gluon.HybridBlock):
+    """``tanh(x + W h)`` (``+ U x`` with ``U`` frozen, when asked): a
+    per-sample input added to a trained term, as an RNN cell adds its
+    input's projection."""
+
+    def __init__(self, units, frozen=False):
+        super().__init__()
+        with self.name_scope():
+            self.w = nn.Dense(units, in_units=units, use_bias=False)
+            self.u = nn.Dense(units, in_units=units) if frozen else None
+        if frozen:
+            self.u.collect_params().setattr('grad_req', 'null')
+
+    def hybrid_forward(self, F, x, h):
+        if self.u is not None:
+            x = x + self.u(x)
+        return F.Activation(x + self.w(h), act_type='tanh')
+
+
+@pytest.mark.parametrize('strategy', STRATEGIES)
+@pytest.mark.parametrize('kind', ['ndarray', 'host', 'frozen'])
+def test_inputs_without_gradients_added_to_trained_values(strategy, kind):
+    """Chains of different lengths of ``tanh(x + W h)`` with inputs that
+    need no gradient: NDArrays without ``attach_grad``, host rows (numpy),
+    and host rows with a frozen parameter's term added to them.  MXNet 1.9.1's programs
+    with ``static_alloc`` computed zero or garbage gradients for ``W``
+    there (see lower.adds_by_broadcast); every strategy must give the
+    per-sample gradients.  (A compiled plan is checked by
+    test_lanes.test_lists_of_different_lengths_in_a_call_run_padded.)"""
+    block = dyb.DynBatchBlock(InputPlusState(4, frozen=kind == 'frozen'))
+    block.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(2)
+    rows = [[rng.uniform(-1, 1, (1, 4)).astype(np.float32) for _ in range(length)]
+            for length in (1, 3, 4, 2)]
+    start = np.zeros((1, 4), dtype=np.float32)
+    if kind == 'ndarray':
+        rows = [[mx.nd.array(x) for x in chain] for chain in rows]
+        start = mx.nd.array(start)
+
+    def forward():
+        outs = []
+        for chain in rows:
+            h = start
+            for x in chain:
+                h = block(x, h)
+                outs.append(h)
+        return outs
+    chosen = dyb.CachedPlan() if strategy == 'cached' else strategy
+    for _ in range(2 if strategy == 'cached' else 1):   # a cached plan's miss and hit
+        assert_same(run_both(forward, [block], strategy=chosen))
+
+
+def test_adds_by_broadcast_gives_static_programs_the_dynamic_gradients():
+    """The rewrite behind the test above, on one program: with
+    ``static_alloc`` and an input that needs no gradient added to a trained
+    term, the gradient equals a dynamic CachedOp's once every
+    ``elemwise_add`` is a ``broadcast_add``."""
+    from gluon_dynbatch.lower import adds_by_broadcast
+    x, w, y = mx.sym.var('x'), mx.sym.var('w'), mx.sym.var('y')
+    symbol = mx.sym.Activation(y + mx.sym.FullyConnected(x, w, num_hidden=4, no_bias=True),
+                               act_type='tanh')
+    rng = np.random.RandomState(0)
+    feed = {name: mx.nd.array(rng.uniform(-1, 1, (4, 4) if name == 'w' else (3, 4)))
+            for name in symbol.list_inputs()}
+
+    def w_grad(program, flags):
+        feed['w'].attach_grad()
+        op = mx.nd.CachedOp(program, flags)
+        with mx.autograd.record():
+            out = op(*[feed[name] for name in program.list_inputs()])
+            loss = (out * out).sum()
+        loss.backward()
+        return feed['w'].grad.asnumpy().copy()
+    rewritten = adds_by_broadcast(symbol)
+    assert 'elemwise_add' not in rewritten.tojson() and 'broadcast_add' in rewritten.tojson()
+    assert adds_by_broadcast(rewritten) is rewritten
+    np.testing.assert_allclose(w_grad(rewritten, [('static_alloc', True)]),
+                               w_grad(symbol, []), rtol=1e-5, atol=1e-6)
+
+
 def test_mix_of_batch_safe_and_per_sample_blocks():
     safe = dyb.DynBatchBlock(nn.Dense(3, in_units=3))
     unsafe = dyb.DynBatchBlock(AcrossBatch())

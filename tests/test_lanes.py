@@ -255,7 +255,16 @@ def test_training_uses_lane_programs_with_per_sample_gradients(strategy):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=param.name)
     train_ops = [op for sig in node.signatures()
                  for program in sig.programs.values() for op in ops(program.symbol)]
-    assert 'dot' in train_ops and 'broadcast_add' not in train_ops
+    assert 'dot' in train_ops
+    # shared values are repeated by a dot, not broadcast from a new axis (the
+    # training programs' adds are all broadcast_add: lower.adds_by_broadcast)
+    for sig in node.signatures():
+        for program in sig.programs.values():
+            nodes = json.loads(program.symbol.tojson())['nodes']
+            assert not any(node['op'].startswith('broadcast_') and
+                           any(nodes[entry[0]]['op'] == 'expand_dims' for entry in node['inputs'])
+                           for node in nodes)
+            assert 'elemwise_add' not in ops(program.symbol)
     assert not any(sig.inference_programs for sig in node.signatures())
 
 
