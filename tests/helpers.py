@@ -41,6 +41,25 @@ class TwoOutputs(mx.gluon.HybridBlock):
         return F.tanh(z), F.relu(z) + x
 
 
+class InputPlusState(mx.gluon.HybridBlock):
+    """``tanh(x + W h)`` (``+ U x`` with ``U`` frozen, when asked): a
+    per-sample input added to a trained term, as an RNN cell adds its
+    input's projection."""
+
+    def __init__(self, units, frozen=False):
+        super().__init__()
+        with self.name_scope():
+            self.w = mx.gluon.nn.Dense(units, in_units=units, use_bias=False)
+            self.u = mx.gluon.nn.Dense(units, in_units=units) if frozen else None
+        if frozen:
+            self.u.collect_params().setattr('grad_req', 'null')
+
+    def hybrid_forward(self, F, x, h):
+        if self.u is not None:
+            x = x + self.u(x)
+        return F.Activation(x + self.w(h), act_type='tanh')
+
+
 class AcrossBatch(mx.gluon.HybridBlock):
     """Normalises over axis 0: correct per sample, wrong if rows were merged."""
     def __init__(self):

@@ -21,7 +21,7 @@ from gluon_dynbatch.plan import (ByDepth, agenda_groups_py, count_groups_py, dep
                                  structure_key_py)
 from gluon_dynbatch.trace import flatten
 
-from helpers import AcrossBatch, DenseAddLists, TwoOutputs, assert_same, run_both
+from helpers import AcrossBatch, DenseAddLists, InputPlusState, TwoOutputs, assert_same, run_both
 
 needs_extension = pytest.mark.skipif(accel.STATUS != 'C extension', reason=accel.STATUS)
 
@@ -78,7 +78,8 @@ def test_environment_variable_turns_the_extension_off():
 class Blocks:
     """One of each kind of call the fast path handles or defers: a list
     block (child-sum cell), two outputs, nested outputs (LSTMCell), a
-    per-sample block, lists of lists (deferred to Python)."""
+    per-sample block, lists of lists (deferred to Python), and an input
+    added to a trained term (InputPlusState)."""
 
     def __init__(self):
         self.cell = dyb.DynBatchBlock(ChildSumTreeLSTMCell(3, 3))
@@ -86,12 +87,17 @@ class Blocks:
         self.lstm = dyb.DynBatchBlock(gluon.rnn.LSTMCell(4, input_size=4))
         self.alone = dyb.DynBatchBlock(AcrossBatch())
         self.nested = dyb.DynBatchBlock(DenseAddLists())
-        for block in (self.cell, self.two, self.lstm, self.alone, self.nested):
+        self.add = dyb.DynBatchBlock(InputPlusState(4))
+        for block in self.all():
             block.initialize(mx.init.Uniform(0.5))
         rng = np.random.RandomState(0)
         self.x3 = [mx.nd.array(rng.uniform(-1, 1, (1, 3))) for _ in range(3)]
         self.x4 = [mx.nd.array(rng.uniform(-1, 1, (1, 4))) for _ in range(3)]
         self.host3 = [rng.uniform(-1, 1, (1, 3)).astype('float32') for _ in range(3)]
+        self.host4 = [rng.uniform(-1, 1, (1, 4)).astype('float32') for _ in range(3)]
+
+    def all(self):
+        return [self.cell, self.two, self.lstm, self.alone, self.nested, self.add]
 
 
 def run_program(blocks, ops):
@@ -115,6 +121,10 @@ def run_program(blocks, ops):
         elif kind == 'alone':
             out = [blocks.alone(pick(3, 0))]
             made[3] += out
+        elif kind == 'add':
+            x = blocks.host4[picks[1] % 3] if picks[2] % 2 else pick(4, 0)
+            out = [blocks.add(x, pick(4, 3))]
+            made[4] += out
         else:
             out = [blocks.nested(pick(3, 0), [pick(3, 1), [pick(3, 2), pick(3, 3)]])]
             made[3] += out
@@ -135,7 +145,7 @@ def snapshot(scope, results):
     return nodes, [[name(v) for v in out] for out in results]
 
 
-KINDS = ['cell', 'two', 'lstm', 'alone', 'nested']
+KINDS = ['cell', 'two', 'lstm', 'alone', 'nested', 'add']
 programs = st.lists(st.tuples(st.sampled_from(KINDS), st.lists(st.integers(0, 50),
                                                                 min_size=8, max_size=8)),
                     min_size=1, max_size=25)

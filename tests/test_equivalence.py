@@ -2,7 +2,7 @@
 import mxnet as mx
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 from mxnet import gluon
 from mxnet.gluon import nn
 
@@ -10,8 +10,9 @@ import gluon_dynbatch as dyb
 from gluon_dynbatch.models import ChildSumTreeLSTMCell, Similarity, TreeLSTMNode
 from gluon_dynbatch.lower import RAGGED
 
-from helpers import (AcrossBatch, Tree, TwoOutputs, assert_same, follow_engine, random_tree,
-                     run_both, tree_from_parents)
+import test_accel
+from helpers import (AcrossBatch, InputPlusState, Tree, TwoOutputs, assert_same, follow_engine,
+                     random_tree, run_both, tree_from_parents)
 
 STRATEGIES = ['depth', 'agenda', 'per-sample', 'cached', 'auto']
 
@@ -267,25 +268,6 @@ def test_dag_shared_values_and_several_outputs(strategy):
     assert_same(run_both(forward, [block], inputs=xs, strategy=strategy))
 
 
-class InputPlusState(gluon.HybridBlock):
-    """``tanh(x + W h)`` (``+ U x`` with ``U`` frozen, when asked): a
-    per-sample input added to a trained term, as an RNN cell adds its
-    input's projection."""
-
-    def __init__(self, units, frozen=False):
-        super().__init__()
-        with self.name_scope():
-            self.w = nn.Dense(units, in_units=units, use_bias=False)
-            self.u = nn.Dense(units, in_units=units) if frozen else None
-        if frozen:
-            self.u.collect_params().setattr('grad_req', 'null')
-
-    def hybrid_forward(self, F, x, h):
-        if self.u is not None:
-            x = x + self.u(x)
-        return F.Activation(x + self.w(h), act_type='tanh')
-
-
 @pytest.mark.parametrize('strategy', STRATEGIES)
 @pytest.mark.parametrize('kind', ['ndarray', 'host', 'frozen'])
 def test_inputs_without_gradients_added_to_trained_values(strategy, kind):
@@ -317,6 +299,24 @@ def test_inputs_without_gradients_added_to_trained_values(strategy, kind):
     chosen = dyb.CachedPlan() if strategy == 'cached' else strategy
     for _ in range(2 if strategy == 'cached' else 1):   # a cached plan's miss and hit
         assert_same(run_both(forward, [block], strategy=chosen))
+
+
+@pytest.mark.parametrize('strategy', STRATEGIES)
+@given(ops=test_accel.programs)
+@settings(max_examples=15, deadline=None)
+def test_random_programs_train_like_per_sample(strategy, ops):
+    """Random programs of the blocks test_accel draws from (a child-sum
+    cell, two outputs, an LSTM cell, a per-sample block, nested lists, an
+    input added to a trained term),
+    whose inputs are NDArrays and host rows with no gradient: outputs and
+    every parameter's gradient equal per-sample execution."""
+    blocks = test_accel.Blocks()
+    all_blocks = blocks.all()
+
+    def forward():
+        return [value for out in test_accel.run_program(blocks, ops) for value in out]
+    chosen = dyb.CachedPlan() if strategy == 'cached' else strategy
+    assert_same(run_both(forward, all_blocks, strategy=chosen))
 
 
 def test_adds_by_broadcast_gives_static_programs_the_dynamic_gradients():
