@@ -1285,8 +1285,12 @@ error:
  * Returns (parts, index, lengths): lengths, each node's list length as
  * int32 bytes, None when none is shorter than ``width`` (a step's ragged
  * layout is read from it: execute._ragged_layout).
- * None when a leaf is not a computed lazy value, a node is not a Node, or
- * a list is longer than ``width`` or short with no ``zero``. */
+ * With ``compact`` a node contributes its list's elements only, list after
+ * list (the index of a ragged step: execute._gather_item), ``zero`` is not
+ * read, and lengths are always given.
+ * None when a leaf is not a computed lazy value, a node is not a Node, a
+ * list is longer than ``width`` or short with no ``zero`` (unless
+ * ``compact``), or ``compact`` finds no element at all. */
 #define SPAN_CACHE 8
 /* Where an argument sits in each node's leaves: ``span_of(sig)`` gives
  * (position, length), asked once per signature (a step has a few). */
@@ -1327,11 +1331,12 @@ static int node_span(Spans *s, PyObject *node, PyObject **leaves, Py_ssize_t *po
 static PyObject *gather_item(PyObject *self, PyObject *args)
 {
     PyObject *nodes, *zero, *zero_type, *lengths = NULL;
-    Py_ssize_t width;
-    int short_lists = 0;
+    Py_ssize_t width, count = 0;
+    int short_lists = 0, compact = 0;
     Gather g = {NULL};
     Spans spans = {NULL};
-    if (!PyArg_ParseTuple(args, "OOnOO", &nodes, &spans.span_of, &width, &zero, &zero_type))
+    if (!PyArg_ParseTuple(args, "OOnOO|p", &nodes, &spans.span_of, &width, &zero, &zero_type,
+                          &compact))
         return NULL;
     if (!configured || !(PyList_Check(nodes) || PyTuple_Check(nodes)) || width <= 0)
         Py_RETURN_NONE;
@@ -1344,19 +1349,27 @@ static PyObject *gather_item(PyObject *self, PyObject *args)
         Py_ssize_t pos, len;
         int found = node_span(&spans, PySequence_Fast_ITEMS(nodes)[i], &leaves, &pos, &len);
         if (found < 0) goto error;
-        if (!found || len > width || (len < width && zero == Py_None)) goto fallback;
+        if (!found || len > width || (len < width && zero == Py_None && !compact))
+            goto fallback;
         length_out[i] = (int32_t)len;
         short_lists |= len < width;
         PyObject **items = PySequence_Fast_ITEMS(leaves) + pos;
-        for (Py_ssize_t j = 0; j < width; j++) {
-            int rc = gather_leaf(&g, i * width + j, j < len ? items[j] : zero);
+        Py_ssize_t entries = compact ? len : width;
+        for (Py_ssize_t j = 0; j < entries; j++) {
+            int rc = gather_leaf(&g, count++, j < len ? items[j] : zero);
             if (rc < 0) goto error;
             if (rc > 0) goto fallback;
         }
     }
-    PyObject *gathered = gather_result(&g, n * width);
+    if (count == 0) goto fallback;
+    if (count < n * width) {        /* compact: the index holds the elements only */
+        if (_PyBytes_Resize(&g.rows, count * 4)) goto error;
+        g.rows_out = (int *)PyBytes_AS_STRING(g.rows);
+    }
+    PyObject *gathered = gather_result(&g, count);
     if (gathered == NULL) { Py_DECREF(lengths); return NULL; }
     /* (parts, index, each list's length or None when none is short) */
+    short_lists |= compact;
     PyObject *out = Py_BuildValue("(OON)", PyTuple_GET_ITEM(gathered, 0),
                                   PyTuple_GET_ITEM(gathered, 1),
                                   short_lists ? lengths : Py_NewRef(Py_None));
@@ -2134,7 +2147,8 @@ static PyMethodDef methods[] = {
     {"set_shape_reader", set_shape_reader, METH_VARARGS,
      "set_shape_reader(address of MXNDArrayGetShapeEx[64] or None, is_64)"},
     {"gather_item", gather_item, METH_VARARGS,
-     "gather_item(nodes, span_of, width, zero or None, ZeroRow): (parts, index, lengths) "
+     "gather_item(nodes, span_of, width, zero or None, ZeroRow, compact=False): "
+     "(parts, index, lengths) "
      "as gather_index, with each node's list length (int32 bytes, None when none is short); "
      "or None"},
     {"call_method", call_method, METH_VARARGS,
@@ -2172,7 +2186,7 @@ static struct PyModuleDef module = {
 /* Bumped whenever a function's arguments or results change meaning
  * (accel.ABI must match, else the pure-Python path runs): an extension
  * built from older sources would otherwise still load, and fail. */
-#define ABI 2
+#define ABI 3
 
 PyMODINIT_FUNC PyInit__speedups(void)
 {

@@ -23,7 +23,7 @@ functions in C:
   row's position in their concatenation, with the sources' rows counted
   through MXNet's C API), and :func:`gather_item` the same for a list
   argument read straight from the step's nodes (the common case of
-  ``execute._gather_item``);
+  ``execute._gather_item``; for a ragged step, its lists' elements only);
 * :func:`host_rows` - host rows (token ids) concatenated, and
   :func:`host_item` the same for one argument read straight from a step's
   nodes (``execute.host_item_rows``);
@@ -67,10 +67,12 @@ __all__ = ['record', 'count_groups', 'depth_groups', 'agenda_groups', 'structure
            'gather_index', 'gather_item', 'host_rows', 'host_item', 'finish_nodes', 'wrap_host',
            'push_marker', 'marker_done', 'enable', 'STATUS']
 
-ABI = 2
+ABI = 3
 """The interface of ``_speedups`` this code expects (its ``ABI``; 2:
-``gather_item`` returns each list's length too).  An extension built from
-older sources still has every function, so its names alone cannot tell."""
+``gather_item`` returns each list's length too; 3: ``gather_item`` gathers
+a ragged step's elements only when asked: ``compact``).  An extension
+built from older sources still has every function, so its names alone
+cannot tell."""
 
 FUNCTIONS = ('record', 'count_groups', 'depth_groups', 'agenda_groups', 'structure_key', 'Tape',
              'gather_index', 'gather_item', 'host_rows', 'host_item', 'finish_nodes', 'wrap_host',

@@ -167,16 +167,19 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hois
         elif how == 'host':
             sources[item] = [host_item_rows(nodes, item)]
             index = None
+        elif fmt != 0 and width > 1:      # laid out once every list is gathered
+            sources[item], index, distinct, zero, lengths = _gather_item(
+                nodes, sig, item, ctx, compact=step.ragged)
+            lists[item] = (index, distinct, zero, lengths)
+            if learned is not None:
+                learned.append(None)
+            pattern.append(None)
+            continue
         else:
-            sources[item], index, distinct, zero, lengths = _gather_item(nodes, sig, item, ctx)
-            if fmt != 0 and width > 1:      # laid out once every list is gathered
-                lists[item] = (index, distinct, zero, lengths)
-                if learned is not None:
-                    learned.append(None)
-            else:
-                index = _upload_index(index, uploads, ctx)
-                if learned is not None:
-                    learned.append(_recipe_part(fmt, distinct, index, where, zero))
+            sources[item], index, distinct, zero, _ = _gather_item(nodes, sig, item, ctx)
+            index = _upload_index(index, uploads, ctx)
+            if learned is not None:
+                learned.append(_recipe_part(fmt, distinct, index, where, zero))
         if index is not None and len(sources[item]) > 2:
             _pad_parts(sources[item], sig, item, ctx)
         pattern.append(('direct' if index is None else
@@ -232,37 +235,63 @@ def _upload_index(index, uploads, ctx):
 def _lay_out_lists(sig, lists, sources, indices, pattern, uploads, learned, where, ctx,
                    ragged):
     """Index the list arguments of a step, gathered anew (``lists``: item
-    -> its ``(N, K)`` index, distinct sources, padding :class:`ZeroRow` and
-    list lengths, as :func:`_gather_item` gives them),
-    and note their recipes.  Returns the step's ragged inputs (see
-    :data:`~.lanes.SEGMENT`) when its lists run ragged, else None.
+    -> its index, distinct sources, padding :class:`ZeroRow` and list
+    lengths, as :func:`_gather_item` gives them), pad their sources (see
+    :func:`_pad_parts`), set their patterns and note their recipes.
+    Returns the step's ragged inputs (see :data:`~.lanes.SEGMENT`) when its
+    lists run ragged, else None.
 
     Lists run ragged (pattern ``'ragged'``) when the plan says so
     (``ragged``: the plan checked :func:`~.lower.ragged_lists`, see
-    :func:`~.plan.steps_of`), some are padded, and every
-    list of a call has the same length: then only the real elements are
-    gathered, list after list.  Otherwise each is gathered whole, padding
-    included, element-major where :func:`~.lower.element_major` says so."""
-    layout = None
-    if ragged and any(zero is not None for _, _, zero, _ in lists.values()) and \
-            len(lists) == sum(1 for fmt, (_, width) in zip(sig.fmt, sig.spans)
-                              if fmt != 0 and width > 1):
-        layout = _ragged_layout(lists)
-    ragged = None
-    if layout is not None:
-        real, lengths = layout
-        ragged = RaggedInputs(lengths, real.shape[1], sig.key[-2], ctx)
-    for item, (index, distinct, zero, _) in lists.items():
-        if layout is not None:
-            index = np.ascontiguousarray(index[layout[0]])
-            pattern[item] = (ragged_how(ragged),) + pattern[item][1:]
-        elif element_major(index.shape[1]):
-            index = np.ascontiguousarray(index.T)
-        index = indices[item] = _upload_index(index, uploads, ctx)
-        if learned is not None:
+    :func:`~.plan.steps_of`; their gathers were then compact, elements
+    only), some are shorter than the step's width, and every list of a
+    call has the same length: then only the real elements are gathered,
+    list after list.  Otherwise each is gathered whole, padding included,
+    element-major where :func:`~.lower.element_major` says so."""
+    lengths = None
+    if ragged and len(lists) == sum(1 for fmt, (_, width) in zip(sig.fmt, sig.spans)
+                                    if fmt != 0 and width > 1):
+        lengths = _ragged_layout(sig, lists)
+    ragged = None if lengths is None else \
+        RaggedInputs(lengths, sig.spans[next(iter(lists))][1], sig.key[-2], ctx)
+    for item, (index, distinct, zero, own_lengths) in lists.items():
+        if ragged is not None:
+            if index.ndim == 2:     # gathered padded: its elements only
+                index = index[np.arange(index.shape[1]) < lengths[:, None]]
+            how = ragged_how(ragged)
+        else:
+            if index.ndim == 1:     # gathered compact, laid out padded after all
+                index, zero = _padded_index(sig, item, index, own_lengths, sources[item], ctx)
+            if element_major(index.shape[1]):
+                index = index.T
+            how = 'take'
+        index = indices[item] = _upload_index(np.ascontiguousarray(index), uploads, ctx)
+        if learned is not None:     # before padding: a replay pads its parts anew
             part = _recipe_part(sig.fmt[item], distinct, index, where, zero)
             learned[item] = part if part is None or ragged is None else part + (ragged,)
+        if len(sources[item]) > 2:
+            _pad_parts(sources[item], sig, item, ctx)
+        pattern[item] = (how, len(sources[item]))
     return ragged
+
+
+def _padded_index(sig, item, compact, lengths, parts, ctx):
+    """``(index, zero)``: the ``(N, K)`` index of list argument ``item``
+    gathered compact (``compact``, its elements list after list, of
+    ``lengths``), each list padded with the argument's zero row, appended
+    to ``parts`` (which are the gather's distinct arrays too, so that a
+    recipe finds it), and that :class:`ZeroRow`, or None when no list is
+    short."""
+    width = sig.spans[item][1]
+    real = np.arange(width, dtype=np.int32) < lengths[:, None]
+    if real.all():
+        return compact.reshape(len(lengths), width), None
+    zero = _zero_row(sig, item, ctx)
+    index = np.full((len(lengths), width), sum(part.shape[0] for part in parts),
+                    dtype=np.int32)
+    index[real] = compact
+    parts.append(zero.arrays[0])
+    return index, zero
 
 
 class RaggedInputs:
@@ -322,20 +351,19 @@ entries for rows of 150 (MXNet 1.9.1, one thread, forward and backward:
 dearer at ~1000 x 1000.  0 turns it off."""
 
 
-def _ragged_layout(lists):
-    """``(real, lengths)`` for list arguments whose calls all have equal
-    lengths (``real``: ``(N, K)`` bool, which entries of the indices are
-    elements, not padding, the first ``lengths`` of each row; ``lengths``:
-    int32 per call), else None."""
+def _ragged_layout(sig, lists):
+    """The list lengths (int32, one per call) shared by every list argument
+    of a step (``lists``, as :func:`_lay_out_lists` gets them) when they
+    have one width and some list is shorter than it, else None."""
     layout = width = None
-    for number, (index, _, _, lengths) in enumerate(lists.values()):
+    for number, (item, (index, _, _, lengths)) in enumerate(lists.items()):
         if lengths is None:
             lengths = np.full(index.shape[0], index.shape[1], dtype=np.int32)
         if number == 0:
-            layout, width = lengths, index.shape[1]
-        elif index.shape[1] != width or not np.array_equal(layout, lengths):
+            layout, width = lengths, sig.spans[item][1]
+        elif sig.spans[item][1] != width or not np.array_equal(layout, lengths):
             return None
-    return np.arange(width, dtype=np.int32) < layout[:, None], layout
+    return layout if layout.min() < width else None
 
 
 def _pad_parts(parts, sig, item, ctx):
@@ -638,7 +666,7 @@ def host_item_rows(nodes, item):
     return np.frombuffer(data, dtype=first.dtype).reshape((-1,) + first.shape[1:])
 
 
-def _gather_item(nodes, sig, item, ctx):
+def _gather_item(nodes, sig, item, ctx, compact=False):
     """Where argument ``item`` of every node lives: ``(parts, index,
     distinct, zero, lengths)`` with ``parts`` and ``index`` as :func:`collect` gives
     them, but ``index`` an int32 array, ``(N, K)`` for a list that ``sig``
@@ -647,11 +675,26 @@ def _gather_item(nodes, sig, item, ctx):
     for host rows); ``zero``, the :class:`ZeroRow` that pads shorter lists
     (None when none is shorter); ``lengths``, each node's list length
     (int32; None when none is shorter).  Shorter lists are padded in the
-    index, at their end, not per node."""
+    index, at their end, not per node.
+
+    With ``compact`` (a list argument of a step that may run ragged) the
+    index is ``(M,)``, the lists' M elements only, list after list, with no
+    zero row, and ``lengths`` is always given: a SICK minibatch's lists
+    are ~2.7 times as many entries padded as they have elements.  (A step
+    whose lists gathered that way still runs padded when its lists'
+    lengths differ: :func:`_padded_index`.)"""
     fmt = sig.fmt[item]
     width = sig.spans[item][1]      # a nested list is gathered as its flat leaves
     fast = accel.gather_item
-    if fast is not None and not _host_first(nodes, item):
+    if fast is not None and compact and not _host_first(nodes, item):
+        found = fast(nodes, lambda s: s.spans[item], width, None, ZeroRow, True)
+        if found is not None:
+            parts, index, lengths = found
+            lengths = np.frombuffer(lengths, dtype=np.int32)
+            index = np.arange(int(lengths.sum()), dtype=np.int32) if index is None else \
+                np.frombuffer(index, dtype=np.int32)
+            return parts, index, parts, None, lengths
+    elif fast is not None and not _host_first(nodes, item):
         zero = None if fmt == 0 else _zero_row(sig, item, ctx)
         found = fast(nodes, lambda s: s.spans[item], width, zero, ZeroRow)
         if found is not None:
@@ -675,6 +718,17 @@ def _gather_item(nodes, sig, item, ctx):
         return (parts, None if index is None else np.asarray(index, dtype=np.int32),
                 distinct, None, None)
     spans = {s: s.spans[item] for s in {node.sig for node in nodes}}
+    if compact:
+        leaves, counts = [], []
+        for node in nodes:
+            pos, length = spans[node.sig]
+            leaves += node.leaves[pos:pos + length]
+            counts.append(length)
+        if leaves and not isinstance(leaves[0], np.ndarray):    # host lists: padded below
+            parts, index, distinct = collect(leaves, ctx)
+            index = np.arange(len(leaves), dtype=np.int32) if index is None else \
+                np.asarray(index, dtype=np.int32)
+            return parts, index, distinct, None, np.asarray(counts, dtype=np.int32)
     counts = None
     if len(spans) == 1 and next(iter(spans.values()))[1] == width:
         pos = next(iter(spans.values()))[0]

@@ -2,6 +2,7 @@
 versions do: the same recorded graph, groups, structure keys and gathers
 on random programs, and the same results and gradients end to end with the
 C versions turned off."""
+import contextlib
 import os
 import shutil
 
@@ -267,16 +268,18 @@ def gathered(parts, index):
     return source if index is None else source[index.reshape(-1)]
 
 
-def gathers_match_python(ops):
-    """Run ``ops``; every argument of every step must be found in the same
+@contextlib.contextmanager
+def checking_gathers():
+    """Inside, every argument of every step must be found in the same
     rows of the same arrays by the C gather (``accel.gather_item``) as by
-    Python (the C result then runs).  Returns, per list argument the C
-    gather handled, ``'padded'`` or ``'list'``."""
+    Python (the C result then runs).  Yields a list that gets, per list
+    argument the C gather handled, ``'padded'``, ``'list'`` or
+    ``'compact'`` (the elements only, for a step that may run ragged)."""
     from gluon_dynbatch import execute
     python_gather = execute._gather_item
     checked = []
 
-    def both(nodes, sig, item, ctx):
+    def both(nodes, sig, item, ctx, compact=False):
         found, in_c = [], []
         for on in (True, False):
             accel.enable(on)
@@ -284,7 +287,7 @@ def gathers_match_python(ops):
                 accel.gather_item = lambda *args: in_c.append(
                     accel._LOADED['gather_item'](*args)) or in_c[-1]
             try:
-                found.append(python_gather(nodes, sig, item, ctx))
+                found.append(python_gather(nodes, sig, item, ctx, compact))
             finally:
                 accel.enable(True)
         (parts, index, distinct, zero, lengths), \
@@ -296,10 +299,11 @@ def gathers_match_python(ops):
         assert sorted(map(id, distinct or ())) == sorted(map(id, py_distinct or ())) or \
             any(isinstance(leaf, np.ndarray) for node in nodes for leaf in node.leaves)
         assert zero is py_zero
-        if lengths is None:     # each list's length, given where one is short
+        if lengths is None:     # each list's length, given where one is short (or compact)
             assert py_lengths is None and zero is None
         else:
-            assert lengths.dtype == py_lengths.dtype == np.int32 and zero is not None
+            assert lengths.dtype == py_lengths.dtype == np.int32
+            assert zero is not None or (compact and index.ndim == 1)
             np.testing.assert_array_equal(lengths, py_lengths)
         if index is None:
             assert py_index is None
@@ -307,15 +311,21 @@ def gathers_match_python(ops):
             assert index.dtype == py_index.dtype == np.int32
             assert index.shape == py_index.shape
         if in_c and in_c[-1] is not None:
-            checked.append('padded' if zero is not None else 'list')
+            checked.append('compact' if compact else 'padded' if zero is not None else 'list')
         return found[0]
     execute._gather_item = both
     try:
+        yield checked
+    finally:
+        execute._gather_item = python_gather
+
+
+def gathers_match_python(ops):
+    """Run ``ops`` under :func:`checking_gathers`; returns what it checked."""
+    with checking_gathers() as checked:
         with private_scope('depth') as scope:
             run_program(Blocks(), ops)
             scope.flush()
-    finally:
-        execute._gather_item = python_gather
     return checked
 
 
@@ -332,6 +342,24 @@ def test_padded_list_gathers_match_python():
     ops += [('cell', [arity, 3, 5, 4, 6, 7, 8, 9]) for arity in (1, 3, 2, 3, 1)]
     assert 'padded' in gathers_match_python(ops)
 
+
+
+@needs_extension
+@pytest.mark.parametrize('seed', [0, 1])
+def test_compact_list_gathers_match_python(seed, monkeypatch):
+    """Tree-LSTM steps that may run ragged (padding priced out) gather their
+    lists' elements only, in C as in Python."""
+    from gluon_dynbatch import execute, plan
+    from test_equivalence import make_tree_model, pair_forward, random_pairs
+    monkeypatch.setitem(plan.PADDING_COST, 'elem_us', 1e6)
+    monkeypatch.setitem(plan.PADDING_COST, 'family_step_us', {})
+    node, head = make_tree_model(pad_lists=True)
+    forward = pair_forward(node, head, random_pairs(np.random.RandomState(seed), 6))
+    with checking_gathers() as checked:
+        with dyb.batching('depth'):
+            outs = forward()
+        dyb.concat_rows(outs).asnumpy()
+    assert 'compact' in checked
 
 
 def rows_of(arrays, picks):

@@ -484,6 +484,63 @@ def test_ragged_steps_equal_per_sample(strategy, training, incidence, ragged_alw
         assert runs[-1] == 'cached-compiled'
 
 
+class TwoListSums(mx.gluon.HybridBlock):
+    """``tanh(x + sum_k A a_k + sum_k B b_k)``: two list arguments, each
+    read only by per-element ops that are summed, so a family of its calls
+    may run ragged, whatever the lengths of each list."""
+
+    def __init__(self, units):
+        super().__init__()
+        with self.name_scope():
+            self.a = mx.gluon.nn.Dense(units, in_units=units, use_bias=False)
+            self.b = mx.gluon.nn.Dense(units, in_units=units, use_bias=False)
+
+    def hybrid_forward(self, F, x, a, b):
+        for dense, elements in ((self.a, a), (self.b, b)):
+            if elements:    # each list summed by itself: its lanes close (see lanes)
+                x = x + F.add_n(*[dense(e) for e in elements])
+        return F.Activation(x, act_type='tanh')
+
+
+@pytest.mark.parametrize('training', [False, True])
+@pytest.mark.parametrize('strategy', ['depth', 'cached'])
+def test_lists_of_different_lengths_in_a_call_run_padded(strategy, training, ragged_always,
+                                                          monkeypatch):
+    """A step that may run ragged gathers its lists' elements only; when
+    its calls' two lists differ in length (3 and 2, 2 and 3 elements) it
+    lays them out padded after all, with the zero row appended to the
+    gathered sources (execute._padded_index), and a cached plan replays
+    and compiles that; values and gradients equal per-sample execution."""
+    block = dyb.DynBatchBlock(TwoListSums(D), pad_lists=True)
+    block.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(3)
+    xs = [rng.uniform(-1, 1, (1, D)).astype(np.float32) for _ in range(12)]   # host rows
+    lengths = [(3, 2), (2, 3), (3, 2), (2, 3), (3, 3)]
+
+    def forward():
+        values = [block(x, [], []) for x in xs[:6]]
+        for k, x in enumerate(xs[6:]):
+            len_a, len_b = lengths[k % len(lengths)]
+            values.append(block(x, values[k:k + len_a], values[k + 1:k + 1 + len_b]))
+        return values[6:]
+    padded = []
+    real_padded_index = execute._padded_index
+    monkeypatch.setattr(execute, '_padded_index', lambda *args: padded.append(
+        real_padded_index(*args)) or padded[-1])
+    params = list(block.collect_params().values())
+    chosen = dyb.CachedPlan(compile_after=2) if strategy == 'cached' else strategy
+    want_outs, want_grads = outputs_and_gradients(forward, params, None, training)
+    for _ in range(4 if strategy == 'cached' else 1):
+        got_outs, got_grads = outputs_and_gradients(forward, params, chosen, training)
+        for want, got in zip(want_outs, got_outs):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        for param, want, got in zip(params, want_grads, got_grads):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=param.name)
+    assert any(zero is not None for _, zero in padded), 'no list was padded: test moot'
+    if strategy == 'cached':
+        assert dyb.stats()['last']['strategy'] == 'cached-compiled'
+
+
 def _tree_model_matches_per_sample(strategy, training, seed):
     """A Tree-LSTM model run on 8 random pairs by ``strategy`` ('depth', or
     'cached', four times so that the plan compiles): values and gradients
