@@ -336,8 +336,9 @@ def tanh_by_sigmoid(symbol):
     return _load(graph, out, [entry_for(entry) for entry in graph['heads']])
 
 
-ELEMWISE_ADD = ('elemwise_add', '_plus', '_Plus', '_add')
-"""The names of MXNet's ``elemwise_add`` (``a + b`` of two symbols)."""
+ELEMWISE_ADD = ('elemwise_add',)
+"""MXNet's ``elemwise_add`` (``a + b`` of two symbols; its aliases ``_plus``
+and ``_Plus`` are saved under this name)."""
 
 
 def adds_by_broadcast(symbol):
@@ -360,9 +361,8 @@ def adds_by_broadcast(symbol):
     if not any(node['op'] in ELEMWISE_ADD for node in nodes):
         return symbol
     for node in nodes:
-        if node['op'] in ELEMWISE_ADD:
+        if node['op'] in ELEMWISE_ADD:     # neither has parameters: attributes stay
             node['op'] = 'broadcast_add'
-            node['attrs'] = {}
     return _load(graph, nodes, graph['heads'])
 
 

@@ -42,21 +42,15 @@ class TwoOutputs(mx.gluon.HybridBlock):
 
 
 class InputPlusState(mx.gluon.HybridBlock):
-    """``tanh(x + W h)`` (``+ U x`` with ``U`` frozen, when asked): a
-    per-sample input added to a trained term, as an RNN cell adds its
-    input's projection."""
+    """``tanh(x + W h)``: a per-sample input added to a trained term, as an
+    RNN cell adds its input's projection."""
 
-    def __init__(self, units, frozen=False):
+    def __init__(self, units):
         super().__init__()
         with self.name_scope():
             self.w = mx.gluon.nn.Dense(units, in_units=units, use_bias=False)
-            self.u = mx.gluon.nn.Dense(units, in_units=units) if frozen else None
-        if frozen:
-            self.u.collect_params().setattr('grad_req', 'null')
 
     def hybrid_forward(self, F, x, h):
-        if self.u is not None:
-            x = x + self.u(x)
         return F.Activation(x + self.w(h), act_type='tanh')
 
 

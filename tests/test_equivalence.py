@@ -268,21 +268,16 @@ def test_dag_shared_values_and_several_outputs(strategy):
     assert_same(run_both(forward, [block], inputs=xs, strategy=strategy))
 
 
-@pytest.mark.parametrize('strategy', STRATEGIES)
-@pytest.mark.parametrize('kind', ['ndarray', 'host', 'frozen'])
-def test_inputs_without_gradients_added_to_trained_values(strategy, kind):
-    """Chains of different lengths of ``tanh(x + W h)`` with inputs that
-    need no gradient: NDArrays without ``attach_grad``, host rows (numpy),
-    and host rows with a frozen parameter's term added to them.  MXNet 1.9.1's programs
-    with ``static_alloc`` computed zero or garbage gradients for ``W``
-    there (see lower.adds_by_broadcast); every strategy must give the
-    per-sample gradients.  (A compiled plan is checked by
-    test_lanes.test_lists_of_different_lengths_in_a_call_run_padded.)"""
-    block = dyb.DynBatchBlock(InputPlusState(4, frozen=kind == 'frozen'))
+def _input_chains(kind):
+    """Chains of 2, 3, 4 and 2 calls ``h = cell(x, h)`` of an
+    :class:`InputPlusState` cell from a zero start, with inputs that need
+    no gradient: NDArrays without ``attach_grad`` (``kind`` 'ndarray') or
+    host rows ('host'); returns the cell and the forward function."""
+    block = dyb.DynBatchBlock(InputPlusState(4))
     block.initialize(mx.init.Uniform(0.5))
     rng = np.random.RandomState(2)
     rows = [[rng.uniform(-1, 1, (1, 4)).astype(np.float32) for _ in range(length)]
-            for length in (1, 3, 4, 2)]
+            for length in (2, 3, 4, 2)]
     start = np.zeros((1, 4), dtype=np.float32)
     if kind == 'ndarray':
         rows = [[mx.nd.array(x) for x in chain] for chain in rows]
@@ -296,9 +291,37 @@ def test_inputs_without_gradients_added_to_trained_values(strategy, kind):
                 h = block(x, h)
                 outs.append(h)
         return outs
-    chosen = dyb.CachedPlan() if strategy == 'cached' else strategy
-    for _ in range(2 if strategy == 'cached' else 1):   # a cached plan's miss and hit
+    return block, forward
+
+
+@pytest.mark.parametrize('strategy', STRATEGIES)
+@pytest.mark.parametrize('kind', ['ndarray', 'host'])
+def test_inputs_without_gradients_added_to_trained_values(strategy, kind):
+    """``tanh(x + W h)`` in chains whose inputs need no gradient (see
+    :func:`_input_chains`).  MXNet 1.9.1's programs with ``static_alloc``
+    computed zero or garbage gradients for ``W`` there (see
+    lower.adds_by_broadcast); every strategy must give the per-sample
+    gradients, a cached plan on its miss, its hit and compiled."""
+    block, forward = _input_chains(kind)
+    chosen = dyb.CachedPlan(compile_after=2) if strategy == 'cached' else strategy
+    for _ in range(3 if strategy == 'cached' else 1):
         assert_same(run_both(forward, [block], strategy=chosen))
+    if strategy == 'cached' and kind == 'host':     # user NDArrays: no recipe
+        assert dyb.stats()['last']['strategy'] == 'cached-compiled'
+
+
+def test_plan_compiled_in_inference_trains_like_per_sample():
+    """A cached plan compiled in inference runs the same structure in
+    training as that compiled program (structures do not tell the modes
+    apart), whose adds must then be broadcast_adds too (FlushProgram)."""
+    block, forward = _input_chains('host')
+    plan = dyb.CachedPlan(compile_after=1)
+    for _ in range(3):          # a miss, recipes learned, compiled
+        with dyb.batching(plan):
+            [value.data for value in forward()]
+    assert dyb.stats()['last']['strategy'] == 'cached-compiled'
+    assert_same(run_both(forward, [block], strategy=plan))
+    assert dyb.stats()['last']['strategy'] == 'cached-compiled'
 
 
 @pytest.mark.parametrize('strategy', STRATEGIES)
