@@ -527,18 +527,9 @@ def test_lists_of_different_lengths_in_a_call_run_padded(strategy, training, rag
     real_padded_index = execute._padded_index
     monkeypatch.setattr(execute, '_padded_index', lambda *args: padded.append(
         real_padded_index(*args)) or padded[-1])
-    params = list(block.collect_params().values())
-    chosen = dyb.CachedPlan(compile_after=2) if strategy == 'cached' else strategy
-    want_outs, want_grads = outputs_and_gradients(forward, params, None, training)
-    for _ in range(4 if strategy == 'cached' else 1):
-        got_outs, got_grads = outputs_and_gradients(forward, params, chosen, training)
-        for want, got in zip(want_outs, got_outs):
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-        for param, want, got in zip(params, want_grads, got_grads):
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=param.name)
+    _matches_per_sample(forward, list(block.collect_params().values()), strategy, training,
+                        rtol=1e-5, atol=1e-6)
     assert any(zero is not None for _, zero in padded), 'no list was padded: test moot'
-    if strategy == 'cached':
-        assert dyb.stats()['last']['strategy'] == 'cached-compiled'
 
 
 def _tree_model_matches_per_sample(strategy, training, seed):
@@ -548,17 +539,24 @@ def _tree_model_matches_per_sample(strategy, training, seed):
     node, head = make_tree_model(pad_lists=True)
     forward = pair_forward(node, head, random_pairs(np.random.RandomState(seed), 8))
     params = list(node.collect_params().values()) + list(head.collect_params().values())
+    _matches_per_sample(forward, params, strategy, training)
+    return node
+
+
+def _matches_per_sample(forward, params, strategy, training, rtol=1e-4, atol=1e-5):
+    """``forward`` run by ``strategy`` ('depth', or 'cached', four times so
+    that the plan compiles) gives per-sample execution's values and, when
+    ``training``, gradients of ``params``."""
     chosen = dyb.CachedPlan(compile_after=2) if strategy == 'cached' else strategy
     want_outs, want_grads = outputs_and_gradients(forward, params, None, training)
     for _ in range(4 if strategy == 'cached' else 1):
         got_outs, got_grads = outputs_and_gradients(forward, params, chosen, training)
         for want, got in zip(want_outs, got_outs):
-            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
         for param, want, got in zip(params, want_grads, got_grads):
-            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=param.name)
+            np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=param.name)
     if strategy == 'cached':
         assert dyb.stats()['last']['strategy'] == 'cached-compiled'
-    return node
 
 
 @pytest.mark.parametrize('training', [False, True])
