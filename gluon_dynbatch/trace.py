@@ -132,6 +132,10 @@ def trace_signature(sig_id, block, fmt, shapes, dtypes):
     out_fmt = flatten(out if isinstance(out, (list, tuple)) else [out], out_leaves)
     if not isinstance(out, (list, tuple)):
         out_fmt = 0
+    # an output that is an argument itself (``return x`` for a leaf) is no
+    # op of the graph, and a program built on it would lose it: copy it
+    out_leaves = [mx.sym.identity(leaf) if leaf.get_children() is None else leaf
+                  for leaf in out_leaves]
     symbol = out_leaves[0] if len(out_leaves) == 1 else mx.sym.Group(out_leaves)
 
     known = dict(zip(data_names, shapes))

@@ -342,6 +342,38 @@ def test_random_programs_train_like_per_sample(strategy, ops):
     assert_same(run_both(forward, all_blocks, strategy=chosen))
 
 
+class ScaledChildren(gluon.HybridBlock):
+    """``x + sum_k x * tanh(W h_k)``: with no children, ``x`` itself."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.w = nn.Dense(4, in_units=4, use_bias=False)
+
+    def hybrid_forward(self, F, x, hs):
+        out = x
+        for h in hs:
+            out = out + F.tanh(self.w(h)) * x
+        return out
+
+
+@pytest.mark.parametrize('strategy', STRATEGIES)
+def test_block_returning_an_argument_unchanged(strategy):
+    """A call whose output is one of its arguments (a leaf returning ``x``)
+    batches too: its traced graph had no op to run, and building its step
+    program failed in MXNet's Symbol.Compose.  Values and the gradients of
+    the parameters and of the inputs equal per-sample execution."""
+    block = dyb.DynBatchBlock(ScaledChildren())
+    block.initialize(mx.init.Uniform(0.5))
+    xs = [mx.nd.random.uniform(-1, 1, (1, 4)) for _ in range(5)]
+
+    def forward():
+        leaves = [block(x, []) for x in xs[:3]]
+        inner = block(xs[3], leaves[:2])
+        return leaves + [inner, block(xs[4], [inner, leaves[2]])]
+    assert_same(run_both(forward, [block], inputs=xs, strategy=strategy))
+
+
 def test_adds_by_broadcast_gives_static_programs_the_dynamic_gradients():
     """The rewrite behind the test above, on one program: with
     ``static_alloc`` and an input that needs no gradient added to a trained
