@@ -222,7 +222,9 @@ def _gathered(sig, pattern):
                 lane_ndims[cut] = len(shapes.pop())
             for j in range(width):
                 replace[next(names)] = parts[j]
-    return sig.symbol(**replace), lane_ndims
+    inputs = set(sig.symbol.list_inputs())      # an ignored argument is none of them
+    return sig.symbol(**{name: rows for name, rows in replace.items() if name in inputs}), \
+        lane_ndims
 
 
 def _build(sig, pattern, training):

@@ -87,7 +87,6 @@ class TracedSignature:
         by_name = {p.name: p for p in params.values()}
         self.param_slots = [(i, by_name[n]) for i, n in enumerate(self.input_names)
                             if n not in data_names]
-        self.data_slots = [self.input_names.index(n) for n in data_names]
         # compiled step programs by gather pattern (see lower.py); row-wise
         # symbols accept any batch size, so one program serves every N
         self.programs = {}              # under autograd.record()
@@ -138,15 +137,17 @@ def trace_signature(sig_id, block, fmt, shapes, dtypes):
                   for leaf in out_leaves]
     symbol = out_leaves[0] if len(out_leaves) == 1 else mx.sym.Group(out_leaves)
 
-    known = dict(zip(data_names, shapes))
-    params = {p.name: p for p in block.collect_params().values()}
+    # an argument the block ignores is no input of its graph (its rows are
+    # still gathered, and nothing reads them)
     inputs = set(symbol.list_inputs())
+    known = {name: shape for name, shape in zip(data_names, shapes) if name in inputs}
+    params = {p.name: p for p in block.collect_params().values()}
     for name, param in params.items():
         if name in inputs and param.shape is not None and all(d > 0 for d in param.shape):
             known[name] = param.shape
     arg_shapes, out_shapes, aux_shapes = _infer_shapes(block, symbol, known, shapes)
     _finish_deferred_init(block, symbol, arg_shapes, aux_shapes, params)
-    types = dict(zip(data_names, dtypes))
+    types = {name: dtype for name, dtype in zip(data_names, dtypes) if name in inputs}
     _, out_types, _ = symbol.infer_type(**types)
     out_dtypes = [np.dtype(t).type for t in out_types]
     batch_safe, reason = check_batch_safe(symbol, set(data_names), known)

@@ -374,6 +374,42 @@ def test_block_returning_an_argument_unchanged(strategy):
     assert_same(run_both(forward, [block], inputs=xs, strategy=strategy))
 
 
+class IgnoresAnArgument(gluon.HybridBlock):
+    """``tanh(W h)``, ignoring its first argument (a cell that a config
+    tells to skip its input)."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.w = nn.Dense(4, in_units=4)
+
+    def hybrid_forward(self, F, x, h):
+        return F.tanh(self.w(h))
+
+
+@pytest.mark.parametrize('strategy', STRATEGIES)
+@pytest.mark.parametrize('host', [False, True])
+def test_block_ignoring_an_argument(strategy, host):
+    """An argument the block never reads is no input of its graph: tracing
+    failed in MXNet's infer_shape on it.  Its rows are gathered and unread;
+    values and gradients equal per-sample execution."""
+    block = dyb.DynBatchBlock(IgnoresAnArgument())
+    block.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(4)
+    xs = [rng.uniform(-1, 1, (1, 4)).astype(np.float32) for _ in range(4)]
+    if not host:
+        xs = [mx.nd.array(x) for x in xs]
+    start = mx.nd.array(rng.uniform(-1, 1, (1, 4)))
+
+    def forward():
+        h, outs = start, []
+        for x in xs:
+            h = block(x, h)
+            outs.append(h)
+        return outs + [block(xs[0], start)]
+    assert_same(run_both(forward, [block], strategy=strategy))
+
+
 def test_adds_by_broadcast_gives_static_programs_the_dynamic_gradients():
     """The rewrite behind the test above, on one program: with
     ``static_alloc`` and an input that needs no gradient added to a trained
