@@ -961,8 +961,28 @@ static PyObject *local_state, *call_py, *s_scope;
 /* DynBatchBlock.__call__ in C: inside a scope, record (no Python frame at
  * all for the common case, which measured a third of a recorded call);
  * otherwise, or when record_args defers, the Python __call__ (call_py). */
-static PyObject *block_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *block_call(PyObject *self, PyObject *const *args, Py_ssize_t nargsf,
+                            PyObject *kwnames)
 {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (kwnames != NULL && PyTuple_GET_SIZE(kwnames) > 0) {
+        /* the Python __call__ says which block and how to call it */
+        PyObject *tuple = PyTuple_New(nargs), *kwargs = PyDict_New();
+        if (tuple == NULL || kwargs == NULL) { Py_XDECREF(tuple); Py_XDECREF(kwargs); return NULL; }
+        for (Py_ssize_t i = 0; i < nargs; i++) {
+            Py_INCREF(args[i]);
+            PyTuple_SET_ITEM(tuple, i, args[i]);
+        }
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kwnames); i++)
+            if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), args[nargs + i])) {
+                Py_DECREF(tuple); Py_DECREF(kwargs);
+                return NULL;
+            }
+        PyObject *pair = PyTuple_Pack(2, self, tuple);
+        PyObject *result = pair ? PyObject_Call(call_py, pair, kwargs) : NULL;
+        Py_XDECREF(pair); Py_DECREF(tuple); Py_DECREF(kwargs);
+        return result;
+    }
     PyObject *scope = !configured ? NULL
         : Py_IS_TYPE(local_state, &ScopeSlotType) ? scope_slot_read((ScopeSlotObject *)local_state)
         : PyObject_GetAttr(local_state, s_scope);
@@ -989,7 +1009,7 @@ static PyObject *block_call(PyObject *self, PyObject *const *args, Py_ssize_t na
 }
 
 static PyMethodDef block_call_def = {
-    "__call__", (PyCFunction)(void (*)(void))block_call, METH_FASTCALL,
+    "__call__", (PyCFunction)(void (*)(void))block_call, METH_FASTCALL | METH_KEYWORDS,
     "Record the call inside a batching() scope, else call the wrapped block "
     "(DynBatchBlock.__call__ in C; see gluon_dynbatch.accel)."
 };

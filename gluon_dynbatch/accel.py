@@ -172,7 +172,8 @@ def attach_call(cls, local, scope_cls):
     _CALL.update(cls=cls, python=python_call)
     if 'call_method' in _LOADED:
         _CALL['c'] = _LOADED['call_method'](
-            cls, local, lambda dblock, args: python_call(dblock, *args), scope_cls)
+            cls, local, lambda dblock, args, **kwargs: python_call(dblock, *args, **kwargs),
+            scope_cls)
     enable(record is not None)
 
 

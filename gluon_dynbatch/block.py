@@ -554,9 +554,13 @@ class DynBatchBlock(Block):
         self._pad_checked = set()
         self._padded = {}       # tuple of signatures -> their padded signature
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         # Replaced by its C version where the extension is built (see
         # gluon_dynbatch.accel), which runs this one for what it defers.
+        if kwargs:
+            raise InputError('block %s takes its arguments by position (got keyword '
+                             'arguments %s): pass them in the order of its hybrid_forward.'
+                             % (self.block.name, ', '.join(sorted(kwargs))))
         scope = getattr(_LOCAL, 'scope', None)     # current_scope(), inlined: hot path
         if scope is None:
             return self.block(*_materialize(args))

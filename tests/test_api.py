@@ -1,5 +1,6 @@
 """Behaviour of the user-facing API: laziness, scopes, plans, parameters,
 and the errors each misuse gets."""
+import contextlib
 import sys
 import time
 
@@ -374,6 +375,24 @@ def test_error_non_array_argument_names_block_and_argument():
     with dyb.batching():
         with pytest.raises(dyb.InputError, match=r'childsumtreelstmcell\d+.*#1\[0\].*int'):
             cell(mx.nd.ones((1, 3)), [3], [mx.nd.ones((1, 4))])
+
+
+@pytest.mark.parametrize('accelerated', [True, False])
+@pytest.mark.parametrize('inside', [True, False])
+def test_error_keyword_arguments_name_the_block(accelerated, inside):
+    """Calls are recorded by position; keywords get an error that names the
+    block, in a scope or not, from the C ``__call__`` as from Python's."""
+    from gluon_dynbatch import accel
+    block = dyb.DynBatchBlock(mx.gluon.nn.Dense(3, in_units=3))
+    block.initialize()
+    accel.enable(accelerated)
+    try:
+        with dyb.batching() if inside else contextlib.nullcontext():
+            with pytest.raises(dyb.InputError, match=r'dense\d+ takes its arguments by '
+                                                     r'position.*keyword arguments data'):
+                block(data=mx.nd.ones((1, 3)))
+    finally:
+        accel.enable(True)
 
 
 def test_error_mixed_dtypes():
