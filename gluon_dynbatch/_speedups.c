@@ -960,51 +960,46 @@ static PyObject *local_state, *call_py, *s_scope;
 
 /* DynBatchBlock.__call__ in C: inside a scope, record (no Python frame at
  * all for the common case, which measured a third of a recorded call);
- * otherwise, or when record_args defers, the Python __call__ (call_py). */
+ * otherwise, when record_args defers, or for keyword arguments (which it
+ * refuses, naming the block), the Python __call__ (call_py). */
 static PyObject *block_call(PyObject *self, PyObject *const *args, Py_ssize_t nargsf,
                             PyObject *kwnames)
 {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    if (kwnames != NULL && PyTuple_GET_SIZE(kwnames) > 0) {
-        /* the Python __call__ says which block and how to call it */
-        PyObject *tuple = PyTuple_New(nargs), *kwargs = PyDict_New();
-        if (tuple == NULL || kwargs == NULL) { Py_XDECREF(tuple); Py_XDECREF(kwargs); return NULL; }
-        for (Py_ssize_t i = 0; i < nargs; i++) {
-            Py_INCREF(args[i]);
-            PyTuple_SET_ITEM(tuple, i, args[i]);
+    Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    if (nkw == 0) {
+        PyObject *scope = !configured ? NULL
+            : Py_IS_TYPE(local_state, &ScopeSlotType)
+            ? scope_slot_read((ScopeSlotObject *)local_state)
+            : PyObject_GetAttr(local_state, s_scope);
+        if (scope == NULL && configured) {
+            if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return NULL;
+            PyErr_Clear();
+        } else if (scope != Py_None) {
+            PyObject *result = record_args(scope, self, args, nargs);
+            Py_DECREF(scope);
+            if (result != Py_None) return result;     /* a result, or an error */
+            Py_DECREF(result);
+        } else {
+            Py_DECREF(scope);
         }
-        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kwnames); i++)
-            if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), args[nargs + i])) {
-                Py_DECREF(tuple); Py_DECREF(kwargs);
-                return NULL;
-            }
-        PyObject *pair = PyTuple_Pack(2, self, tuple);
-        PyObject *result = pair ? PyObject_Call(call_py, pair, kwargs) : NULL;
-        Py_XDECREF(pair); Py_DECREF(tuple); Py_DECREF(kwargs);
-        return result;
     }
-    PyObject *scope = !configured ? NULL
-        : Py_IS_TYPE(local_state, &ScopeSlotType) ? scope_slot_read((ScopeSlotObject *)local_state)
-        : PyObject_GetAttr(local_state, s_scope);
-    if (scope == NULL && configured) {
-        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return NULL;
-        PyErr_Clear();
-    } else if (scope != Py_None) {
-        PyObject *result = record_args(scope, self, args, nargs);
-        Py_DECREF(scope);
-        if (result != Py_None) return result;     /* a result, or an error */
-        Py_DECREF(result);
-    } else {
-        Py_DECREF(scope);
-    }
-    PyObject *tuple = PyTuple_New(nargs);
-    if (tuple == NULL) return NULL;
+    PyObject *tuple = PyTuple_New(nargs), *kwargs = nkw ? PyDict_New() : NULL, *result = NULL;
+    if (tuple == NULL || (nkw && kwargs == NULL)) goto done;
     for (Py_ssize_t i = 0; i < nargs; i++) {
         Py_INCREF(args[i]);
         PyTuple_SET_ITEM(tuple, i, args[i]);
     }
-    PyObject *result = PyObject_CallFunctionObjArgs(call_py, self, tuple, NULL);
-    Py_DECREF(tuple);
+    for (Py_ssize_t i = 0; i < nkw; i++)
+        if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), args[nargs + i])) goto done;
+    PyObject *pair = PyTuple_Pack(2, self, tuple);
+    if (pair != NULL) {
+        result = PyObject_Call(call_py, pair, kwargs);
+        Py_DECREF(pair);
+    }
+done:
+    Py_XDECREF(tuple);
+    Py_XDECREF(kwargs);
     return result;
 }
 

@@ -338,11 +338,6 @@ def tanh_by_sigmoid(symbol):
     return _load(graph, out, [entry_for(entry) for entry in graph['heads']])
 
 
-ELEMWISE_ADD = ('elemwise_add',)
-"""MXNet's ``elemwise_add`` (``a + b`` of two symbols; its aliases ``_plus``
-and ``_Plus`` are saved under this name)."""
-
-
 def adds_by_broadcast(symbol):
     """``symbol`` with every ``elemwise_add`` made a ``broadcast_add`` (the
     same values for operands of one shape), or ``symbol`` itself when it
@@ -357,13 +352,15 @@ def adds_by_broadcast(symbol):
     ``tanh(x + W h)`` with ``x`` such an input got zero or garbage
     gradients for ``W``, and one variant of it failed MXNet's storage-type
     check in backward.  ``broadcast_add`` computes its gradients itself and
-    runs correctly; ``add_n`` did too."""
+    runs correctly; so did ``add_n``, ``elemwise_sub``, ``elemwise_mul``,
+    ``Concat`` and ``dot``, and ``elemwise_add`` of two values computed in
+    the program (only an input as operand went wrong)."""
     graph = json.loads(symbol.tojson())
     nodes = graph['nodes']
-    if not any(node['op'] in ELEMWISE_ADD for node in nodes):
+    if not any(node['op'] == 'elemwise_add' for node in nodes):
         return symbol
-    for node in nodes:
-        if node['op'] in ELEMWISE_ADD:     # neither has parameters: attributes stay
+    for node in nodes:      # (``a + b``, ``_plus`` and ``_Plus`` are saved as elemwise_add)
+        if node['op'] == 'elemwise_add':    # neither has parameters: attributes stay
             node['op'] = 'broadcast_add'
     return _load(graph, nodes, graph['heads'])
 
