@@ -469,35 +469,45 @@ def _leaf_path(fmt, index):
     return walk(fmt, '') or '#%d' % index
 
 
+PADDING_CHECK_RANGES = ((-1.0, 1.0), (-2.0, -0.5), (0.5, 2.0))
+"""The ranges of the random inputs :func:`check_padding_is_neutral` tries:
+a mixed draw, and all negative and all positive ones, since a zero row
+changes a max over a list only where every element is negative, and a
+min only where every element is positive."""
+
+
 def check_padding_is_neutral(dblock, sig, padded):
-    """Run the block once on random inputs with the lists of ``sig`` and once
-    padded with zeros to ``padded``; raise unless the outputs agree."""
+    """Run the block on random inputs with the lists of ``sig`` and padded
+    with zeros to ``padded``, for each range of
+    :data:`PADDING_CHECK_RANGES`; raise unless the outputs agree."""
     rng = np.random.RandomState(0)
     dtype = sig.key[-2]
-    leaves = [mx.nd.array(rng.uniform(-1, 1, shape), ctx=sig.ctx, dtype=dtype)
-              for shape in sig.in_shapes]
     zero = {}
     def zeros(shape):
         if shape not in zero:
             zero[shape] = mx.nd.zeros(shape, ctx=sig.ctx, dtype=dtype)
         return zero[shape]
-    longer = pad_leaves(sig.fmt, leaves, padded.fmt,
-                        lambda item: zeros(padded.item_shape(item)))
-    with mx.autograd.pause():
-        short_out = dblock.block(*regroup(sig.fmt, leaves)[0])
-        long_out = dblock.block(*regroup(padded.fmt, longer)[0])
-    flat_short, flat_long = [], []
-    flatten([short_out], flat_short)
-    flatten([long_out], flat_long)
-    for a, b in zip(flat_short, flat_long):
-        # NaNs in the same places (a square root of a negative input) are
-        # the block's own, not padding's doing
-        if not np.allclose(a.asnumpy(), b.asnumpy(), rtol=1e-5, atol=1e-6, equal_nan=True):
-            raise InputError(
-                'block %s declares pad_lists, but padding its list arguments with zeros from '
-                '%s to %s changes its output. Pass pad_lists=False to DynBatchBlock (calls of '
-                'different list lengths then run as separate groups).'
-                % (dblock.block.name, sig.fmt, padded.fmt))
+    for low, high in PADDING_CHECK_RANGES:
+        leaves = [mx.nd.array(rng.uniform(low, high, shape), ctx=sig.ctx, dtype=dtype)
+                  for shape in sig.in_shapes]
+        longer = pad_leaves(sig.fmt, leaves, padded.fmt,
+                            lambda item: zeros(padded.item_shape(item)))
+        with mx.autograd.pause():
+            short_out = dblock.block(*regroup(sig.fmt, leaves)[0])
+            long_out = dblock.block(*regroup(padded.fmt, longer)[0])
+        flat_short, flat_long = [], []
+        flatten([short_out], flat_short)
+        flatten([long_out], flat_long)
+        for a, b in zip(flat_short, flat_long):
+            # NaNs in the same places (a square root of a negative input) are
+            # the block's own, not padding's doing
+            if not np.allclose(a.asnumpy(), b.asnumpy(), rtol=1e-5, atol=1e-6, equal_nan=True):
+                raise InputError(
+                    'block %s declares pad_lists, but padding its list arguments with zeros '
+                    'from %s to %s changes its output (inputs drawn from [%g, %g]). Pass '
+                    'pad_lists=False to DynBatchBlock (calls of different list lengths then '
+                    'run as separate groups).' % (dblock.block.name, sig.fmt, padded.fmt, low,
+                                                  high))
 
 
 def _materialize(args):

@@ -14,7 +14,7 @@ per input, whether it is batched and its per-sample shape.
 import ast
 import warnings
 
-__all__ = ['register_batching_rule', 'batching_rule', 'OpView', 'RULES']
+__all__ = ['register_batching_rule', 'batching_rule', 'draws_random', 'OpView', 'RULES']
 
 RULES = {}
 
@@ -35,6 +35,22 @@ def register_batching_rule(*op_names):
 def batching_rule(op_name):
     """The rule for ``op_name``, or None."""
     return RULES.get(op_name)
+
+
+RANDOM_PREFIXES = ('_random_', 'random_', '_sample_', 'sample_', '_npi_random_',
+                   '_image_random_', '_npx__image_random_')
+RANDOM = frozenset('''Dropout _npx_dropout _shuffle shuffle _npi_shuffle _npi_bernoulli
+_npi_choice _npi_gumbel _npi_normal _npi_uniform _npi_normal_n _npi_uniform_n _npi_exponential
+_npi_gamma _npi_logistic _npi_pareto _npi_rayleigh _npi_weibull _npi_multinomial
+_npi_powerd'''.split())
+
+
+def draws_random(op_name):
+    """Whether ``op_name`` draws random numbers (the ``*_pdf_*`` ops only
+    evaluate densities).  Such an op reading no per-sample input makes its
+    block run per sample: run once for a step, its one draw would serve
+    every sample, where per sample each call draws its own."""
+    return op_name in RANDOM or (op_name.startswith(RANDOM_PREFIXES) and '_pdf_' not in op_name)
 
 
 class OpView:
@@ -62,8 +78,12 @@ class OpView:
                 return len(shape)
         return None
 
-    def axis_is_batch(self, key, default):
-        """True when the axis attribute ``key`` names axis 0 (or all axes)."""
+    def axis_is_batch(self, key, default, added=0):
+        """True when the axis attribute ``key`` names axis 0 (or all axes).
+        ``added``: axes the op inserts (1 for ``expand_dims`` and
+        ``stack``), whose axis counts among the output's dimensions: on a
+        ``(1, 4)`` input, ``expand_dims(axis=-3)`` inserts before the batch
+        axis and ``axis=2`` after the last."""
         axis = self.attr(key, default)
         if axis is None or axis == ():
             return True
@@ -71,7 +91,7 @@ class OpView:
         axes = axis if isinstance(axis, (tuple, list)) else (axis,)
         if ndim is None:
             return True
-        return any(a % ndim == 0 for a in axes)
+        return any(a % (ndim + added) == 0 for a in axes)
 
 
 # --- rule helpers ---------------------------------------------------------
@@ -109,14 +129,37 @@ def _broadcast(op):
     return None
 
 
-def _axis_rule(key, default, need_all_batched=False):
+def _axis_rule(key, default, need_all_batched=False, added=0):
     def rule(op):
-        if op.axis_is_batch(key, default):
+        if op.axis_is_batch(key, default, added):
             return '%s acts on the batch axis (%s=%s)' % (op.op, key, op.attrs.get(key, default))
         if need_all_batched:
             return _all_batched(op)
         return None
     return rule
+
+
+def _reduction(op):
+    """A reduction over ``axis``, or with ``exclude=True`` over every axis
+    but those named, so then safe only when axis 0 is among them."""
+    if op.attr('exclude', False) and op.attr('axis', None) not in (None, ()):
+        if not op.axis_is_batch('axis', None):
+            return '%s acts on the batch axis (axis=%s, exclude=True)' % (
+                op.op, op.attrs.get('axis'))
+        return None
+    return _axis_rule('axis', None)(op)
+
+
+def _dropout(op):
+    """Each element draws its own mask, unless ``axes`` shares the mask
+    along some axes (variational dropout): along the batch axis, one mask
+    would then serve every sample of a step, where per sample each call
+    draws its own."""
+    axes = op.attr('axes', ())
+    ndim = op.batched_ndim()
+    if axes and (ndim is None or any(a % ndim == 0 for a in axes)):
+        return 'Dropout shares its mask along the batch axis (axes=%s)' % (axes,)
+    return None
 
 
 def _reshape(op):
@@ -126,8 +169,20 @@ def _reshape(op):
     if shape and shape[0] == 0:
         return None
     if shape and shape[0] == -1 and all(isinstance(d, int) and d > 0 for d in shape[1:]):
-        return None
+        # the batch axis takes what the named axes leave: one row per sample
+        # only when they hold the whole sample
+        if op.shapes[0] is not None and _size(shape[1:]) == _size(op.shapes[0]):
+            return None
+        return 'reshape(shape=%s) of a sample of shape %s gives it more than one row' % (
+            shape, op.shapes[0])
     return 'reshape(shape=%s) may move data across the batch axis' % (shape,)
+
+
+def _size(shape):
+    size = 1
+    for dim in shape:
+        size *= dim
+    return size
 
 
 def _transpose(op):
@@ -155,7 +210,7 @@ def _take(op):
 ROWWISE = '''Activation relu sigmoid tanh softsign exp log log1p expm1 sqrt rsqrt cbrt
 square abs negative sign round rint floor ceil trunc fix reciprocal sin cos tan arcsin
 arccos arctan sinh cosh arctanh arcsinh arccosh erf erfinv gamma gammaln _copy identity
-BlockGrad stop_gradient zeros_like ones_like Cast cast clip Dropout LeakyReLU
+BlockGrad stop_gradient zeros_like ones_like Cast cast clip LeakyReLU
 _plus_scalar _minus_scalar _rminus_scalar _mul_scalar _div_scalar _rdiv_scalar
 _power_scalar _rpower_scalar _maximum_scalar _minimum_scalar _mod_scalar _rmod_scalar
 _equal_scalar _not_equal_scalar _greater_scalar _greater_equal_scalar _lesser_scalar
@@ -181,12 +236,14 @@ register_batching_rule('FullyConnected', 'Embedding')(_batched_data_shared_rest)
 def _layer_norm(op):
     return _axis_rule('axis', -1)(op) or _batched_data_shared_rest(op)
 register_batching_rule('concat', 'Concat')(_axis_rule('dim', 1, need_all_batched=True))
-register_batching_rule('stack')(_axis_rule('axis', 0, need_all_batched=True))
-register_batching_rule('slice_axis', 'SliceChannel', 'split', 'expand_dims', 'repeat',
+register_batching_rule('stack')(_axis_rule('axis', 0, need_all_batched=True, added=1))
+register_batching_rule('expand_dims')(_axis_rule('axis', None, added=1))
+register_batching_rule('slice_axis', 'SliceChannel', 'split', 'repeat',
                        'argmax', 'argmin')(_axis_rule('axis', None))
 register_batching_rule('softmax', 'log_softmax')(_axis_rule('axis', -1))
-register_batching_rule('sum', 'mean', 'max', 'min', 'prod', 'nansum', 'nanprod', 'norm',
-                       'squeeze')(_axis_rule('axis', None))
+register_batching_rule('sum', 'mean', 'max', 'min', 'prod', 'nansum', 'nanprod')(_reduction)
+register_batching_rule('norm', 'squeeze')(_axis_rule('axis', None))
+register_batching_rule('Dropout')(_dropout)
 register_batching_rule('pick')(_axis_rule('axis', -1, need_all_batched=True))
 register_batching_rule('Reshape', 'reshape')(_reshape)
 register_batching_rule('transpose')(_transpose)

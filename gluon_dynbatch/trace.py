@@ -12,9 +12,10 @@ import json
 
 import mxnet as mx
 import numpy as np
+from mxnet.ndarray.ndarray import _DTYPE_NP_TO_MX
 
 from .errors import InputError
-from .rules import OpView, batching_rule
+from .rules import OpView, batching_rule, draws_random
 
 __all__ = ['flatten', 'regroup', 'leaf_count', 'TracedSignature', 'trace_signature']
 
@@ -126,6 +127,7 @@ def trace_signature(sig_id, block, fmt, shapes, dtypes):
     data_names = ['dynbatch_in%d' % i for i in range(len(shapes))]
     variables = [mx.sym.var(n) for n in data_names]
     sym_args, _ = regroup(fmt, variables)
+    _drop_stale_vars(block)
     out = block(*sym_args)
     out_leaves = []
     out_fmt = flatten(out if isinstance(out, (list, tuple)) else [out], out_leaves)
@@ -146,6 +148,13 @@ def trace_signature(sig_id, block, fmt, shapes, dtypes):
         if name in inputs and param.shape is not None and all(d > 0 for d in param.shape):
             known[name] = param.shape
     arg_shapes, out_shapes, aux_shapes = _infer_shapes(block, symbol, known, shapes)
+    for number, shape in enumerate(out_shapes):
+        if not shape or shape[0] != 1:
+            raise InputError(
+                'block %s: output %d has per-sample shape %s, but a wrapped block returns one '
+                'row per sample: each output needs a leading batch axis of 1, as each argument '
+                'has. Keep that axis in the block (e.g. reshape to (1, ...) or (0, ...), expand '
+                'or stack on an axis after it).' % (_block_name(block), number, shape))
     _finish_deferred_init(block, symbol, arg_shapes, aux_shapes, params)
     types = {name: dtype for name, dtype in zip(data_names, dtypes) if name in inputs}
     _, out_types, _ = symbol.infer_type(**types)
@@ -153,6 +162,17 @@ def trace_signature(sig_id, block, fmt, shapes, dtypes):
     batch_safe, reason = check_batch_safe(symbol, set(data_names), known)
     return TracedSignature(sig_id, block, symbol, data_names, out_fmt, out_shapes,
                            out_dtypes, batch_safe, reason)
+
+
+def _drop_stale_vars(block):
+    """Make Gluon build afresh the symbol variable of a parameter cast since
+    it was built (``block.cast('float64')`` after a trace at float32): it
+    keeps the old dtype, and type inference of the new trace fails."""
+    for param in block.collect_params().values():
+        var = param._var
+        if var is not None and param.dtype is not None and \
+                var.attr('__dtype__') != str(_DTYPE_NP_TO_MX.get(np.dtype(param.dtype).type)):
+            param._var = None
 
 
 def _infer_shapes(block, symbol, known, shapes):
@@ -210,7 +230,9 @@ def _entry_shape(nodes, entry, by_name):
 
 def check_batch_safe(symbol, data_names, known):
     """``(True, '')`` when every op touching a batched tensor has a rule that
-    accepts it and every output is batched; else ``(False, reason)``."""
+    accepts it, no op draws random numbers for shared tensors (see
+    :func:`~.rules.draws_random`) and every output is batched; else
+    ``(False, reason)``."""
     nodes, heads, by_name = _parse_graph(symbol, known)
     batched = []
     for node in nodes:
@@ -220,6 +242,10 @@ def check_batch_safe(symbol, data_names, known):
         inputs = node['inputs']
         flags = [batched[e[0]] for e in inputs]
         if not any(flags):
+            if draws_random(node['op']):
+                return False, ('op %s (%s) draws random numbers from no per-sample input: '
+                               'batched, one draw would serve every sample'
+                               % (node['op'], node['name']))
             batched.append(False)
             continue
         rule = batching_rule(node['op'])

@@ -1,0 +1,190 @@
+"""Batching rules at their edges: ops whose axis arguments, randomness or
+output shapes decide whether calls may be merged.  Each block's verdict is
+checked, and so are its results and gradients against per-sample execution:
+a block the rules wrongly accepted would differ."""
+import mxnet as mx
+import numpy as np
+import pytest
+from mxnet import autograd, gluon
+
+import gluon_dynbatch as dyb
+from gluon_dynbatch import accel
+
+from helpers import assert_same, run_both
+
+
+class Apply(gluon.HybridBlock):
+    """``op(dense(x))`` then, when ``back`` is given, that applied too."""
+
+    def __init__(self, op, back=None, width=6):
+        super().__init__()
+        self.op, self.back = op, back
+        with self.name_scope():
+            self.dense = gluon.nn.Dense(width, in_units=width, flatten=False)
+
+    def hybrid_forward(self, F, x):
+        y = self.op(F, self.dense(x))
+        return self.back(F, y) if self.back else y
+
+
+# (name, op, back, input shape, batch-safe?)
+CASES = [
+    ('sum exclude, batch axis reduced', lambda F, h: F.sum(h, axis=1, exclude=True,
+                                                           keepdims=True), None, (1, 6), False),
+    ('mean exclude, batch axis kept', lambda F, h: F.mean(h, axis=0, exclude=True,
+                                                          keepdims=True), None, (1, 3, 6), True),
+    ('max exclude, batch axis kept', lambda F, h: F.max(h, axis=(0, 2), exclude=True),
+     None, (1, 3, 6), True),
+    ('sum over axis 1', lambda F, h: F.sum(h, axis=1, keepdims=True), None, (1, 6), True),
+    ('expand_dims before the batch axis', lambda F, h: F.expand_dims(h, axis=-3),
+     lambda F, y: F.mean(y, axis=1), (1, 6), False),
+    ('expand_dims after the last axis', lambda F, h: F.expand_dims(h, axis=2),
+     lambda F, y: F.sum(y, axis=2), (1, 6), True),
+    ('expand_dims at -1', lambda F, h: F.expand_dims(h, axis=-1),
+     lambda F, y: F.sum(y, axis=2), (1, 6), True),
+    ('stack before the batch axis', lambda F, h: F.stack(h, axis=-3),
+     lambda F, y: F.mean(y, axis=1), (1, 6), False),
+    ('stack on axis 1', lambda F, h: F.stack(h, h * 2, axis=1),
+     lambda F, y: F.sum(y, axis=1), (1, 6), True),
+    ('reshape that keeps the sample whole', lambda F, h: F.reshape(h, shape=(-1, 2, 3)),
+     lambda F, y: F.sum(y, axis=2), (1, 6), True),
+    ('reshape into rows and back', lambda F, h: F.reshape(h, shape=(-1, 3)),
+     lambda F, y: F.reshape(y, shape=(-1, 6)), (1, 6), False),
+]
+
+
+def _verdict(block):
+    sigs = block.signatures()
+    assert len(sigs) == 1
+    return sigs[0].batch_safe, sigs[0].reason
+
+
+@pytest.mark.parametrize('strategy', ['depth', 'agenda'])
+@pytest.mark.parametrize('name,op,back,shape,safe', CASES, ids=[c[0] for c in CASES])
+def test_axis_rules_decide_and_results_match(name, op, back, shape, safe, strategy):
+    block = dyb.DynBatchBlock(Apply(op, back))
+    block.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(3)
+    xs = [mx.nd.array(rng.uniform(-1, 1, shape)) for _ in range(5)]
+    assert_same(run_both(lambda: [block(x) for x in xs], [block], xs, strategy))
+    batch_safe, reason = _verdict(block)
+    assert batch_safe == safe, reason
+    if not safe:
+        assert any(why in reason for why in ('batch axis', 'batched input of shape',
+                                             'more than one row')), reason
+
+
+class Noisy(gluon.HybridBlock):
+    """Adds a random draw that reads no per-sample input, or drops out with
+    the mask shared along ``axes``."""
+
+    def __init__(self, kind, axes=()):
+        super().__init__()
+        self.kind, self.axes = kind, axes
+
+    def hybrid_forward(self, F, x):
+        if self.kind == 'noise':
+            return F.broadcast_add(x, F.random.normal(shape=(1, 64)))
+        return F.Dropout(x, p=0.5, axes=self.axes)
+
+
+@pytest.mark.parametrize('kind,axes,shape,safe', [
+    ('noise', (), (1, 64), False),
+    ('dropout', (0,), (1, 64), False),
+    ('dropout', (0, 2), (1, 64, 2), False),
+    ('dropout', (1,), (1, 2, 64), True),
+    ('dropout', (), (1, 64), True),
+])
+def test_every_sample_draws_its_own_random_numbers(kind, axes, shape, safe):
+    """Per sample, each call draws its own noise or mask; merged into one
+    step, a draw that no per-sample input decides (noise with a fixed
+    shape, a dropout mask shared along the batch axis) would serve every
+    sample.  Such blocks run per sample."""
+    block = dyb.DynBatchBlock(Noisy(kind, axes))
+    block.initialize()
+    ones = [mx.nd.ones(shape) for _ in range(20)]
+    with autograd.record():     # training mode: Dropout drops
+        with dyb.batching('depth'):
+            outs = [block(x) for x in ones]
+        rows = [o.asnumpy().ravel() for o in outs]
+    assert len({row.tobytes() for row in rows}) == len(rows)
+    batch_safe, reason = _verdict(block)
+    assert batch_safe == safe, reason
+    if not safe:
+        assert 'random' in reason or 'mask along the batch axis' in reason
+
+
+class TwoRows(gluon.HybridBlock):
+    def hybrid_forward(self, F, x):
+        return F.reshape(x * 2, shape=(-1, 3))
+
+
+@pytest.mark.parametrize('accelerated', [True, False])
+def test_error_output_without_a_batch_axis_of_one(accelerated):
+    """A sample's result is one row: an output of another leading size
+    could only be returned cut (it was, silently, before this error)."""
+    block = dyb.DynBatchBlock(TwoRows())
+    accel.enable(accelerated)
+    try:
+        with pytest.raises(dyb.InputError, match=r'tworows\d+ \(TwoRows\): output 0 has '
+                                                 r'per-sample shape \(2, 3\).*leading batch axis'):
+            with dyb.batching():
+                block(mx.nd.ones((1, 6)))
+    finally:
+        accel.enable(True)
+    np.testing.assert_array_equal(block(mx.nd.ones((1, 6))).asnumpy(), np.full((2, 3), 2.0))
+
+
+class MaxOfChildren(gluon.HybridBlock):
+    """Zero padding changes a max where every child is negative: a wrong
+    pad_lists claim that inputs drawn from [-1, 1] may not reveal."""
+    dynbatch_pad_lists = True
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.dense = gluon.nn.Dense(2, in_units=2)
+
+    def hybrid_forward(self, F, x, children):
+        if not children:
+            return self.dense(x)
+        return self.dense(x) + F.max(F.stack(*children, axis=1), axis=1)
+
+
+def test_wrong_pad_lists_claim_on_a_max_is_caught():
+    block = dyb.DynBatchBlock(MaxOfChildren())
+    block.initialize()
+    x, neg = mx.nd.array([[0.5, -0.5]]), mx.nd.array([[-3.0, -2.0]])
+    with pytest.raises(dyb.InputError, match=r'declares pad_lists.*\[-2, -0.5\]'):
+        with dyb.batching('depth'):
+            block(x, [neg])
+            block(x, [neg, neg * 2])
+
+
+class Cell(gluon.HybridBlock):
+    def __init__(self, width=4):
+        super().__init__()
+        with self.name_scope():
+            self.dense = gluon.nn.Dense(width, in_units=width)
+
+    def hybrid_forward(self, F, x, h):
+        return F.tanh(self.dense(x) + h)
+
+
+def test_cast_after_tracing_traces_anew():
+    """``block.cast`` after calls at float32: calls at float64 then trace
+    and run at float64 (MXNet's cached parameter variables kept the old
+    dtype, and type inference failed)."""
+    cell = dyb.DynBatchBlock(Cell())
+    cell.initialize()
+    x32 = mx.nd.array(np.random.RandomState(0).uniform(-1, 1, (1, 4)))
+    with dyb.batching('depth'):
+        first = cell(x32, x32)
+    want32 = first.asnumpy()
+    cell.cast('float64')
+    x64 = x32.astype('float64')
+    with dyb.batching('depth'):
+        outs = [cell(x64, x64), cell(x64, x64 * 2)]
+    assert outs[0].dtype == np.float64
+    np.testing.assert_allclose(outs[0].asnumpy(), want32, rtol=1e-6)
+    np.testing.assert_allclose(outs[1].asnumpy(), cell(x64, x64 * 2).asnumpy(), rtol=1e-12)
