@@ -34,6 +34,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -631,7 +632,25 @@ static PyObject *flatten_flat(PyObject *const *args, Py_ssize_t n, PyObject *lea
  * is a BatchingScope (see call_method), else by attribute; NULL with an
  * exception set when unset. */
 static PyTypeObject *ScopeType;
-static Py_ssize_t sc_tape, sc_pending, sc_flush_at;
+static Py_ssize_t sc_tape, sc_pending, sc_flush_at, sc_mode;
+
+/* MXNet's MXAutogradIsRecording and MXAutogradIsTraining (set_autograd_state) */
+typedef int (*AutogradFlag)(bool *);
+static AutogradFlag is_recording_fn, is_training_fn;
+
+/* Whether this call's autograd state is the one the scope's pending calls
+ * were recorded under (BatchingScope.mode, 2 * recording + training); if
+ * not, the Python version runs them first (block.autograd_mode). */
+static int mode_matches(PyObject *scope)
+{
+    bool recording = false, training = false;
+    if (Py_TYPE(scope) != ScopeType || is_recording_fn == NULL || is_training_fn == NULL
+        || is_recording_fn(&recording) != 0 || is_training_fn(&training) != 0)
+        return 0;
+    PyObject *mode = SLOT(scope, sc_mode);
+    return mode != NULL && PyLong_CheckExact(mode)
+        && PyLong_AsLong(mode) == 2 * (long)recording + (long)training;
+}
 
 static PyObject *scope_field(PyObject *scope, Py_ssize_t offset, PyObject *name)
 {
@@ -661,6 +680,7 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
 
     tape = scope_field(scope, sc_tape, s_tape);
     if (tape == NULL || !Py_IS_TYPE(tape, &TapeType)) BAIL(fallback);
+    if (!mode_matches(scope)) BAIL(fallback);
     CallWords words;
     uint64_t hash = 0;
     int memo_rc = call_words(&words, args, nargs, &leaves, &depth, marks, &n_marks);
@@ -1019,7 +1039,8 @@ static PyObject *call_method(PyObject *self, PyObject *args)
         return NULL;
     if (slot_offset((PyTypeObject *)scope_cls, "tape", &sc_tape)
         || slot_offset((PyTypeObject *)scope_cls, "pending", &sc_pending)
-        || slot_offset((PyTypeObject *)scope_cls, "flush_at", &sc_flush_at))
+        || slot_offset((PyTypeObject *)scope_cls, "flush_at", &sc_flush_at)
+        || slot_offset((PyTypeObject *)scope_cls, "mode", &sc_mode))
         return NULL;
     Py_INCREF(scope_cls);
     Py_XSETREF(ScopeType, (PyTypeObject *)scope_cls);
@@ -2083,6 +2104,21 @@ static void marker_capsule_free(PyObject *capsule)
     marker_release(PyCapsule_GetPointer(capsule, marker_name));
 }
 
+/* set_autograd_state(address of MXAutogradIsRecording, of MXAutogradIsTraining):
+ * without them every call is recorded by the Python version */
+static PyObject *set_autograd_state(PyObject *self, PyObject *args)
+{
+    PyObject *recording, *training;
+    if (!PyArg_ParseTuple(args, "OO", &recording, &training)) return NULL;
+    void *rec = recording == Py_None ? NULL : PyLong_AsVoidPtr(recording);
+    if (rec == NULL && PyErr_Occurred()) return NULL;
+    void *train = training == Py_None ? NULL : PyLong_AsVoidPtr(training);
+    if (train == NULL && PyErr_Occurred()) return NULL;
+    is_recording_fn = (AutogradFlag)rec;
+    is_training_fn = (AutogradFlag)train;
+    Py_RETURN_NONE;
+}
+
 static PyObject *set_engine_push(PyObject *self, PyObject *address)
 {
     void *fn = address == Py_None ? NULL : PyLong_AsVoidPtr(address);
@@ -2182,6 +2218,8 @@ static PyMethodDef methods[] = {
      "set_from_dlpack(address of MXNDArrayFromDLPackEx or None)"},
     {"wrap_host", wrap_host, METH_O,
      "wrap_host(numpy array): address of a new NDArray handle over its memory, or None"},
+    {"set_autograd_state", set_autograd_state, METH_VARARGS,
+     "set_autograd_state(address of MXAutogradIsRecording, of MXAutogradIsTraining)"},
     {"set_engine_push", set_engine_push, METH_O,
      "set_engine_push(address of MXEnginePushSyncND or None)"},
     {"push_marker", push_marker, METH_VARARGS,
@@ -2201,7 +2239,7 @@ static struct PyModuleDef module = {
 /* Bumped whenever a function's arguments or results change meaning
  * (accel.ABI must match, else the pure-Python path runs): an extension
  * built from older sources would otherwise still load, and fail. */
-#define ABI 3
+#define ABI 4
 
 PyMODINIT_FUNC PyInit__speedups(void)
 {

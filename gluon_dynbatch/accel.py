@@ -67,10 +67,12 @@ __all__ = ['record', 'count_groups', 'depth_groups', 'agenda_groups', 'structure
            'gather_index', 'gather_item', 'host_rows', 'host_item', 'finish_nodes', 'wrap_host',
            'push_marker', 'marker_done', 'enable', 'STATUS']
 
-ABI = 3
+ABI = 4
 """The interface of ``_speedups`` this code expects (its ``ABI``; 2:
 ``gather_item`` returns each list's length too; 3: ``gather_item`` gathers
-a ragged step's elements only when asked: ``compact``).  An extension
+a ragged step's elements only when asked: ``compact``; 4: ``record``
+defers a call made under another autograd state than the scope's pending
+calls, ``BatchingScope.mode``).  An extension
 built from older sources still has every function, so its names alone
 cannot tell."""
 
@@ -102,6 +104,9 @@ def _load():
         _speedups.set_shape_reader(*_shape_reader())
         _speedups.set_from_dlpack(_from_dlpack())
         _speedups.set_engine_push(_c_function('MXEnginePushSyncND'))
+        if hasattr(_speedups, 'set_autograd_state'):     # else out of date: see below
+            _speedups.set_autograd_state(_c_function('MXAutogradIsRecording'),
+                                         _c_function('MXAutogradIsTraining'))
     except (ImportError, TypeError) as err:
         return 'pure Python (C extension unavailable: %s)' % err
     missing = [name for name in FUNCTIONS + ('call_method',) if not hasattr(_speedups, name)]

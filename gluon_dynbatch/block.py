@@ -64,6 +64,16 @@ PIPELINE_CHECK = 256
 every this many calls."""
 
 
+def autograd_mode():
+    """The autograd state a call is recorded under, as ``2 * recording +
+    training``.  A scope runs its pending calls under theirs, and runs them
+    before recording a call under another (a call made inside
+    ``autograd.pause()`` in a scope opened under ``autograd.record()`` gets
+    no gradient, one made inside ``record()`` in a scope that closes outside
+    it does), as per-sample execution would."""
+    return 2 * autograd.is_recording() + autograd.is_training()
+
+
 def current_scope():
     """The open :class:`BatchingScope` of this thread, or None."""
     return getattr(_LOCAL, 'scope', None)
@@ -80,7 +90,7 @@ class BatchingScope:
     Its fields are ``__slots__``: the C recorder reads ``tape``,
     ``pending`` and ``flush_at`` at every call, straight from the slots."""
     __slots__ = ('strategy', 'pending', 'record_s', 'groups', 'used', 'unsafe', 'tape',
-                 'flush_at', 'flush_every', 'follow_engine', 'marker')
+                 'flush_at', 'flush_every', 'follow_engine', 'marker', 'mode')
 
     def __init__(self, strategy, flush_every=None, follow_engine=False):
         self.strategy = strategy
@@ -96,6 +106,7 @@ class BatchingScope:
         self.unsafe = 0      # calls that must run alone
         # the C recorder's structure key and time (accel.Tape); None in pure Python
         self.tape = accel.Tape() if accel.Tape else None
+        self.mode = None     # autograd_mode() of the pending calls (of the last ones when none)
 
     def record(self, dblock, args):
         """Record one call of ``dblock``; return its lazy result(s).
@@ -104,6 +115,11 @@ class BatchingScope:
         does the same in C for the common case, and defers to this one for
         everything else (including every error)."""
         start = _clock()
+        mode = autograd_mode()
+        if mode != self.mode:
+            if self.pending:
+                self.flush()
+            self.mode = mode
         leaves = []
         fmt = flatten(args, leaves)
         key, ctx, depth = _signature_key(dblock, fmt, leaves)
@@ -174,9 +190,18 @@ class BatchingScope:
         self.flush()
 
     def flush(self):
-        """Plan and run every pending call."""
+        """Plan and run every pending call, under the autograd state they
+        were recorded under (see :func:`autograd_mode`)."""
         if not self.pending:
             return
+        if self.mode is not None and self.mode != autograd_mode():
+            recording, training = divmod(self.mode, 2)
+            with autograd._RecordingStateScope(bool(recording), bool(training)):
+                self._flush()
+        else:
+            self._flush()
+
+    def _flush(self):
         nodes, summary = self.take()
         record_ms, self.record_s = self.record_s * 1e3, 0.0
         try:

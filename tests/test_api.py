@@ -201,6 +201,67 @@ def test_debug_output(capsys, monkeypatch):
     assert dyb.stats()['last']['choice'] == 'depth'
 
 
+class TanhDense(gluon.HybridBlock):
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.dense = nn.Dense(4, in_units=4)
+
+    def hybrid_forward(self, F, x):
+        return F.tanh(self.dense(x))
+
+
+@pytest.mark.parametrize('accelerated', [True, False])
+def test_calls_run_under_the_autograd_state_they_were_made_under(accelerated):
+    """A call recorded inside ``autograd.pause()`` gets no gradient, one
+    recorded inside ``autograd.record()`` gets one even when the scope
+    closes outside it, and one inside ``predict_mode()`` drops nothing: as
+    per sample (before, every call ran under the state at the flush)."""
+    from gluon_dynbatch import accel
+    net = dyb.DynBatchBlock(TanhDense())
+    net.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(0)
+    xs, ys = ([mx.nd.array(rng.uniform(-1, 1, (1, 4))) for _ in range(3)] for _ in range(2))
+
+    def weight_grad(batched, paused):
+        with autograd.record():
+            with dyb.batching('depth') if batched else contextlib.nullcontext():
+                preds = [net(x) for x in xs]
+                with autograd.pause() if paused else contextlib.nullcontext():
+                    targets = [net(y) for y in ys]
+            loss = sum(((p.data if batched else p) - (t.data if batched else t)).square().sum()
+                       for p, t in zip(preds, targets))
+        loss.backward()
+        return net.block.dense.weight.grad().asnumpy().copy()
+
+    accel.enable(accelerated)
+    try:
+        for paused in (True, False):
+            np.testing.assert_allclose(weight_grad(True, paused), weight_grad(False, paused),
+                                       rtol=1e-5, atol=1e-6)
+        with dyb.batching('depth'):
+            with autograd.record():
+                outs = [net(x) for x in xs]
+        with autograd.record():
+            loss = sum(o.data.sum() for o in outs)
+        loss.backward()     # MXNet refused: the calls had run without recording
+        with autograd.record():
+            want = sum(net(x).sum() for x in xs)
+        assert np.isclose(loss.asscalar(), want.asscalar(), rtol=1e-5)
+
+        drop = dyb.DynBatchBlock(nn.Dropout(0.5))
+        ones = [mx.nd.ones((1, 64)) for _ in range(4)]
+        with autograd.record():
+            with dyb.batching('depth'):
+                dropped = [drop(o) for o in ones]
+                with autograd.predict_mode():
+                    kept = [drop(o) for o in ones]
+        assert all((d.asnumpy() == 0).any() for d in dropped)
+        assert all((k.asnumpy() == 1).all() for k in kept)
+    finally:
+        accel.enable(True)
+
+
 # --- errors ----------------------------------------------------------------
 
 def test_error_lazy_value_after_failed_scope():
