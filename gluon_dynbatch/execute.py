@@ -579,7 +579,7 @@ class FlushTables:
         # its arguments); steps numbered in ``hoisted`` read none
         self.tokens = self._read_ahead(
             [step for number, step in enumerate(steps) if number not in hoisted])
-        self.arrays = {}        # weight name -> its table
+        self.arrays = {}        # weight (Parameter; two blocks may name theirs alike) -> table
 
     def reads(self, sig, items):
         """``{item: [weight names]}`` for the host ``items`` of ``sig``
@@ -601,14 +601,17 @@ class FlushTables:
                 not np.array_equal(self.tokens[found], rows):
             raise RuntimeError('gluon_dynbatch: a host index was not read ahead for the '
                                'flush\'s embedding tables (please report this)')
-        return found.astype(rows.dtype)
+        # as the ids' dtype, unless it cannot hold every position (float16
+        # ids beyond 2,048 distinct ones)
+        positions = found.astype(rows.dtype)
+        return positions if np.array_equal(positions, found) else found.astype(np.int32)
 
     def table(self, weight, ctx):
         """The rows of ``weight`` for the flush's ids (one ``take``, made
         at first use and recorded by autograd like any op)."""
-        array = self.arrays.get(weight.name)
+        array = self.arrays.get(weight)
         if array is None:
-            array = self.arrays[weight.name] = mx.nd.take(
+            array = self.arrays[weight] = mx.nd.take(
                 weight.data(ctx), to_device(self.tokens, ctx), mode='clip')
         return array
 

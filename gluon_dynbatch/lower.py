@@ -82,16 +82,19 @@ class StepProgram:
 
     :meth:`for_rows` picks, by the step's number of calls, this program or
     its variant that computes ``tanh`` through ``sigmoid``
-    (:func:`tanh_by_sigmoid`), built at first use."""
-    __slots__ = ('symbol', 'cached_op', 'feeds', 'training', '_wide')
+    (:func:`tanh_by_sigmoid`), built at first use; only for float32
+    (``rewrite_tanh``): in float16 the rewrite errs by ~2.4e-4, and MKLDNN,
+    whose ``tanh`` it avoids, runs neither float16 nor float64."""
+    __slots__ = ('symbol', 'cached_op', 'feeds', 'training', 'rewrite_tanh', '_wide')
 
-    def __init__(self, symbol, feeds, training=False):
+    def __init__(self, symbol, feeds, training=False, rewrite_tanh=True):
         if training:
             symbol = adds_by_broadcast(symbol)
         self.symbol = symbol
         self.cached_op = mx.nd.CachedOp(symbol, [('static_alloc', True)] if training else [])
         self.feeds = feeds
         self.training = training
+        self.rewrite_tanh = rewrite_tanh
         self._wide = None
 
     def for_rows(self, calls):
@@ -99,7 +102,7 @@ class StepProgram:
         :data:`TANH_BY_SIGMOID_ROWS` calls its variant with ``tanh`` computed
         through ``sigmoid`` (this one again when its symbol has no
         ``tanh``)."""
-        if calls < TANH_BY_SIGMOID_ROWS[self.training]:
+        if calls < TANH_BY_SIGMOID_ROWS[self.training] or not self.rewrite_tanh:
             return self
         if self._wide is None:
             wide = tanh_by_sigmoid(self.symbol)
@@ -272,7 +275,8 @@ def _build(sig, pattern, training):
             feeds.append(('src', tuple(int(n) for n in name[3:].split('_'))))
         else:
             feeds.append(('idx', int(name[3:])))
-    return StepProgram(symbol, feeds, training)
+    return StepProgram(symbol, feeds, training,
+                       rewrite_tanh=np.dtype(sig.key[-2]) == np.float32)
 
 
 INVERSE = 'dynbatch_inverse'
@@ -297,7 +301,8 @@ training 25 and 1.06-1.09x at training 256."""
 
 def tanh_by_sigmoid(symbol):
     """``symbol`` with every ``Activation(act_type='tanh')`` computed as
-    ``2 * sigmoid(2 x) - 1`` (the same value to ~2e-7), or ``symbol``
+    ``2 * sigmoid(2 x) - 1`` (the same value to ~2e-7 absolute, not relative:
+    ``tanh(1e-8)`` comes out 0), or ``symbol``
     itself when it has none.
 
     MKLDNN's ``tanh`` in MXNet 1.9.1 costs ~2.6x its ``sigmoid`` per
@@ -342,7 +347,7 @@ def adds_by_broadcast(symbol):
     """``symbol`` with every ``elemwise_add`` made a ``broadcast_add`` (the
     same values for operands of one shape), or ``symbol`` itself when it
     has none.  Programs that run with ``static_alloc`` under autograd (step
-    programs for training, compiled flushes, which may) get this.
+    programs for training, flushes compiled in training) get this.
 
     MXNet 1.9.1 computes wrong gradients there otherwise (apache/mxnet
     issue 20293): the gradient of ``elemwise_add`` is one array cloned to
@@ -572,6 +577,9 @@ def host_split(sig, items):
             found.cached_op = mx.nd.CachedOp(found.symbol)
             found.feeds = [('host', names.index(name)) if name in names else
                            ('param', params[name]) for name in found.symbol.list_inputs()]
+            # the same parameters by identity: two blocks may name theirs alike
+            found.key = (found.key, tuple(id(what) for kind, what in found.feeds
+                                          if kind == 'param'))
     return found
 
 
@@ -685,19 +693,23 @@ class FlushProgram:
     hoisted group's distinct host rows (``('hoist_rows', (group, k))``) or
     its inverse (``('hoist_inverse', group)``); ``out_counts`` says how many
     of the outputs belong to each step, ``hoists`` per hoisted group its
-    members ``(step, host items, rows)``."""
-    __slots__ = ('cached_op', 'feeds', 'out_counts', 'hoists', 'ctx')
+    members ``(step, host items, rows)``; ``training`` whether it was
+    compiled under ``autograd.record()`` (its ragged sums are then an
+    incidence ``dot``, which a NaN in one list would cross in inference:
+    :class:`~.plan.CachedPlan` runs it in that mode only)."""
+    __slots__ = ('cached_op', 'feeds', 'out_counts', 'hoists', 'ctx', 'training')
 
     def __init__(self, symbol, feeds, out_counts, hoists, ctx):
+        self.training = mx.autograd.is_recording()
         # A structure fixes every shape but a hoisted group's number of
         # distinct rows, so without hoisting memory is planned once
         # (static_shape; ~10% faster at SICK minibatch 25).  Outputs are
         # still fresh arrays on every call; a call recorded for backward
         # keeps its own buffers (tests/test_cost.py checks both).
         flags = [('static_alloc', True)] + ([] if hoists else [('static_shape', True)])
-        # static_alloc, and a plan compiled in inference may run in training
-        # (its structure is the same): see adds_by_broadcast
-        self.cached_op = mx.nd.CachedOp(adds_by_broadcast(symbol), flags)
+        if self.training:   # static_alloc under autograd: see adds_by_broadcast
+            symbol = adds_by_broadcast(symbol)
+        self.cached_op = mx.nd.CachedOp(symbol, flags)
         self.feeds = feeds
         self.out_counts = out_counts
         self.hoists = hoists
@@ -717,6 +729,18 @@ def flush_program(steps, recipes, hoists=()):
     ctx = steps[0].sig.ctx
     outputs, spec, params = [], {}, {}
     hoisted = {}     # step number -> (its host items, the part's values, its inverse)
+
+    def param_var(param):
+        """The program's input for ``param``, one per Parameter object:
+        its own variable, unless an equally named parameter of another
+        block took that name."""
+        name, number = param.name, 0
+        while params.setdefault(name, param) is not param:
+            number += 1
+            name = '%s_dynbatch%d' % (param.name, number)
+        return param.var() if name == param.name else \
+            mx.sym.var(name, shape=param.shape, dtype=param.dtype)
+
     for group, (split, members) in enumerate(hoists):
         bind = {}
         for name, (kind, what) in zip(split.symbol.list_inputs(), split.feeds):
@@ -724,8 +748,7 @@ def flush_program(steps, recipes, hoists=()):
                 bind[name] = mx.sym.var('hoist%d_%d' % (group, what))
                 spec['hoist%d_%d' % (group, what)] = ('hoist_rows', (group, what))
             else:
-                params[what.name] = what
-                bind[name] = what.var()
+                bind[name] = param_var(what)
         values = split.symbol(**bind)
         inverse = mx.sym.var('hoist%d_inverse' % group)
         spec['hoist%d_inverse' % group] = ('hoist_inverse', group)
@@ -784,8 +807,7 @@ def flush_program(steps, recipes, hoists=()):
                 bind['idx%d' % item] = mx.sym.var('idx_' + name)
                 spec['idx_' + name] = ('const', index)
         for _, param in sig.param_slots:   # one input per parameter, shared by all steps
-            params[param.name] = param
-            bind[param.name] = param.var()
+            bind[param.name] = param_var(param)
         symbol = program(**{name: value for name, value in bind.items() if name in wanted})
         outputs.append([symbol[i] for i in range(len(symbol.list_outputs()))])
     group = mx.sym.Group([out for outs in outputs for out in outs])

@@ -26,6 +26,7 @@ from operator import itemgetter
 from typing import List, Optional, Tuple
 
 import numpy as np
+from mxnet import autograd
 
 from . import accel
 from .graph import PENDING, LazyValue
@@ -448,6 +449,10 @@ class CachedPlan(Strategy):
                 not entry.uncompilable and not entry.dropped and None not in entry.recipes:
             self._compile(key, entry, steps)
         if entry.program is not None:
+            if entry.program.training != autograd.is_recording():
+                # compiled for the other autograd mode: replay the recipes,
+                # which pick this mode's ways (see lower.FlushProgram)
+                return Plan(self.name, steps, entry.recipes)
             self.compiled.move_to_end(key)
             return Plan(self.name + '-compiled', steps, entry.recipes, entry.program)
         return Plan(self.name, steps, entry.recipes)

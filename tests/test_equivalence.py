@@ -310,10 +310,12 @@ def test_inputs_without_gradients_added_to_trained_values(strategy, kind):
         assert dyb.stats()['last']['strategy'] == 'cached-compiled'
 
 
-def test_plan_compiled_in_inference_trains_like_per_sample():
-    """A cached plan compiled in inference runs the same structure in
-    training as that compiled program (structures do not tell the modes
-    apart), whose adds must then be broadcast_adds too (FlushProgram)."""
+def test_plan_compiled_in_one_mode_runs_the_other_like_per_sample():
+    """A cached plan compiled in inference replays its recipes in training
+    (a compiled program runs in the autograd mode it was compiled in only:
+    compiled in training it sums ragged lists by an incidence ``dot``, see
+    test_execute_edges), and one compiled in training runs compiled there,
+    its adds broadcast_adds (``static_alloc`` under autograd)."""
     block, forward = _input_chains('host')
     plan = dyb.CachedPlan(compile_after=1)
     for _ in range(3):          # a miss, recipes learned, compiled
@@ -321,6 +323,10 @@ def test_plan_compiled_in_inference_trains_like_per_sample():
             [value.data for value in forward()]
     assert dyb.stats()['last']['strategy'] == 'cached-compiled'
     assert_same(run_both(forward, [block], strategy=plan))
+    assert dyb.stats()['last']['strategy'] == 'cached'
+    trained = dyb.CachedPlan(compile_after=1)
+    for _ in range(3):
+        assert_same(run_both(forward, [block], strategy=trained))
     assert dyb.stats()['last']['strategy'] == 'cached-compiled'
 
 

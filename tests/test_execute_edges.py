@@ -1,0 +1,189 @@
+"""The execution optimisations (execute.py, lower.py) where they once went
+wrong: parameters of two blocks named alike, float16 ids, and a plan
+compiled in one autograd mode run in the other.  Each compares with
+per-sample execution."""
+import contextlib
+
+import mxnet as mx
+import numpy as np
+import pytest
+from mxnet import autograd, gluon
+from mxnet.gluon import nn
+
+import gluon_dynbatch as dyb
+from gluon_dynbatch import plan
+from gluon_dynbatch.models import ChildSumTreeLSTMCell
+
+
+class Token(gluon.HybridBlock):
+    """A host token's embedding and Dense (the host part that flushes share
+    or hoist), times an NDArray state."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        with self.name_scope():
+            self.embed = nn.Embedding(10, 4)
+            self.dense = nn.Dense(4, in_units=4)
+
+    def hybrid_forward(self, F, token, h):
+        return F.tanh(self.dense(self.embed(token))) * h
+
+
+class Step(gluon.HybridBlock):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        with self.name_scope():
+            self.dense = nn.Dense(4, in_units=4)
+
+    def hybrid_forward(self, F, h):
+        return F.tanh(self.dense(h))
+
+
+def _grads(block):
+    return [p.grad().asnumpy().copy() for p in block.collect_params().values()]
+
+
+@pytest.mark.parametrize('hoist', [True, False])
+@pytest.mark.parametrize('training', [False, True])
+def test_blocks_whose_parameters_are_named_alike_stay_apart(hoist, training, monkeypatch):
+    """Two copies of one block class with one prefix (a teacher and a
+    student, say) have parameters of equal names: the shared host part, the
+    flush's embedding tables and compiled flushes told parameters apart by
+    name and ran one block with the other's weights."""
+    monkeypatch.setattr(dyb.execute, 'HOIST_ROWS', 0 if hoist else float('inf'))
+    a, b = (dyb.DynBatchBlock(Token(prefix='m_')) for _ in range(2))
+    a.initialize(mx.init.Uniform(0.5))
+    b.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(0)
+    args = [(np.array([rng.randint(3)], np.float32), mx.nd.array(rng.uniform(-1, 1, (1, 4))))
+            for _ in range(40)]
+
+    def run(batched):
+        with autograd.record() if training else autograd.pause():
+            with dyb.batching('depth') if batched else contextlib.nullcontext():
+                outs = [a(*x) for x in args[:20]] + [b(*x) for x in args[20:]]
+            got = dyb.concat_rows(outs)
+            loss = (got * mx.nd.array(rng.uniform(-1, 1, got.shape))).sum()
+        if training:
+            loss.backward()
+        return got.asnumpy(), (_grads(a) + _grads(b)) if training else []
+
+    rng = np.random.RandomState(1)
+    want, want_grads = run(False)
+    rng = np.random.RandomState(1)
+    got, got_grads = run(True)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for g, w in zip(got_grads, want_grads):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_compiled_flush_of_blocks_whose_parameters_are_named_alike():
+    a, b = (dyb.DynBatchBlock(Step(prefix='m_')) for _ in range(2))
+    a.initialize(mx.init.Uniform(0.5))
+    b.initialize(mx.init.Uniform(0.5))
+    xs = [np.random.RandomState(i).uniform(-1, 1, (1, 4)).astype(np.float32) for i in range(40)]
+
+    def forward():
+        outs = [a(x) for x in xs[:20]] + [b(x) for x in xs[20:]]
+        return [a(o) for o in outs[:20]] + [b(o) for o in outs[20:]]
+
+    want = np.concatenate([o.asnumpy() for o in forward()])
+    cached = dyb.CachedPlan()
+    kinds = []
+    for _ in range(3):     # a miss, a replay, then the compiled flush
+        with dyb.batching(cached):
+            outs = forward()
+        kinds.append(dyb.stats()['last']['strategy'])
+        np.testing.assert_allclose(dyb.concat_rows(outs).asnumpy(), want, rtol=1e-5, atol=1e-6)
+    assert kinds[-1] == 'cached-compiled', kinds
+
+
+class HalfEmbedding(gluon.HybridBlock):
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.embed = nn.Embedding(8192, 4, dtype='float16')
+
+    def hybrid_forward(self, F, token, h):
+        return self.embed(token) * h
+
+
+def test_float16_ids_beyond_2048_distinct_ones_read_their_rows_in_training():
+    """A training flush reads its embedding rows from one table by position;
+    positions were cast to the ids' dtype, and float16 holds integers only
+    up to 2,048 exactly."""
+    block = dyb.DynBatchBlock(HalfEmbedding())
+    block.initialize(mx.init.Uniform(0.5))
+    ids = np.arange(0, 6000, 2).astype(np.float16)      # 3,000 distinct, exact in float16
+    np.random.RandomState(0).shuffle(ids)
+    h = mx.nd.ones((1, 4), dtype='float16')
+    want = np.concatenate([block(ids[i:i + 1], h).asnumpy() for i in range(len(ids))])
+    with autograd.record():
+        with dyb.batching('depth'):
+            outs = [block(ids[i:i + 1], h) for i in range(len(ids))]
+        got = dyb.concat_rows(outs)
+    np.testing.assert_array_equal(got.asnumpy(), want)
+
+
+def test_plan_compiled_in_training_keeps_a_nan_in_its_tree_in_inference(monkeypatch):
+    """Training sums ragged child lists by an incidence ``dot``, under which
+    a NaN in one list reaches every list; inference keeps padded sums that
+    isolate it.  A cached plan compiled in training was run as compiled in
+    inference; it now replays its recipes there."""
+    monkeypatch.setitem(plan.PADDING_COST, 'elem_us', 1e6)      # mixed arities run ragged
+    monkeypatch.setitem(plan.PADDING_COST, 'family_step_us', {})
+    cell = dyb.DynBatchBlock(ChildSumTreeLSTMCell(4, 3))
+    cell.initialize(mx.init.Uniform(0.5))
+    arities = [1, 2, 3, 1, 2]
+    rng = np.random.RandomState(0)
+
+    def forward(xs):
+        roots, k = [], 0
+        for arity in arities:
+            kids = [cell(xs[k + i], [], []) for i in range(arity)]
+            k += arity
+            roots.append(cell(xs[k], [h for h, _ in kids], [c for _, c in kids])[0])
+            k += 1
+        return roots
+
+    def fresh():
+        return [rng.uniform(-1, 1, (1, 3)).astype(np.float32)
+                for _ in range(sum(arities) + len(arities))]
+
+    cached = dyb.CachedPlan()
+    kinds = []
+    for _ in range(3):
+        with autograd.record():
+            with dyb.batching(cached):
+                outs = forward(fresh())
+            dyb.concat_rows(outs).asnumpy()
+        kinds.append(dyb.stats()['last']['strategy'])
+    assert kinds[-1] == 'cached-compiled', kinds
+    xs = fresh()
+    xs[0] = np.full((1, 3), np.nan, np.float32)      # the first tree's first leaf
+    want = np.concatenate([o.asnumpy() for o in forward(xs)])
+    for _ in range(3):
+        with dyb.batching(cached):
+            outs = forward(xs)
+        got = dyb.concat_rows(outs).asnumpy()
+        assert dyb.stats()['last']['strategy'] == 'cached'
+        np.testing.assert_array_equal(np.isnan(got).any(axis=1), [1, 0, 0, 0, 0])
+        np.testing.assert_allclose(got[1:], want[1:], rtol=1e-5, atol=1e-6)
+
+
+class Tanh(gluon.HybridBlock):
+    def hybrid_forward(self, F, x):
+        return F.Activation(x, act_type='tanh')
+
+
+@pytest.mark.parametrize('dtype', ['float16', 'float64'])
+def test_large_steps_rewrite_tanh_in_float32_only(dtype):
+    """Large steps compute ``tanh`` through MKLDNN's faster ``sigmoid``,
+    which errs by ~2e-7 in float32 but by ~2.4e-4 in float16 (and MKLDNN
+    runs neither float16 nor float64): other dtypes keep ``tanh``."""
+    block = dyb.DynBatchBlock(Tanh())
+    xs = [np.random.RandomState(i).uniform(-3, 3, (1, 16)).astype(dtype) for i in range(600)]
+    want = np.concatenate([block(x).asnumpy() for x in xs])
+    with dyb.batching('depth'):
+        outs = [block(x) for x in xs]
+    np.testing.assert_array_equal(dyb.concat_rows(outs).asnumpy(), want)
