@@ -378,7 +378,9 @@ def concat_rows(values):
     batched step, e.g. one loss head per sample) instead of N row slices and
     a concat: at minibatch 256 those slices cost more than some whole steps.
     Pending values are computed first; the result is differentiable under
-    ``autograd.record()``.
+    ``autograd.record()``.  Treat it as read-only: when the values are all
+    the rows of one step it *is* that step's output, which their ``.data``
+    reads (copy it before writing into it in place).
     """
     values = list(values)
     if not values:

@@ -77,7 +77,9 @@ class LazyValue:
     @property
     def data(self):
         """The value as an NDArray of shape ``self.shape`` (a row of the
-        batched output, differentiable under ``autograd.record()``)."""
+        batched output, differentiable under ``autograd.record()``).  Treat
+        it as read-only: it may be the batched output itself, shared with
+        other calls' values (calls with equal host rows share one row)."""
         if self._data is None:
             node = self._node
             if node.state == PENDING:
