@@ -297,7 +297,10 @@ static int push_update(const Request *r)
 
 /* Wait until every op pushed so far has run, then push each request;
  * pushed[i] as push_update says.  The GIL is released throughout: pending
- * ops may need it (Python custom ops), and MXNDArrayGetData may wait. */
+ * ops may need it (Python custom ops), and MXNDArrayGetData may wait.
+ * -1: out of memory; -2: the wait failed (an op before raised: MXNet's
+ * last error says what, and it must reach the user, since WaitAll has
+ * cleared it); nothing is pushed then. */
 static int push_all(const Request *requests, int *pushed, Py_ssize_t count)
 {
     int failed, out_of_memory = 0;
@@ -311,7 +314,7 @@ static int push_all(const Request *requests, int *pushed, Py_ssize_t count)
         }
     }
     Py_END_ALLOW_THREADS
-    return out_of_memory ? -1 : 0;
+    return failed ? -2 : out_of_memory ? -1 : 0;
 }
 
 /* Push one update whose job reads the addresses itself: 1 if pushed, 0
@@ -344,7 +347,8 @@ static int push_update_in_job(const Request *r)
 /* update_many(sequence of requests, each a tuple (weight, grad, history
  * handles as ints, lr, eps, rescale, clip, decay)): a list of whether each
  * was pushed (False when the arrays are not three dense float32 arrays of
- * one shape: the caller then takes MXNet's path).  One wait serves them
+ * one shape: the caller then takes MXNet's path), or None when waiting for
+ * the ops before failed (the caller raises MXNet's last error).  One wait serves them
  * all: a Trainer step's updates, each waiting on its own, waited for the
  * one pushed before it. */
 static PyObject *update_many(PyObject *self, PyObject *requests)
@@ -370,7 +374,12 @@ static PyObject *update_many(PyObject *self, PyObject *requests)
             goto done;
         pushed[i] = 0;
     }
-    if (push_sync != NULL && count && push_all(parsed, pushed, count) < 0) {
+    int rc = push_sync != NULL && count ? push_all(parsed, pushed, count) : 0;
+    if (rc == -2) {                 /* the caller raises MXNet's last error */
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    if (rc < 0) {
         PyErr_NoMemory();
         goto done;
     }

@@ -123,7 +123,8 @@ def in_job_addresses():
 def _push(kernel, requests):
     """Push ``requests`` (``_kernel_args`` tuples) to ``kernel``; whether
     each was pushed.  Raises if an earlier update could not run (its job
-    found no address: it left the arrays unchanged)."""
+    found no address: it left the arrays unchanged), and, when the kernel
+    waits for the ops before, MXNet's error if one of them failed."""
     if in_job_addresses():
         failed = kernel.failed_jobs()
         if failed:
@@ -132,7 +133,10 @@ def _push(kernel, requests):
                 'and left the weights unchanged. Set gluon_dynbatch.optim.IN_JOB_ADDRESSES = '
                 'False and report this, with your MXNet build.' % failed)
         return kernel.update_many_async(requests)
-    return kernel.update_many(requests)
+    pushed = kernel.update_many(requests)
+    if pushed is None:      # an op before failed; MXNet's wait has cleared the error
+        raise mx.base.get_last_ffi_error()
+    return pushed
 
 
 @mx.optimizer.register
