@@ -17,7 +17,7 @@ every way this project cares about, with one set of weights:
 One invocation does everything::
 
     python benchmarks/bench_treelstm.py                 # full run, < 8 min on 2 cores
-    python benchmarks/bench_treelstm.py --quick         # CI smoke run, < 1 min
+    python benchmarks/bench_treelstm.py --quick         # CI smoke run, < 1 min (into results/quick/)
     python benchmarks/bench_treelstm.py --sweep-settings   # threads x engine sweep
 
 Steps: (a) every form must give the same log-probabilities and the same
@@ -51,6 +51,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 DEFAULT_OUT = os.path.join(HERE, 'results')
+QUICK_OUT = os.path.join(DEFAULT_OUT, 'quick')
 
 ENGINES = ('NaiveEngine', 'ThreadedEnginePerDevice', 'ThreadedEngine')
 PER_SAMPLE = 'per-sample'
@@ -104,7 +105,9 @@ def build_parser():
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument('--data', default=None, help='SICK folder (else $GLUON_DYNBATCH_SICK, '
                                                 'else ../shared/data/sick)')
-    p.add_argument('--out', default=DEFAULT_OUT, help='folder for results.json and the PNG')
+    p.add_argument('--out', default=None,
+                   help='folder for results.json and the PNG (default %s; with --quick %s, so that a smoke run '
+                        'leaves the published results alone)' % (DEFAULT_OUT, QUICK_OUT))
     p.add_argument('--threads', type=int, default=1,
                    help='OpenMP/MKL threads per operator (OMP_NUM_THREADS, MKL_NUM_THREADS)')
     p.add_argument('--engine', choices=ENGINES, default='ThreadedEnginePerDevice',
@@ -143,12 +146,11 @@ def build_parser():
     p.add_argument('--seed', type=int, default=0, help='weights and pair order')
     grads = p.add_mutually_exclusive_group()
     grads.add_argument('--dense-grad', dest='sparse_grad', action='store_false',
-                       help='dense embedding gradients in every form (a vocabulary-sized '
+                       default=argparse.SUPPRESS, help='dense embedding gradients in every form (a vocabulary-sized '
                             'gradient and update per step)')
-    grads.add_argument('--sparse-grad', dest='sparse_grad', action='store_true',
-                       help='row-sparse embedding gradients in every form: the default, as '
-                            'the SICK example trains and as DyNet updates lookup parameters')
-    p.set_defaults(sparse_grad=True)
+    grads.add_argument('--sparse-grad', dest='sparse_grad', action='store_true', default=True,
+                       help='row-sparse embedding gradients in every form, as the SICK '
+                            'example trains and as DyNet updates lookup parameters')
     p.add_argument('--optimizer', default=OPTIMIZERS[0], choices=OPTIMIZERS,
                    help="every form's Adagrad: gluon_dynbatch.FusedAdaGrad (one op per "
                         "parameter, the same values) or MXNet's own")
@@ -1081,6 +1083,8 @@ def run_sweep(args):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    if args.out is None:
+        args.out = QUICK_OUT if args.quick else DEFAULT_OUT
     if args.sweep_settings:
         return run_sweep(args)
     configure_env(args)

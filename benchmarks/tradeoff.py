@@ -47,7 +47,7 @@ ran, else ``depth``) on every measured minibatch (max abs difference <=
 in ``--out`` (default ``benchmarks/results/``)::
 
     python benchmarks/tradeoff.py            # full run, < 6 min on 2 cores
-    python benchmarks/tradeoff.py --quick    # smoke run, < 40 s
+    python benchmarks/tradeoff.py --quick    # smoke run, < 40 s (into results/quick/)
 
 Notes on fairness: the ``cached`` column uses a ``CachedPlan()`` private to
 the workload (same class and fallback as ``STRATEGIES['cached']``), so it can
@@ -69,6 +69,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 DEFAULT_OUT = os.path.join(HERE, 'results')
+QUICK_OUT = os.path.join(DEFAULT_OUT, 'quick')
 STATIC_PNG = os.path.join(ROOT, 'docs', '_static', 'tradeoff.png')
 
 EMBED, HIDDEN, SIM_HIDDEN, CLASSES = 300, 150, 50, 5
@@ -89,7 +90,9 @@ def build_parser():
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument('--data', default=None, help='SICK folder (else $GLUON_DYNBATCH_SICK, '
                                                 'else ../shared/data/sick)')
-    p.add_argument('--out', default=DEFAULT_OUT, help='folder for tradeoff.json / .png')
+    p.add_argument('--out', default=None,
+                   help='folder for tradeoff.json / .png (default %s; with --quick %s, so that a smoke run '
+                        'leaves the published results alone)' % (DEFAULT_OUT, QUICK_OUT))
     p.add_argument('--quick', action='store_true', help='smoke run (< 40 s)')
     p.add_argument('--repeats', type=int, default=None,
                    help='measured repeats per workload, at least (default 7; quick 3); '
@@ -1015,6 +1018,8 @@ def plot(results, path, title):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    if args.out is None:
+        args.out = QUICK_OUT if args.quick else DEFAULT_OUT
     configure_env()
     tic = time.perf_counter()
     import mxnet as mx
