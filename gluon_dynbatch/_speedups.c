@@ -429,14 +429,18 @@ static inline int push_call_word(CallWords *cw, int64_t value)
 
 /* Append ``leaf`` to ``leaves`` and its words to ``cw``, updating the
  * call's depth and the producers to mark used as record_args does; 1 if
- * done, 0 if the call is not one for the memo, -1 on error. */
+ * done, 0 if the call is not one for the memo (a pending value of another
+ * scope among them: record_args then defers to Python, which refuses it),
+ * -1 on error. */
 static int leaf_words(CallWords *cw, PyObject *leaf, PyObject *leaves, Py_ssize_t *n_leaves,
-                      long *depth, PyObject **marks, Py_ssize_t *n_marks)
+                      long *depth, PyObject **marks, Py_ssize_t *n_marks, PyObject *scope)
 {
     PyList_SET_ITEM(leaves, (*n_leaves)++, Py_NewRef(leaf));
     if (Py_TYPE(leaf) == LazyValueType) {
         PyObject *producer = SLOT(leaf, lv_node);
         long state = small_int(SLOT(producer, n_state));
+        if (state == PENDING && SLOT(producer, n_scope) != scope)
+            return 0;
         SigInfo *info = state == PENDING || state == DONE ? sig_info(SLOT(producer, n_sig)) : NULL;
         long index = info ? PyLong_AsLong(SLOT(leaf, lv_index)) : -1;
         if (index < 0 || !push_call_word(cw, info->sig_id) || !push_call_word(cw, index)) {
@@ -480,7 +484,7 @@ static int leaf_words(CallWords *cw, PyObject *leaf, PyObject *leaves, Py_ssize_
  * ``cw`` (and the depth and marks, as leaf_words); 1, 0 or -1 as
  * leaf_words. */
 static int call_words(CallWords *cw, PyObject *const *args, Py_ssize_t nargs, PyObject **leaves,
-                      long *depth, PyObject **marks, Py_ssize_t *n_marks)
+                      long *depth, PyObject **marks, Py_ssize_t *n_marks, PyObject *scope)
 {
     Py_ssize_t count = 0, n_leaves = 0;
     for (Py_ssize_t i = 0; i < nargs; i++)
@@ -499,9 +503,10 @@ static int call_words(CallWords *cw, PyObject *const *args, Py_ssize_t nargs, Py
             if (!push_call_word(cw, LIST_WORD - len)) return 0;
             for (Py_ssize_t j = 0; j < len; j++)
                 if ((rc = leaf_words(cw, elems[j], *leaves, &n_leaves, depth, marks,
-                                     n_marks)) != 1)
+                                     n_marks, scope)) != 1)
                     return rc;
-        } else if ((rc = leaf_words(cw, arg, *leaves, &n_leaves, depth, marks, n_marks)) != 1) {
+        } else if ((rc = leaf_words(cw, arg, *leaves, &n_leaves, depth, marks, n_marks,
+                                    scope)) != 1) {
             return rc;
         }
     }
@@ -683,7 +688,7 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
     if (!mode_matches(scope)) BAIL(fallback);
     CallWords words;
     uint64_t hash = 0;
-    int memo_rc = call_words(&words, args, nargs, &leaves, &depth, marks, &n_marks);
+    int memo_rc = call_words(&words, args, nargs, &leaves, &depth, marks, &n_marks, scope);
     if (memo_rc < 0) BAIL(error);
     if (memo_rc == 1) {
         hash = call_hash(&words, dblock);
@@ -729,7 +734,10 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
             Py_INCREF(shape);
             long state = small_int(SLOT(producer, n_state));
             if (state != DONE) {
-                if (state != PENDING) { Py_DECREF(shape); PyErr_Clear(); BAIL(fallback); }
+                if (state != PENDING || SLOT(producer, n_scope) != scope) {
+                    /* failed, or pending in another scope: Python raises */
+                    Py_DECREF(shape); PyErr_Clear(); BAIL(fallback);
+                }
                 long d = small_int(SLOT(producer, n_depth));
                 if (d >= depth) depth = d + 1;
                 if (SLOT(producer, n_used) != Py_True)

@@ -122,7 +122,7 @@ class BatchingScope:
             self.mode = mode
         leaves = []
         fmt = flatten(args, leaves)
-        key, ctx, depth = _signature_key(dblock, fmt, leaves)
+        key, ctx, depth = _signature_key(dblock, fmt, leaves, self)
         sig = dblock._signatures.get(key)
         if sig is None:
             sig = dblock._trace(key, fmt, ctx)
@@ -407,9 +407,9 @@ def concat_rows(values):
     return mx.nd.take(source, to_device(np.asarray(index, dtype='int32'), ctx))
 
 
-def _signature_key(dblock, fmt, leaves):
-    """(signature key, context, depth) of a call; checks the leaves and
-    marks the pending nodes they come from as used.
+def _signature_key(dblock, fmt, leaves, scope):
+    """(signature key, context, depth) of a call recorded in ``scope``;
+    checks the leaves and marks the pending nodes they come from as used.
 
     This runs once per recorded call, so it compares contexts and dtypes by
     identity first, reads a lazy value's (shape, dtype, context) as one
@@ -427,6 +427,13 @@ def _signature_key(dblock, fmt, leaves):
             if node.state != DONE:
                 if node.state == FAILED:
                     leaf.data  # raises LazyValueError with the details
+                if node.scope is not scope:
+                    raise ScopeError(
+                        'block %s, argument %s: a value of block %s that another thread\'s '
+                        'batching() scope recorded and has not run yet. Read it (.data) in '
+                        'that thread, or let its scope close, before passing it on.'
+                        % (dblock.block.name, _leaf_path(fmt, _position(leaves, leaf)),
+                           node.sig.block.name))
                 if node.depth >= depth:
                     depth = node.depth + 1
                 if not node.used:

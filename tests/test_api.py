@@ -535,6 +535,41 @@ def test_threads_record_and_run_their_own_scopes():
             np.testing.assert_allclose(out, enc(tree)[0].asnumpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize('accelerated', [True, False])
+def test_error_value_pending_in_another_threads_scope(accelerated):
+    """A value that another thread's open scope has not run yet cannot be
+    an argument here (the flush failed inside, reading a node that had not
+    run); once that scope has closed it can."""
+    import threading
+    from gluon_dynbatch import accel
+    block = dense()
+    recorded, release, box = threading.Event(), threading.Event(), {}
+
+    def other():
+        with dyb.batching():
+            box['value'] = block(mx.nd.ones((1, 3)))
+            recorded.set()
+            release.wait(10)
+    thread = threading.Thread(target=other)
+    thread.start()
+    accel.enable(accelerated)
+    try:
+        recorded.wait(10)
+        with pytest.raises(dyb.ScopeError, match=r"dense\d+, argument #0: a value of block "
+                                                 r"dense\d+ that another thread's"):
+            with dyb.batching():
+                block(box['value'])
+        release.set()
+        thread.join()
+        with dyb.batching():
+            twice = block(box['value'])
+        np.testing.assert_allclose(twice.asnumpy(), block(block(mx.nd.ones((1, 3)))).asnumpy(),
+                                   rtol=1e-6)
+    finally:
+        release.set()
+        accel.enable(True)
+
+
 def test_garbage_collector_paused_inside_scope_and_restored():
     import gc
     block = dense()
