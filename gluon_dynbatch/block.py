@@ -8,6 +8,7 @@ scope a wrapped block is just the block it wraps.
 """
 import gc
 import itertools
+import numbers
 import sys
 import threading
 import time
@@ -23,7 +24,7 @@ from .errors import InputError, ScopeError
 from .execute import collect, pad_leaves, run_plan, threaded_engine, to_device
 from .graph import DONE, FAILED, PENDING, LazyValue, Node
 from .lower import ragged_lists
-from .plan import SETUP, STRATEGIES, summarize
+from .plan import SETUP, STRATEGIES, Strategy, summarize
 from .trace import flatten, leaf_count, regroup, trace_signature
 
 __all__ = ['DynBatchBlock', 'batching', 'concat_rows', 'current_scope', 'private_scope']
@@ -325,14 +326,20 @@ def batching(strategy='auto', flush_every='auto'):
             raise ScopeError('unknown strategy %r; choose one of %s'
                              % (strategy, sorted(STRATEGIES)))
         strategy = STRATEGIES[strategy]
+    elif not isinstance(strategy, Strategy):
+        raise ScopeError('strategy=%r: give the name of one of %s or a gluon_dynbatch.Strategy '
+                         '(a subclass implementing plan())' % (strategy, sorted(STRATEGIES)))
     follow_engine = False
-    if flush_every == 'auto':
+    if isinstance(flush_every, str) and flush_every == 'auto':
         pipelined = threaded_engine() and not autograd.is_recording()
         flush_every = PIPELINE_CALLS if pipelined else None
         follow_engine = pipelined and accel.push_marker is not None
-    elif flush_every is not None and (type(flush_every) is not int or flush_every < 0):
+    elif flush_every is not None and (not isinstance(flush_every, numbers.Integral) or
+                                      isinstance(flush_every, bool) or flush_every < 0):
         raise ScopeError("flush_every=%r: give a number of calls (> 0), None (flush only when "
                          "a value is read or the scope exits) or 'auto'." % (flush_every,))
+    elif flush_every is not None:
+        flush_every = int(flush_every)      # numpy integers too; the C recorder reads an int
     strategy.prepare()
     scope = BatchingScope(strategy, flush_every, follow_engine)
     _LOCAL.scope = scope

@@ -32,7 +32,23 @@ from .lower import BUILT
 from .plan import (PADDING_COST, SETUP, STRATEGIES, Agenda, ByDepth, CachedPlan, PerSample,
                    Strategy, summarize)
 
-__all__ = ['CostModel', 'Auto', 'default_cost_model']
+__all__ = ['CostModel', 'Auto', 'default_cost_model', 'ANALYSE_US']
+
+
+ANALYSE_US = {'per-sample': 0.3, 'depth': 1.0, 'agenda': 5.0, 'cached': 2.0}
+"""A :class:`CostModel`'s per-node analysis costs (us) until it learns or
+is given its own."""
+
+
+def _positive(name, value):
+    """``value`` as a float, or a ValueError naming ``name``."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = float('nan')
+    if not number >= 0 or number == float('inf'):
+        raise ValueError('CostModel: %s must be a finite number >= 0, got %r' % (name, value))
+    return number
 
 
 class CostModel:
@@ -43,15 +59,24 @@ class CostModel:
     step_us, row_us : float
         Fixed cost per batched step and cost per row, microseconds.
     analyse_us : dict
-        Per-node analysis cost of each strategy, microseconds.
+        Per-node analysis cost of some strategies, microseconds (the others
+        keep :data:`ANALYSE_US`).
+    agenda_ratio : float
+        Agenda's steps over depth's, before it is learned per kind of graph.
     """
 
     def __init__(self, step_us=300.0, row_us=15.0, analyse_us=None, agenda_ratio=1.0):
-        self.step_us = step_us
-        self.row_us = row_us
-        self.analyse_us = dict(analyse_us or {'per-sample': 0.3, 'depth': 1.0, 'agenda': 5.0,
-                                              'cached': 2.0})
-        self.agenda_ratio = agenda_ratio
+        self.step_us = _positive('step_us', step_us)
+        self.row_us = _positive('row_us', row_us)
+        analyse_us = dict(analyse_us or {})
+        unknown = set(analyse_us) - set(ANALYSE_US)
+        if unknown:
+            raise ValueError('CostModel: analyse_us names no strategy %s; it takes %s'
+                             % (sorted(unknown), sorted(ANALYSE_US)))
+        self.analyse_us = dict(ANALYSE_US)
+        self.analyse_us.update({name: _positive('analyse_us[%r]' % name, value)
+                                for name, value in analyse_us.items()})
+        self.agenda_ratio = _positive('agenda_ratio', agenda_ratio)
         # fixed cost of one step per signature family: a Tree-LSTM step runs
         # dozens of ops, a Dense step one.  Shared with the planner, which
         # asks it when splitting padded groups (so shared by all models too).
@@ -182,8 +207,22 @@ class CostModel:
 
     @classmethod
     def load(cls, path):
+        """A model from a profile written by :meth:`save` (no probe runs);
+        a ValueError naming the file when it is not one."""
         with open(path) as f:
-            model = cls(**json.load(f))
+            try:
+                saved = json.load(f)
+            except ValueError as err:
+                raise ValueError('CostModel.load(%r): not a saved profile (JSON): %s'
+                                 % (path, err)) from None
+        fields = ('step_us', 'row_us', 'analyse_us', 'agenda_ratio')
+        if not isinstance(saved, dict) or set(saved) - set(fields):
+            raise ValueError('CostModel.load(%r): a saved profile holds an object with the keys '
+                             '%s; got %r' % (path, ', '.join(fields), saved))
+        try:
+            model = cls(**saved)
+        except ValueError as err:
+            raise ValueError('CostModel.load(%r): %s' % (path, err)) from None
         model.calibrated = True
         return model
 
@@ -259,11 +298,29 @@ class Auto(Strategy):
       summary comes back.
       Otherwise the prediction decides, and the structure is hashed only when
       the cached plan's prediction wins.
+
+    Parameters
+    ----------
+    model : CostModel, optional
+        The cost model; by default the process's shared one
+        (:func:`default_cost_model`), calibrated by a short probe when the
+        first scope opens.  A model given here is used as it is: calibrate
+        it (:meth:`CostModel.calibrate`) or load a saved profile
+        (:meth:`CostModel.load`).
+    probe_every : int
+        Flushes between probes of the strategy not chosen (>= 1).
+    memory : int
+        How many flush summaries it remembers for the plan cache.
+    small, cached_trials, explore_within
+        As described above.
     """
     name = 'auto'
 
     def __init__(self, model=None, probe_every=16, memory=4096, small=32, cached_trials=4,
                  explore_within=0.1):
+        if type(probe_every) is not int or probe_every < 1:
+            raise ValueError('Auto: probe_every=%r; give a number of flushes >= 1'
+                             % (probe_every,))
         self._model = model
         self.explore_within = explore_within    # 0: never run a predicted runner-up
         self.cached_trials = cached_trials
@@ -286,6 +343,8 @@ class Auto(Strategy):
 
     @property
     def model(self):
+        """The :class:`CostModel` in use (the process's default one,
+        calibrated now, when none was given)."""
         if self._model is None:
             self._model = default_cost_model()
         return self._model

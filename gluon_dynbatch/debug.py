@@ -25,14 +25,18 @@ def reset_stats():
     """Zero every counter."""
     _TOTALS.clear()
     _TOTALS.update(flushes=0, nodes=0, steps=0, record_ms=0.0, analyse_ms=0.0, compile_ms=0.0,
-                   run_ms=0.0, per_sample_nodes=0)
+                   run_ms=0.0, per_sample_nodes=0, choices={}, predicted_ms=0.0, actual_ms=0.0)
     _LAST.clear()
 
 
 def stats():
     """Counters since the last :func:`reset_stats`: totals, plus ``last``,
-    the most recent flush (nodes, steps, batch_sizes, ``*_ms``, strategy)."""
+    the most recent flush (nodes, steps, batch_sizes, ``*_ms``, strategy).
+    ``choices`` counts the flushes ``auto`` planned by each strategy;
+    ``predicted_ms`` and ``actual_ms`` total those it decided by the cost
+    model (those of 32 calls or more, see :class:`~gluon_dynbatch.Auto`)."""
     out = dict(_TOTALS)
+    out['choices'] = dict(_TOTALS['choices'])
     out['last'] = dict(_LAST)
     return out
 
@@ -55,11 +59,11 @@ def record_flush(plan, record_ms, analyse_ms, run_ms, extra=None, compile_ms=0.0
     if extra:
         _LAST.update(extra)
         if 'choice' in extra:
-            choices = _TOTALS.setdefault('choices', {})
+            choices = _TOTALS['choices']
             choices[extra['choice']] = choices.get(extra['choice'], 0) + 1
             if 'predicted_ms' in extra:
-                _TOTALS['predicted_ms'] = _TOTALS.get('predicted_ms', 0.0) + extra['predicted_ms']
-                _TOTALS['actual_ms'] = _TOTALS.get('actual_ms', 0.0) + analyse_ms + run_ms
+                _TOTALS['predicted_ms'] += extra['predicted_ms']
+                _TOTALS['actual_ms'] += analyse_ms + run_ms
     level = debug_level()
     if level:
         _print_flush(plan, sizes, level)

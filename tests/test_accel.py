@@ -521,7 +521,7 @@ def test_each_call_gets_the_signature_its_key_names():
         leaves = []
         fmt = flatten(args, leaves)
         with ctx:
-            key = _signature_key(block, fmt, leaves)[0]
+            key = _signature_key(block, fmt, leaves, scope)[0]
         assert node.sig is block._signatures[key]
         sigs.add(node.sig)
     assert len(sigs) == 2 * 2 * 2 * 2 * 3   # blocks, contexts, dtypes, shapes, widths

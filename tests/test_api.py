@@ -430,6 +430,32 @@ def test_error_unknown_strategy():
             pass
 
 
+class PlanOnly:
+    """Has plan() but is no Strategy (it lacks prepare, observe, ...)."""
+
+    def plan(self, nodes, summary=None):
+        return dyb.STRATEGIES['depth'].plan(nodes, summary)
+
+
+@pytest.mark.parametrize('strategy', [None, 3, PlanOnly()])
+def test_error_strategy_that_is_no_strategy(strategy):
+    with pytest.raises(dyb.ScopeError, match=r'strategy=.*gluon_dynbatch\.Strategy'):
+        with dyb.batching(strategy):
+            pass
+    with dyb.batching():                      # nothing was left open
+        pass
+
+
+def test_flush_every_takes_numpy_integers():
+    block = dense()
+    x = mx.nd.ones((1, 3))
+    dyb.reset_stats()
+    with dyb.batching('depth', flush_every=np.int64(2)):
+        outs = [block(x) for _ in range(5)]
+    assert dyb.stats()['flushes'] == 3
+    np.testing.assert_allclose(outs[-1].asnumpy(), block(x).asnumpy(), rtol=1e-6)
+
+
 def test_error_non_array_argument_names_block_and_argument():
     cell = dyb.DynBatchBlock(ChildSumTreeLSTMCell(4, 3))
     cell.initialize()

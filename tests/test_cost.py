@@ -54,6 +54,44 @@ def test_save_and_load_profile(tmp_path):
     assert json.load(open(tmp_path / 'profile.json'))['step_us'] == 123
 
 
+def test_partial_analysis_costs_keep_the_defaults_for_the_rest(tmp_path):
+    """A model given some strategies' analysis costs (by hand or in a
+    profile) keeps the defaults for the others: Auto's first flush of 32
+    calls or more failed with a KeyError before."""
+    from gluon_dynbatch.cost import ANALYSE_US
+    model = dyb.CostModel(analyse_us={'depth': 0.3})
+    assert model.analyse_us == dict(ANALYSE_US, depth=0.3)
+    path = tmp_path / 'partial.json'
+    path.write_text(json.dumps({'step_us': 100, 'analyse_us': {'agenda': 2}}))
+    loaded = dyb.CostModel.load(str(path))
+    assert loaded.analyse_us == dict(ANALYSE_US, agenda=2.0) and loaded.calibrated
+    block = dyb.DynBatchBlock(nn.Dense(3, in_units=3))
+    block.initialize()
+    x = mx.nd.ones((1, 3))
+    with dyb.batching(dyb.Auto(loaded)):
+        outs = [block(x) for _ in range(40)]
+    np.testing.assert_allclose(outs[-1].asnumpy(), block(x).asnumpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize('text,match', [
+    ('{"step_us": 1', 'not a saved profile'),
+    ('[1, 2]', 'keys step_us'),
+    ('{"speed": 3}', 'keys step_us'),
+    ('{"step_us": "fast"}', 'step_us must be a finite number'),
+    ('{"analyse_us": {"greedy": 1}}', 'names no strategy'),
+])
+def test_error_load_of_a_file_that_is_no_profile(tmp_path, text, match):
+    path = tmp_path / 'bad.json'
+    path.write_text(text)
+    with pytest.raises(ValueError, match=r"CostModel.load\('.*bad.json'\).*" + match):
+        dyb.CostModel.load(str(path))
+
+
+def test_error_probe_every_below_one():
+    with pytest.raises(ValueError, match='probe_every=0'):
+        dyb.Auto(probe_every=0)
+
+
 def test_recording_counts_what_depth_grouping_makes():
     """The counts behind the cost model's step estimate, kept while recording
     (Python) or counted at the flush (C), give depth grouping's groups."""
