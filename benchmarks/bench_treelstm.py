@@ -460,8 +460,12 @@ def load_data(args):
     from gluon_dynbatch.data import sick
     from gluon_dynbatch.models import sick_target
 
-    folder = sick.find_sick_dir(args.data)
-    splits = [sick.load_split(folder, s) for s in sick.SPLITS]
+    try:
+        folder = sick.find_sick_dir(args.data)
+        splits = [sick.load_split(folder, s) for s in sick.SPLITS]
+    except (OSError, ValueError) as err:     # no data, or malformed files: say which
+        print('error: %s' % err, file=sys.stderr)
+        raise SystemExit(2) from None
     vocab = sick.build_vocab(splits)
     test = splits[sick.SPLITS.index('test')]
     sick.index_pairs(test, vocab)

@@ -39,6 +39,14 @@ The Trainer hands :class:`FusedAdaGrad` a step's updates together
 
 Use it by name: ``gluon.Trainer(params, 'fusedadagrad', {...})`` (importing
 ``gluon_dynbatch`` registers it).
+
+Two places where MXNet's own AdaGrad is inconsistent and this one follows
+its dense update for every gradient: with a row-sparse gradient (an
+``Embedding(sparse_grad=True)``) MXNet refuses ``wd != 0``, while this one
+decays every row of the weight each step, as dense AdaGrad does; and MXNet
+reads ``clip_gradient=0`` as "no clipping" for row-sparse gradients only
+(dense ones are clipped to zero), while this one clips to zero for both
+(``None``, the default, is no clipping).
 """
 import ctypes
 import os

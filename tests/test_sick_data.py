@@ -171,6 +171,38 @@ def test_load_split_line_mismatch(tmp_path):
         load_split(tmp_path, 'dev')
 
 
+GOOD = dict(a_toks=['A dog', 'A cat'], b_toks=['A dog', 'A cat'], a_parents=['2 0', '2 0'],
+            b_parents=['2 0', '2 0'], sim=['3.5', '4.0'])
+
+
+@pytest.mark.parametrize('change,match', [
+    (dict(sim=['3.5', '0.5']), r'sim\.txt line 2: bad score .0\.5.*\[1, 5\]'),
+    (dict(sim=['nan', '4.0']), r'sim\.txt line 1: bad score .nan.'),
+    (dict(sim=['3.5', 'high']), r'sim\.txt line 2: bad score .high.'),
+    (dict(b_parents=['2 0', '2 x']), r'b\.parents line 2: bad parent list'),
+    (dict(b_parents=['2 0', '0 0']), r'b\.parents line 2: several roots'),
+    (dict(a_parents=['2 0', '1 2 0']), r'a\.toks line 2: 2 tokens but 3 parents in .*a\.parents'),
+    (dict(a_toks=[], b_toks=[], a_parents=[], b_parents=[], sim=[]), 'holds no pairs'),
+])
+def test_error_load_split_names_file_and_line(tmp_path, change, match):
+    _write_split(tmp_path, **dict(GOOD, **change))
+    with pytest.raises(ValueError, match=match):
+        load_split(tmp_path, 'dev')
+
+
+def test_error_load_split_text_that_is_not_utf8(tmp_path):
+    _write_split(tmp_path, **GOOD)
+    (tmp_path / 'dev' / 'b.toks').write_bytes(b'A dog\nA caf\xe9\n')
+    with pytest.raises(ValueError, match=r'b\.toks line 2: not UTF-8'):
+        load_split(tmp_path, 'dev')
+
+
+def test_load_split_drops_a_byte_order_mark(tmp_path):
+    _write_split(tmp_path, **GOOD)
+    (tmp_path / 'dev' / 'a.toks').write_bytes(b'\xef\xbb\xbfA dog\nA cat\n')
+    assert load_split(tmp_path, 'dev')[0].a_tokens == ['A', 'dog']
+
+
 def test_load_split_small_fake(tmp_path):
     _write_split(tmp_path, a_toks=['A dog runs'], b_toks=['Dogs'], a_parents=['2 3 0'],
                  b_parents=['0'], sim=['4.5'])
@@ -240,3 +272,57 @@ def test_embedding_from_glove_file(tmp_path):
         np.testing.assert_allclose(matrix[vocab[word]], glove[word], rtol=1e-6)
     for word in ('runs', 'a', '<unk>'):
         np.testing.assert_array_equal(matrix[vocab[word]], random_m[vocab[word]])
+
+
+def test_glove_file_with_spaced_tokens_a_header_and_bad_bytes(tmp_path, caplog):
+    """glove.840B.300d.txt has tokens with spaces ('. . .'); word2vec-style
+    files start with a header; some files hold bytes that are not UTF-8.
+    Only the vocabulary's lines are handed to gluonnlp, so none of these
+    stops the load (gluonnlp failed on the first two)."""
+    vocab = _toy_vocab()
+    path = tmp_path / 'glove.txt'
+    path.write_bytes(b'5 3\n'
+                     b'dog 1 2 3\n'
+                     b'. . . 4 5 6\n'
+                     b'New York 7 8 9\n'
+                     b'caf\xe9 1 1 1\n'
+                     b'cat  -1 0.5 2\n'.replace(b'  ', b' ')
+                     + b'dog 9 9 9\n')
+    matrix, n_found = make_embedding_matrix(vocab, path=path)
+    assert matrix.shape == (len(vocab), 3) and n_found == 2
+    np.testing.assert_allclose(matrix[vocab['dog']], [1, 2, 3])      # the first line wins
+    np.testing.assert_allclose(matrix[vocab['cat']], [-1, 0.5, 2])
+
+
+@pytest.mark.parametrize('text,match', [
+    ('', 'holds no vectors'),
+    ('dog 1 2 3\ncat 1 2\n', r'line 2: .cat. has 2 numbers, the file.s vectors 3'),
+    ('dog 1 2 3\ncat 1 x 3\n', r'line 2: the vector of .cat. is not 3 numbers'),
+])
+def test_error_glove_file_names_file_and_line(tmp_path, text, match):
+    path = tmp_path / 'glove.txt'
+    path.write_text(text)
+    with pytest.raises(ValueError, match=r'glove\.txt.*' + match):
+        make_embedding_matrix(_toy_vocab(), path=path)
+
+
+def test_glove_file_without_vocabulary_words_keeps_the_random_init(tmp_path):
+    path = tmp_path / 'glove.txt'
+    path.write_text('zebra 1 2 3\nyak 4 5 6\n')
+    matrix, n_found = make_embedding_matrix(_toy_vocab(), path=path, seed=0)
+    assert n_found == 0 and matrix.shape == (len(_toy_vocab()), 3)
+    assert np.abs(matrix).max() < 1.0
+
+
+def test_error_missing_glove_file_names_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match='nowhere.txt'):
+        make_embedding_matrix(_toy_vocab(), path=tmp_path / 'nowhere.txt')
+
+
+def test_sick_target_puts_the_mass_on_the_two_classes_around_the_score():
+    from gluon_dynbatch.models import sick_target
+    np.testing.assert_allclose(sick_target([1.0, 3.25, 5.0]),
+                               [[1, 0, 0, 0, 0], [0, 0, 0.75, 0.25, 0], [0, 0, 0, 0, 1]])
+    for bad in (0.5, 5.5, float('nan')):      # wrapped round to the last classes before
+        with pytest.raises(ValueError, match=r'outside \[1, 5\]'):
+            sick_target(bad)

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -203,6 +204,30 @@ def test_script_missing_data_fails_clearly(tmp_path):
     assert 'fetch_and_preprocess' in proc.stderr and 'GLUON_DYNBATCH_SICK' in proc.stderr
     assert 'Traceback' not in proc.stderr
     assert not (tmp_path / 'out' / 'results.json').exists()
+
+
+def test_script_malformed_data_and_bad_paths_fail_clearly(sick_dir, tmp_path):
+    """A score outside [1, 5] (it trained on a wrong target before), a
+    missing embeddings file and an output folder that cannot be made end
+    the script with a message (exit 2), not a traceback."""
+    import shutil
+    data = tmp_path / 'sick'
+    for split in ('train', 'dev', 'test'):
+        shutil.copytree(sick_dir / split, data / split)
+    sim = data / 'train' / 'sim.txt'
+    lines = sim.read_text().split('\n')
+    sim.write_text('\n'.join(['0.5'] + lines[1:]))
+    blocked = tmp_path / 'file'
+    blocked.write_text('not a folder')
+    out = tmp_path / 'out'
+    for argv, message in (
+            (['--data', data, '--out', out], r'sim\.txt line 1: bad score'),
+            (['--data', sick_dir, '--out', out, '--embeddings', tmp_path / 'no.txt'],
+             'no.txt: no such file'),
+            (['--data', sick_dir, '--out', blocked / 'out'], 'cannot create the output folder')):
+        proc = _run_script(*argv, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert re.search(message, proc.stderr) and 'Traceback' not in proc.stderr
 
 
 def test_script_rejects_unknown_strategy(sick_dir, tmp_path):

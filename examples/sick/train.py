@@ -5,7 +5,7 @@ per sample or with just-in-time dynamic batching.
 The model code is the plain per-sample recursion of the paper; the only
 change that batches it is ``with dyb.batching():`` around each minibatch::
 
-    python examples/sick/train.py                    # dynbatch, 10 epochs (~3 min, 2 cores)
+    python examples/sick/train.py                    # dynbatch, 10 epochs (~25 s, 2 cores)
     python examples/sick/train.py --mode both --epochs 3   # per-sample vs dynbatch
     python examples/sick/train.py --epochs 1 --train-limit 500 --dev-limit 100 \
         --test-limit 100                             # a quick look
@@ -493,12 +493,23 @@ def main(args):
         print('error: unknown --strategy %r; choose one of %s'
               % (args.strategy, ', '.join(sorted(dyb.STRATEGIES))), file=sys.stderr)
         return 2
+    if args.embeddings and not os.path.isfile(args.embeddings):
+        print('error: --embeddings %s: no such file' % args.embeddings, file=sys.stderr)
+        return 2
     modes = list(MODES) if args.mode == 'both' else [args.mode]
     out_dir = args.out or os.path.join('runs', 'sick-%s' % args.mode)
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as err:
+        print('error: cannot create the output folder %s: %s' % (out_dir, err), file=sys.stderr)
+        return 2
 
     start = time.perf_counter()
-    data, vocab = load_data(data_dir, args.train_limit, args.dev_limit, args.test_limit)
+    try:
+        data, vocab = load_data(data_dir, args.train_limit, args.dev_limit, args.test_limit)
+    except (OSError, ValueError) as err:     # malformed data files: the error names them
+        print('error: %s' % err, file=sys.stderr)
+        return 2
     settings = dict(vars(args), data=str(data_dir), out=out_dir, modes=modes,
                     n_train=len(data['train']), n_dev=len(data['dev']),
                     n_test=len(data['test']), vocab_size=len(vocab))

@@ -291,7 +291,12 @@ def _read_lines(path: Path) -> List[str]:
     Splits on ``'\\n'`` only (not ``str.splitlines``) so unusual Unicode
     separators inside a sentence cannot shift the line alignment.
     """
-    text = path.read_text(encoding='utf8')
+    raw = path.read_bytes()
+    try:
+        text = raw.decode('utf-8-sig')      # a byte-order mark is no part of the first token
+    except UnicodeDecodeError as err:
+        raise ValueError('{} line {}: not UTF-8 text ({})'.format(
+            path, raw.count(b'\n', 0, err.start) + 1, err.reason)) from None
     lines = text.split('\n')
     if lines and lines[-1] == '':
         lines.pop()
@@ -315,19 +320,22 @@ def _read_split_files(split_dir: Path) -> dict:
     return contents
 
 
-def _parse_sentence(toks_line: str, parents_line: str, where: str) -> Tuple[List[str], Tree]:
-    """Tokens and tree of one sentence; ``where`` names file and line for errors."""
+def _parse_sentence(toks_line: str, parents_line: str, toks_where: str,
+                    parents_where: str) -> Tuple[List[str], Tree]:
+    """Tokens and tree of one sentence; ``*_where`` name each file and the
+    line for errors."""
     tokens = toks_line.split(' ') if toks_line else []
     try:
         parents = [int(p) for p in parents_line.split()]
     except ValueError as err:
-        raise ValueError('{}: bad parent list: {}'.format(where, err)) from None
+        raise ValueError('{}: bad parent list: {}'.format(parents_where, err)) from None
     if len(parents) != len(tokens):
-        raise ValueError('{}: {} tokens but {} parents'.format(where, len(tokens), len(parents)))
+        raise ValueError('{}: {} tokens but {} parents in {}'.format(
+            toks_where, len(tokens), len(parents), parents_where))
     try:
         tree = build_tree(parents)
     except ValueError as err:
-        raise ValueError('{}: {}'.format(where, err)) from None
+        raise ValueError('{}: {}'.format(parents_where, err)) from None
     return tokens, tree
 
 
@@ -351,8 +359,10 @@ def load_split(data_dir, split: str, limit: Optional[int] = None) -> List[SickPa
     Raises
     ------
     ValueError
-        For an unknown split, files with different line counts (naming the
-        file), or a malformed line (naming file and line number).
+        For an unknown split, empty files, files with different line counts
+        (naming the file), text that is not UTF-8, or a malformed line (a
+        bad parent list or tree, a score outside [1, 5]; naming file and
+        line number).
     FileNotFoundError
         If a required file is missing.
     """
@@ -360,20 +370,26 @@ def load_split(data_dir, split: str, limit: Optional[int] = None) -> List[SickPa
         raise ValueError('unknown split {!r}; expected one of {}'.format(split, SPLITS))
     split_dir = Path(data_dir) / split
     files = _read_split_files(split_dir)
+    if not files['sim.txt']:
+        raise ValueError('{} holds no pairs: its files are empty'.format(split_dir))
     n = len(files['sim.txt']) if limit is None else min(limit, len(files['sim.txt']))
 
     pairs = []
     for i in range(n):
         sentences = []
         for side in ('a', 'b'):
-            where = '{} line {}'.format(split_dir / '{}.toks'.format(side), i + 1)
-            sentences.append(_parse_sentence(files['{}.toks'.format(side)][i],
-                                             files['{}.parents'.format(side)][i], where))
+            toks, parents = '{}.toks'.format(side), '{}.parents'.format(side)
+            sentences.append(_parse_sentence(
+                files[toks][i], files[parents][i], '{} line {}'.format(split_dir / toks, i + 1),
+                '{} line {}'.format(split_dir / parents, i + 1)))
         try:
             score = float(files['sim.txt'][i])
         except ValueError:
-            raise ValueError('{} line {}: bad score {!r}'.format(
-                split_dir / 'sim.txt', i + 1, files['sim.txt'][i])) from None
+            score = float('nan')
+        if not 1.0 <= score <= 5.0:     # NaN too
+            raise ValueError('{} line {}: bad score {!r}; SICK relatedness scores lie in '
+                             '[1, 5]'.format(split_dir / 'sim.txt', i + 1,
+                                             files['sim.txt'][i])) from None
         (a_tokens, a_tree), (b_tokens, b_tree) = sentences
         pairs.append(SickPair(a_tokens, b_tokens, a_tree, b_tree, score))
     return pairs
@@ -382,6 +398,47 @@ def load_split(data_dir, split: str, limit: Optional[int] = None) -> List[SickPa
 # --------------------------------------------------------------------------
 # Vocabulary and embeddings
 # --------------------------------------------------------------------------
+
+def _vocab_lines(path: Path, tokens: set) -> Tuple[List[str], int]:
+    """The lines of GloVe file ``path`` whose token is in ``tokens``
+    (``token v1 ... vD``, the token being all but the last D fields), and
+    D, the dimension most of the first lines give.  Raises a ValueError
+    naming the file (and the 1-based line) when it holds no vectors or a
+    wanted token's vector is not D numbers."""
+    def fields(raw):
+        return raw.decode('utf8', errors='replace').rstrip('\r\n').rstrip(' ').split(' ')
+
+    with open(path, 'rb') as f:
+        head = [fields(raw) for _, raw in zip(range(50), f)]
+    sizes = [len(parts) - 1 for parts in head if len(parts) > 2]
+    if not sizes:
+        raise ValueError('embedding file {} holds no vectors (lines of a word and its '
+                         'numbers)'.format(path))
+    dim = max(sizes, key=sizes.count)      # ties: the first line's
+    picked, seen = [], set()
+    with open(path, 'rb') as f:
+        for number, raw in enumerate(f, 1):
+            first = raw.split(b' ', 1)[0].decode('utf8', errors='replace')
+            if first not in tokens:
+                continue            # a multi-word token's first word may be, below
+            parts = fields(raw)
+            if number == 1 and len(parts) == 2 and all(x.isdigit() for x in parts):
+                continue            # a word2vec-style header: count and dimension
+            if len(parts) <= dim:
+                raise ValueError('{} line {}: {!r} has {} numbers, the file\'s vectors {}'
+                                 .format(path, number, first, len(parts) - 1, dim))
+            token = ' '.join(parts[:-dim])
+            if token not in tokens or token in seen:
+                continue            # a token with spaces, or met before (gluonnlp keeps the first)
+            try:
+                [float(x) for x in parts[-dim:]]
+            except ValueError:
+                raise ValueError('{} line {}: the vector of {!r} is not {} numbers'.format(
+                    path, number, token, dim)) from None
+            seen.add(token)
+            picked.append(' '.join(parts) + '\n')
+    return picked, dim
+
 
 def build_vocab(pair_lists: Iterable[Sequence[SickPair]]):
     """Build a vocabulary over every token of the given pairs.
@@ -435,7 +492,11 @@ def make_embedding_matrix(vocab, dim: int = 300, path=None,
         file's dimension is used instead, since vectors cannot be resized.
     path : str or os.PathLike, optional
         GloVe-format text file (``word v1 v2 ...`` per line), read with
-        ``gluonnlp.embedding.TokenEmbedding.from_file``.
+        ``gluonnlp.embedding.TokenEmbedding.from_file`` after the lines of
+        the vocabulary's tokens are picked out (:func:`_vocab_lines`): a
+        2 GB file then costs one pass, and lines whose token holds spaces
+        (``glove.840B.300d.txt`` has some), a header line or bytes that are
+        not UTF-8 do not stop it.
     seed : int, default 0
         Seed of the random init, so runs are reproducible.
 
@@ -452,12 +513,21 @@ def make_embedding_matrix(vocab, dim: int = 300, path=None,
     if path is None:
         return (rng.normal(size=(len(vocab), dim)) * 0.05).astype(np.float32), 0
 
+    import tempfile
     from gluonnlp.embedding import TokenEmbedding
 
-    # unknown_token=None: only tokens really in the file count as found.
-    emb = TokenEmbedding.from_file(str(path), elem_delim=' ', unknown_token=None)
+    lines, file_dim = _vocab_lines(Path(path), set(vocab.idx_to_token))
+    if not lines:
+        _LOG.warning('embedding file %s holds no vector for any of the %d tokens; they keep '
+                     'their random init', path, len(vocab))
+        return (rng.normal(size=(len(vocab), file_dim)) * 0.05).astype(np.float32), 0
+    with tempfile.TemporaryDirectory() as folder:
+        picked = os.path.join(folder, 'vocab_vectors.txt')
+        with open(picked, 'w', encoding='utf8') as out:
+            out.writelines(lines)
+        # unknown_token=None: only tokens really in the file count as found.
+        emb = TokenEmbedding.from_file(picked, elem_delim=' ', unknown_token=None)
     vectors = emb.idx_to_vec.asnumpy()
-    file_dim = vectors.shape[1]
     if file_dim != dim:
         _LOG.info('embedding file %s has dimension %d, not %d; using %d',
                   path, file_dim, dim, file_dim)

@@ -122,6 +122,10 @@ def sick_target(score, num_classes=5):
     ``[1, num_classes]``: the mass sits on the two classes around the score."""
     import numpy as np
     score = np.asarray(score, dtype='float32').reshape(-1)
+    bad = ~((score >= 1) & (score <= num_classes))      # NaN too
+    if bad.any():
+        raise ValueError('sick_target: score %r lies outside [1, %d]'
+                         % (float(score[bad][0]), num_classes))
     target = np.zeros((score.size, num_classes), dtype='float32')
     floor = np.floor(score).astype(int)
     for row, (s, fl) in enumerate(zip(score, floor)):
