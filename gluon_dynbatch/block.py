@@ -583,12 +583,18 @@ class DynBatchBlock(Block):
         may then run as one batched call, their lists padded with zeros.  The
         claim is checked numerically once per padded shape.  Defaults to the
         block's ``dynbatch_pad_lists`` attribute, else False.
+    prefix : str, optional
+        Gluon's name prefix of the wrapper itself (its parameters are the
+        wrapped block's, under their own names).
 
     Notes
     -----
     Parameters are the wrapped block's own: ``collect_params``,
     ``initialize``, ``save_parameters`` and ``load_parameters`` act on it
-    with the same names, so files move freely between the two.
+    with the same names, so files move freely between the two.  A recorded
+    call reads the parameters when it runs: changing them (``set_data``,
+    ``initialize(force_reinit=True)``, a trainer step) before its scope has
+    run it changes its result.
     """
 
     def __init__(self, block, pad_lists=None, prefix=None):

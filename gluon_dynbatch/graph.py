@@ -59,14 +59,17 @@ class LazyValue:
 
     @property
     def shape(self):
+        """The per-sample shape (leading axis 1), known while pending."""
         return self._node.sig.out_shapes[self._index]
 
     @property
     def dtype(self):
+        """The numpy dtype, known while pending."""
         return self._node.sig.out_dtypes[self._index]
 
     @property
     def context(self):
+        """The MXNet context the value is computed on."""
         return self._node.sig.ctx
 
     @property
