@@ -61,8 +61,8 @@ from .trace import leaf_count
 __all__ = ['StepProgram', 'step_program', 'element_major', 'FlushProgram', 'flush_program',
            'share_host_part', 'host_part', 'embedding_reads', 'read_tables', 'HostSplit',
            'host_split', 'split_host_part', 'hoisted_rest', 'ragged_lists', 'RAGGED',
-           'ragged_how', 'compose_takes', 'tanh_by_sigmoid', 'adds_by_broadcast', 'INVERSE',
-           'INVERSE_SEGMENT']
+           'ragged_how', 'compose_takes', 'tanh_by_sigmoid', 'adds_by_broadcast',
+           'STATIC_ALLOC_UNDER_AUTOGRAD', 'INVERSE', 'INVERSE_SEGMENT']
 
 
 class StepProgram:
@@ -72,13 +72,11 @@ class StepProgram:
     ``('table', Parameter)`` (see :func:`read_tables`), ``('hoisted',
     position)`` (see :func:`hoisted_rest`) or ``('param', Parameter)``.
 
-    A program for training keeps its intermediate buffers from call to
-    call (``static_alloc``; a call that autograd still holds for backward
-    gets buffers of its own): allocating them afresh for the forward and
-    backward of every step made SICK training 5-6% slower at minibatch 25
-    and 7-19% at 256 (one process, alternating, two runs each).  The
-    buffers cost memory: the SICK example's peak RSS went from 422 to 540
-    MB.  Inference gained nothing (1.00x / 1.02x) and keeps no buffers.
+    No program that autograd records keeps its buffers between calls
+    (``static_alloc``): MXNet 1.9.1 computes wrong gradients there in two
+    cases found so far (see :data:`STATIC_ALLOC_UNDER_AUTOGRAD`), for a
+    few percent of training speed.  Inference gained nothing from it
+    (1.00x / 1.02x) either.
 
     :meth:`for_rows` picks, by the step's number of calls, this program or
     its variant that computes ``tanh`` through ``sigmoid``
@@ -91,7 +89,7 @@ class StepProgram:
         if training:
             symbol = adds_by_broadcast(symbol)
         self.symbol = symbol
-        self.cached_op = mx.nd.CachedOp(symbol, [('static_alloc', True)] if training else [])
+        self.cached_op = mx.nd.CachedOp(symbol, [])
         self.feeds = feeds
         self.training = training
         self.rewrite_tanh = rewrite_tanh
@@ -346,17 +344,16 @@ def tanh_by_sigmoid(symbol):
 def adds_by_broadcast(symbol):
     """``symbol`` with every ``elemwise_add`` made a ``broadcast_add`` (the
     same values for operands of one shape), or ``symbol`` itself when it
-    has none.  Programs that run with ``static_alloc`` under autograd (step
-    programs for training, flushes compiled in training) get this.
+    has none.  Programs that autograd records (step programs for training,
+    flushes compiled in training) get this.
 
-    MXNet 1.9.1 computes wrong gradients there otherwise (apache/mxnet
-    issue 20293): the gradient of ``elemwise_add`` is one array cloned to
-    both operands, and when an operand reached from the program's inputs
-    needs no gradient (a user's NDArray, host rows, a frozen parameter) the
-    static backward graph drops or misroutes the other's: a block computing
+    MXNet 1.9.1 fails otherwise (apache/mxnet issue 20293): the gradient
+    of ``elemwise_add`` is one array cloned to both operands, and when an
+    operand reached from the program's inputs needs no gradient (a user's
+    NDArray, host rows, a frozen parameter), a backward with
+    ``static_alloc`` drops or misroutes the other's (a block computing
     ``tanh(x + W h)`` with ``x`` such an input got zero or garbage
-    gradients for ``W``, and one variant of it failed MXNet's storage-type
-    check in backward.  ``broadcast_add`` computes its gradients itself and
+    gradients for ``W``) and one without fails MXNet's storage-type check.  ``broadcast_add`` computes its gradients itself and
     runs correctly; so did ``add_n``, ``elemwise_sub``, ``elemwise_mul``,
     ``Concat`` and ``dot``, and ``elemwise_add`` of two values computed in
     the program (only an input as operand went wrong)."""
@@ -368,6 +365,32 @@ def adds_by_broadcast(symbol):
         if node['op'] == 'elemwise_add':    # neither has parameters: attributes stay
             node['op'] = 'broadcast_add'
     return _load(graph, nodes, graph['heads'])
+
+
+STATIC_ALLOC_UNDER_AUTOGRAD = False
+"""Whether programs that autograd records may keep their buffers between
+calls (CachedOp ``static_alloc``).  They may not: MXNet 1.9.1's backward
+with ``static_alloc`` computes wrong gradients in two cases found so far,
+and a batched program meets both more often than the per-sample block:
+
+* ``elemwise_add`` with one operand reached from the program's inputs
+  that needs no gradient (a user's NDArray, host rows, a frozen
+  parameter; apache/mxnet issue 20293): a block computing
+  ``tanh(x + W h)`` got zero or garbage gradients for ``W``
+  (:func:`adds_by_broadcast` avoids it, and a storage-type failure of the
+  same add without ``static_alloc``);
+* a weight read by ``linalg_gemm2`` (or ``linalg_gemm``) 8 times or more
+  in one program: from 8 uses MXNet sums a gradient in place
+  (``MXNET_EXEC_INPLACE_GRAD_SUM_CAP``), and those ops' backward does not
+  add into it, so ``W``'s gradient came out as garbage or NaN.  A compiled
+  flush (one program for every step of a plan) reaches 8 uses with one
+  use per block call.
+
+Plain Gluon is correct in both, and so is ``hybridize()`` without
+``static_alloc``.  Keeping the buffers made SICK training 1.00-1.02x
+faster at minibatch 25 and 1.04-1.06x at 256 (in-process A/B); inference
+programs may keep theirs (only compiled flushes do, see
+:class:`FlushProgram`)."""
 
 
 def compose_takes(symbol):
@@ -707,8 +730,9 @@ class FlushProgram:
         # still fresh arrays on every call; a call recorded for backward
         # keeps its own buffers (tests/test_cost.py checks both).
         flags = [('static_alloc', True)] + ([] if hoists else [('static_shape', True)])
-        if self.training:   # static_alloc under autograd: see adds_by_broadcast
-            symbol = adds_by_broadcast(symbol)
+        # never under autograd: see STATIC_ALLOC_UNDER_AUTOGRAD
+        if self.training:
+            symbol, flags = adds_by_broadcast(symbol), []
         self.cached_op = mx.nd.CachedOp(symbol, flags)
         self.feeds = feeds
         self.out_counts = out_counts
