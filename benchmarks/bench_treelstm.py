@@ -107,7 +107,7 @@ def build_parser():
                                                 'else ../shared/data/sick)')
     p.add_argument('--out', default=None,
                    help='folder for results.json and the PNG (default %s; with --quick %s, so that a smoke run '
-                        'leaves the published results alone)' % (DEFAULT_OUT, QUICK_OUT))
+                        'leaves the published results alone)%%(default).0s' % (DEFAULT_OUT, QUICK_OUT))
     p.add_argument('--threads', type=int, default=1,
                    help='OpenMP/MKL threads per operator (OMP_NUM_THREADS, MKL_NUM_THREADS)')
     p.add_argument('--engine', choices=ENGINES, default='ThreadedEnginePerDevice',

@@ -92,7 +92,7 @@ def build_parser():
                                                 'else ../shared/data/sick)')
     p.add_argument('--out', default=None,
                    help='folder for tradeoff.json / .png (default %s; with --quick %s, so that a smoke run '
-                        'leaves the published results alone)' % (DEFAULT_OUT, QUICK_OUT))
+                        'leaves the published results alone)%%(default).0s' % (DEFAULT_OUT, QUICK_OUT))
     p.add_argument('--quick', action='store_true', help='smoke run (< 40 s)')
     p.add_argument('--repeats', type=int, default=None,
                    help='measured repeats per workload, at least (default 7; quick 3); '

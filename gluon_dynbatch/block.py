@@ -89,9 +89,10 @@ class BatchingScope:
     (:meth:`pipeline`).
 
     Its fields are ``__slots__``: the C recorder reads ``tape``,
-    ``pending`` and ``flush_at`` at every call, straight from the slots."""
+    ``pending``, ``flush_at`` and ``mode`` at every call, straight from the
+    slots."""
     __slots__ = ('strategy', 'pending', 'record_s', 'groups', 'used', 'unsafe', 'tape',
-                 'flush_at', 'flush_every', 'follow_engine', 'marker', 'mode')
+                 'flush_at', 'flush_every', 'follow_engine', 'marker', 'mode', 'thread')
 
     def __init__(self, strategy, flush_every=None, follow_engine=False):
         self.strategy = strategy
@@ -108,6 +109,7 @@ class BatchingScope:
         # the C recorder's structure key and time (accel.Tape); None in pure Python
         self.tape = accel.Tape() if accel.Tape else None
         self.mode = None     # autograd_mode() of the pending calls (of the last ones when none)
+        self.thread = threading.get_ident()     # only this thread may run it (LazyValue.data)
 
     def record(self, dblock, args):
         """Record one call of ``dblock``; return its lazy result(s).
@@ -115,12 +117,12 @@ class BatchingScope:
         This is the reference version; :func:`gluon_dynbatch.accel.record`
         does the same in C for the common case, and defers to this one for
         everything else (including every error)."""
-        start = _clock()
         mode = autograd_mode()
         if mode != self.mode:
             if self.pending:
                 self.flush()
             self.mode = mode
+        start = _clock()
         leaves = []
         fmt = flatten(args, leaves)
         key, ctx, depth = _signature_key(dblock, fmt, leaves, self)
@@ -336,7 +338,7 @@ def batching(strategy='auto', flush_every='auto'):
         follow_engine = pipelined and accel.push_marker is not None
     elif flush_every is not None and (not isinstance(flush_every, numbers.Integral) or
                                       isinstance(flush_every, bool) or flush_every < 0):
-        raise ScopeError("flush_every=%r: give a number of calls (> 0), None (flush only when "
+        raise ScopeError("flush_every=%r: give a number of calls, None or 0 (flush only when "
                          "a value is read or the scope exits) or 'auto'." % (flush_every,))
     elif flush_every is not None:
         flush_every = int(flush_every)      # numpy integers too; the C recorder reads an int

@@ -23,6 +23,7 @@ runs the cheapest, and feeds what it measured back into the model, so the
 constants follow the machine and the workload.
 """
 import json
+import numbers
 import time
 
 import mxnet as mx
@@ -40,7 +41,7 @@ ANALYSE_US = {'per-sample': 0.3, 'depth': 1.0, 'agenda': 5.0, 'cached': 2.0}
 is given its own."""
 
 
-def _positive(name, value):
+def _non_negative(name, value):
     """``value`` as a float, or a ValueError naming ``name``."""
     try:
         number = float(value)
@@ -66,17 +67,20 @@ class CostModel:
     """
 
     def __init__(self, step_us=300.0, row_us=15.0, analyse_us=None, agenda_ratio=1.0):
-        self.step_us = _positive('step_us', step_us)
-        self.row_us = _positive('row_us', row_us)
+        self.step_us = _non_negative('step_us', step_us)
+        self.row_us = _non_negative('row_us', row_us)
+        if analyse_us is not None and not isinstance(analyse_us, dict):
+            raise ValueError('CostModel: analyse_us must map strategy names to microseconds, '
+                             'got %r' % (analyse_us,))
         analyse_us = dict(analyse_us or {})
         unknown = set(analyse_us) - set(ANALYSE_US)
         if unknown:
             raise ValueError('CostModel: analyse_us names no strategy %s; it takes %s'
                              % (sorted(unknown), sorted(ANALYSE_US)))
         self.analyse_us = dict(ANALYSE_US)
-        self.analyse_us.update({name: _positive('analyse_us[%r]' % name, value)
+        self.analyse_us.update({name: _non_negative('analyse_us[%r]' % name, value)
                                 for name, value in analyse_us.items()})
-        self.agenda_ratio = _positive('agenda_ratio', agenda_ratio)
+        self.agenda_ratio = _non_negative('agenda_ratio', agenda_ratio)
         # fixed cost of one step per signature family: a Tree-LSTM step runs
         # dozens of ops, a Dense step one.  Shared with the planner, which
         # asks it when splitting padded groups (so shared by all models too).
@@ -318,9 +322,11 @@ class Auto(Strategy):
 
     def __init__(self, model=None, probe_every=16, memory=4096, small=32, cached_trials=4,
                  explore_within=0.1):
-        if type(probe_every) is not int or probe_every < 1:
+        if not isinstance(probe_every, numbers.Integral) or isinstance(probe_every, bool) \
+                or probe_every < 1:
             raise ValueError('Auto: probe_every=%r; give a number of flushes >= 1'
                              % (probe_every,))
+        probe_every = int(probe_every)
         self._model = model
         self.explore_within = explore_within    # 0: never run a predicted runner-up
         self.cached_trials = cached_trials

@@ -8,9 +8,11 @@ recording so that depth grouping is one pass.
 After execution a node knows the batched output arrays it landed in and its
 row there; a lazy value reads its row from them.
 """
+import threading
+
 import mxnet as mx
 
-from .errors import LazyValueError
+from .errors import LazyValueError, ScopeError
 
 __all__ = ['Node', 'LazyValue']
 
@@ -86,6 +88,11 @@ class LazyValue:
         if self._data is None:
             node = self._node
             if node.state == PENDING:
+                if node.scope.thread != threading.get_ident():
+                    raise ScopeError(
+                        'this output of block %s was recorded by another thread\'s batching() '
+                        'scope, which has not run it yet: read it in that thread, or after '
+                        'that scope has closed.' % node.sig.block.name)
                 node.scope.flush()
             if node.state == FAILED:
                 raise LazyValueError(

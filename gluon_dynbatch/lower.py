@@ -89,7 +89,8 @@ class StepProgram:
         if training:
             symbol = adds_by_broadcast(symbol)
         self.symbol = symbol
-        self.cached_op = mx.nd.CachedOp(symbol, [])
+        self.cached_op = mx.nd.CachedOp(
+            symbol, [('static_alloc', True)] if training and STATIC_ALLOC_UNDER_AUTOGRAD else [])
         self.feeds = feeds
         self.training = training
         self.rewrite_tanh = rewrite_tanh
@@ -368,8 +369,9 @@ def adds_by_broadcast(symbol):
 
 
 STATIC_ALLOC_UNDER_AUTOGRAD = False
-"""Whether programs that autograd records may keep their buffers between
-calls (CachedOp ``static_alloc``).  They may not: MXNet 1.9.1's backward
+"""Whether programs that autograd records keep their buffers between calls
+(CachedOp ``static_alloc``; read when a program is built).  They do not:
+MXNet 1.9.1's backward
 with ``static_alloc`` computes wrong gradients in two cases found so far,
 and a batched program meets both more often than the per-sample block:
 
@@ -730,9 +732,9 @@ class FlushProgram:
         # still fresh arrays on every call; a call recorded for backward
         # keeps its own buffers (tests/test_cost.py checks both).
         flags = [('static_alloc', True)] + ([] if hoists else [('static_shape', True)])
-        # never under autograd: see STATIC_ALLOC_UNDER_AUTOGRAD
         if self.training:
-            symbol, flags = adds_by_broadcast(symbol), []
+            symbol = adds_by_broadcast(symbol)
+            flags = flags if STATIC_ALLOC_UNDER_AUTOGRAD else []
         self.cached_op = mx.nd.CachedOp(symbol, flags)
         self.feeds = feeds
         self.out_counts = out_counts

@@ -42,14 +42,18 @@ RANDOM_PREFIXES = ('_random_', 'random_', '_sample_', 'sample_', '_npi_random_',
 RANDOM = frozenset('''Dropout _npx_dropout _shuffle shuffle _npi_shuffle _npi_bernoulli
 _npi_choice _npi_gumbel _npi_normal _npi_uniform _npi_normal_n _npi_uniform_n _npi_exponential
 _npi_gamma _npi_logistic _npi_pareto _npi_rayleigh _npi_weibull _npi_multinomial
-_npi_powerd'''.split())
+_npi_powerd _contrib_dgl_csr_neighbor_uniform_sample
+_contrib_dgl_csr_neighbor_non_uniform_sample'''.split())
 
 
-def draws_random(op_name):
-    """Whether ``op_name`` draws random numbers (the ``*_pdf_*`` ops only
-    evaluate densities).  Such an op reading no per-sample input makes its
-    block run per sample: run once for a step, its one draw would serve
-    every sample, where per sample each call draws its own."""
+def draws_random(op_name, attrs=None):
+    """Whether ``op_name`` (with attributes ``attrs``) draws random numbers
+    (the ``*_pdf_*`` ops only evaluate densities; ``LeakyReLU`` draws with
+    ``act_type='rrelu'``).  Such an op reading no per-sample input makes
+    its block run per sample: run once for a step, its one draw would
+    serve every sample, where per sample each call draws its own."""
+    if op_name == 'LeakyReLU':
+        return (attrs or {}).get('act_type') == 'rrelu'
     return op_name in RANDOM or (op_name.startswith(RANDOM_PREFIXES) and '_pdf_' not in op_name)
 
 
@@ -143,6 +147,8 @@ def _reduction(op):
     """A reduction over ``axis``, or with ``exclude=True`` over every axis
     but those named, so then safe only when axis 0 is among them."""
     if op.attr('exclude', False) and op.attr('axis', None) not in (None, ()):
+        if op.batched_ndim() is None:
+            return '%s with exclude=True on an input of unknown rank' % op.op
         if not op.axis_is_batch('axis', None):
             return '%s acts on the batch axis (axis=%s, exclude=True)' % (
                 op.op, op.attrs.get('axis'))
@@ -243,7 +249,7 @@ register_batching_rule('slice_axis', 'SliceChannel', 'split', 'repeat',
 register_batching_rule('softmax', 'log_softmax')(_axis_rule('axis', -1))
 register_batching_rule('sum', 'mean', 'max', 'min', 'prod', 'nansum', 'nanprod')(_reduction)
 register_batching_rule('norm', 'squeeze')(_axis_rule('axis', None))
-register_batching_rule('Dropout')(_dropout)
+register_batching_rule('Dropout', '_npx_dropout')(_dropout)
 register_batching_rule('pick')(_axis_rule('axis', -1, need_all_batched=True))
 register_batching_rule('Reshape', 'reshape')(_reshape)
 register_batching_rule('transpose')(_transpose)

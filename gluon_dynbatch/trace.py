@@ -242,7 +242,7 @@ def check_batch_safe(symbol, data_names, known):
         inputs = node['inputs']
         flags = [batched[e[0]] for e in inputs]
         if not any(flags):
-            if draws_random(node['op']):
+            if draws_random(node['op'], node.get('attrs')):
                 return False, ('op %s (%s) draws random numbers from no per-sample input: '
                                'batched, one draw would serve every sample'
                                % (node['op'], node['name']))

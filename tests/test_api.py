@@ -584,7 +584,11 @@ def test_error_value_pending_in_another_threads_scope(accelerated):
         with pytest.raises(dyb.ScopeError, match=r"dense\d+, argument #0: a value of block "
                                                  r"dense\d+ that another thread's"):
             with dyb.batching():
+                mine = block(mx.nd.ones((1, 3)))   # the C recorder takes calls from the second on
+                block(mine)                         # (and knows this signature: its memo)
                 block(box['value'])
+        with pytest.raises(dyb.ScopeError, match=r"another thread's batching\(\) scope"):
+            box['value'].asnumpy()                  # would run that thread's scope from here
         release.set()
         thread.join()
         with dyb.batching():

@@ -187,3 +187,60 @@ def test_large_steps_rewrite_tanh_in_float32_only(dtype):
     with dyb.batching('depth'):
         outs = [block(x) for x in xs]
     np.testing.assert_array_equal(dyb.concat_rows(outs).asnumpy(), want)
+
+
+class GemmPerElement(gluon.HybridBlock):
+    """Reads its weight through ``linalg_gemm2`` once per list element."""
+
+    def __init__(self, width=4):
+        super().__init__()
+        with self.name_scope():
+            self.weight = self.params.get('weight', shape=(width, width),
+                                          init=mx.init.Xavier())
+
+    def hybrid_forward(self, F, x, items, weight):
+        out = x
+        for item in items:
+            out = out + F.tanh(F.linalg_gemm2(item, weight))
+        return out
+
+
+def test_a_weight_read_by_linalg_gemm2_eight_times_gets_its_gradient():
+    """MXNet 1.9.1 sums a gradient of 8 or more uses in place, which
+    linalg_gemm2's backward does not honour under static_alloc: the weight's
+    gradient came out as garbage in a batched step program (10 uses here)
+    and in a compiled flush (one use per call, one program for all)."""
+    block = dyb.DynBatchBlock(GemmPerElement())
+    block.initialize()
+    rng = np.random.RandomState(0)
+    samples = [(rng.randn(1, 4).astype(np.float32),
+                [rng.randn(1, 4).astype(np.float32) for _ in range(10)]) for _ in range(3)]
+    tokens = [rng.randn(1, 4).astype(np.float32) for _ in range(12)]
+    start = dyb.DynBatchBlock(Step())
+    start.initialize()
+
+    def grad(strategy, calls):
+        with autograd.record():
+            with dyb.batching(strategy) if strategy else contextlib.nullcontext():
+                outs = calls()
+            loss = dyb.concat_rows(outs).sum()
+        loss.backward()
+        return block.block.weight.grad().asnumpy().copy()
+
+    def lists():
+        return [block(x, items) for x, items in samples]
+
+    def chains():       # one use per call, twelve calls a flush
+        outs = []
+        for first in range(0, 12, 4):
+            h = start(tokens[first])
+            for x in tokens[first:first + 4]:
+                h = block(x, [h])
+                outs.append(h)
+        return outs
+
+    for calls, strategies in ((lists, ['depth', 'agenda']), (chains, [dyb.CachedPlan()] * 3)):
+        want = grad(None, calls)
+        for strategy in strategies:
+            np.testing.assert_allclose(grad(strategy, calls), want, rtol=1e-5, atol=1e-6)
+    assert dyb.stats()['last']['strategy'] == 'cached-compiled'

@@ -201,6 +201,17 @@ def test_load_split_drops_a_byte_order_mark(tmp_path):
     _write_split(tmp_path, **GOOD)
     (tmp_path / 'dev' / 'a.toks').write_bytes(b'\xef\xbb\xbfA dog\nA cat\n')
     assert load_split(tmp_path, 'dev')[0].a_tokens == ['A', 'dog']
+    (tmp_path / 'dev' / 'a.toks').write_bytes(b'\xef\xbb\xbfA dog\nA caf\xe9\n')
+    with pytest.raises(ValueError, match=r'a\.toks line 2: not UTF-8'):
+        load_split(tmp_path, 'dev')
+
+
+def test_glove_file_with_a_byte_order_mark(tmp_path):
+    path = tmp_path / 'glove.txt'
+    path.write_bytes(b'\xef\xbb\xbfdog 1 2 3\ncat 4 5 6\n')
+    matrix, n_found = make_embedding_matrix(_toy_vocab(), path=path)
+    assert n_found == 2
+    np.testing.assert_allclose(matrix[_toy_vocab()['dog']], [1, 2, 3])
 
 
 def test_load_split_small_fake(tmp_path):
@@ -286,8 +297,8 @@ def test_glove_file_with_spaced_tokens_a_header_and_bad_bytes(tmp_path, caplog):
                      b'. . . 4 5 6\n'
                      b'New York 7 8 9\n'
                      b'caf\xe9 1 1 1\n'
-                     b'cat  -1 0.5 2\n'.replace(b'  ', b' ')
-                     + b'dog 9 9 9\n')
+                     b'cat -1 0.5 2\r\n'
+                     b'dog 9 9 9 \n')
     matrix, n_found = make_embedding_matrix(vocab, path=path)
     assert matrix.shape == (len(vocab), 3) and n_found == 2
     np.testing.assert_allclose(matrix[vocab['dog']], [1, 2, 3])      # the first line wins
@@ -298,6 +309,9 @@ def test_glove_file_with_spaced_tokens_a_header_and_bad_bytes(tmp_path, caplog):
     ('', 'holds no vectors'),
     ('dog 1 2 3\ncat 1 2\n', r'line 2: .cat. has 2 numbers, the file.s vectors 3'),
     ('dog 1 2 3\ncat 1 x 3\n', r'line 2: the vector of .cat. is not 3 numbers'),
+    ('dog 1 2 3\ncat 4 5 6 7\n', r'line 2: .cat. has 4 numbers, the file.s vectors 3'),
+    ('dog 1 2 3\ncat\n', r'line 2: .cat. has 0 numbers'),
+    ('dog 1 2 3\ncat  4 5 6\n', r'line 2: the vector of .cat. is not 3 numbers \(one space'),
 ])
 def test_error_glove_file_names_file_and_line(tmp_path, text, match):
     path = tmp_path / 'glove.txt'

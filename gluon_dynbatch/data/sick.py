@@ -294,9 +294,9 @@ def _read_lines(path: Path) -> List[str]:
     raw = path.read_bytes()
     try:
         text = raw.decode('utf-8-sig')      # a byte-order mark is no part of the first token
-    except UnicodeDecodeError as err:
+    except UnicodeDecodeError as err:       # (err.start counts from after the mark)
         raise ValueError('{} line {}: not UTF-8 text ({})'.format(
-            path, raw.count(b'\n', 0, err.start) + 1, err.reason)) from None
+            path, err.object.count(b'\n', 0, err.start) + 1, err.reason)) from None
     lines = text.split('\n')
     if lines and lines[-1] == '':
         lines.pop()
@@ -399,6 +399,16 @@ def load_split(data_dir, split: str, limit: Optional[int] = None) -> List[SickPa
 # Vocabulary and embeddings
 # --------------------------------------------------------------------------
 
+def _numbers(fields: List[str]) -> bool:
+    """Whether every field parses as a float (an empty one, from two spaces
+    in a row, does not)."""
+    try:
+        [float(x) for x in fields]
+    except ValueError:
+        return False
+    return True
+
+
 def _vocab_lines(path: Path, tokens: set) -> Tuple[List[str], int]:
     """The lines of GloVe file ``path`` whose token is in ``tokens``
     (``token v1 ... vD``, the token being all but the last D fields), and
@@ -418,23 +428,26 @@ def _vocab_lines(path: Path, tokens: set) -> Tuple[List[str], int]:
     picked, seen = [], set()
     with open(path, 'rb') as f:
         for number, raw in enumerate(f, 1):
-            first = raw.split(b' ', 1)[0].decode('utf8', errors='replace')
+            if number == 1 and raw.startswith(b'\xef\xbb\xbf'):
+                raw = raw[3:]       # a byte-order mark
+            first = raw.split(b' ', 1)[0].rstrip(b'\r\n').decode('utf8', errors='replace')
             if first not in tokens:
                 continue            # a multi-word token's first word may be, below
             parts = fields(raw)
             if number == 1 and len(parts) == 2 and all(x.isdigit() for x in parts):
                 continue            # a word2vec-style header: count and dimension
-            if len(parts) <= dim:
+            if '' in parts[1:]:
+                raise ValueError('{} line {}: the vector of {!r} is not {} numbers (one space '
+                                 'between fields)'.format(path, number, first, dim))
+            if len(parts) - 1 != dim and _numbers(parts[1:]):
                 raise ValueError('{} line {}: {!r} has {} numbers, the file\'s vectors {}'
                                  .format(path, number, first, len(parts) - 1, dim))
             token = ' '.join(parts[:-dim])
             if token not in tokens or token in seen:
                 continue            # a token with spaces, or met before (gluonnlp keeps the first)
-            try:
-                [float(x) for x in parts[-dim:]]
-            except ValueError:
-                raise ValueError('{} line {}: the vector of {!r} is not {} numbers'.format(
-                    path, number, token, dim)) from None
+            if not _numbers(parts[-dim:]):
+                raise ValueError('{} line {}: the vector of {!r} is not {} numbers (one space '
+                                 'between fields)'.format(path, number, token, dim))
             seen.add(token)
             picked.append(' '.join(parts) + '\n')
     return picked, dim
