@@ -51,6 +51,7 @@ it on each flush's distinct host rows (their number follows the data; the
 row layout of every output does not).
 """
 import json
+import re
 
 import mxnet as mx
 import numpy as np
@@ -362,10 +363,24 @@ def adds_by_broadcast(symbol):
     nodes = graph['nodes']
     if not any(node['op'] == 'elemwise_add' for node in nodes):
         return symbol
-    for node in nodes:      # (``a + b``, ``_plus`` and ``_Plus`` are saved as elemwise_add)
-        if node['op'] == 'elemwise_add':    # neither has parameters: attributes stay
-            node['op'] = 'broadcast_add'
+    # an add whose operand comes from a constant of a shape left open (an
+    # RNN's default begin state, ``zeros(shape=(0, H))``, through its h2h
+    # layer) keeps elemwise_add: only it tells that 0 dimension from the
+    # other operand, which broadcast_add cannot
+    open_shape = []
+    for node in nodes:
+        shape = node.get('attrs', {}).get('shape', '') if node['op'] in OPEN_SHAPE_OPS else ''
+        open_shape.append(bool(re.search(r'[(,\s]0\s*[,)L]', shape)) or
+                          any(open_shape[entry[0]] for entry in node['inputs']))
+    for node, opened in zip(nodes, open_shape):    # (``a + b``, ``_plus`` and ``_Plus``
+        if node['op'] == 'elemwise_add' and not opened:    # are saved as elemwise_add)
+            node['op'] = 'broadcast_add'    # neither has parameters: attributes stay
     return _load(graph, nodes, graph['heads'])
+
+
+OPEN_SHAPE_OPS = ('_zeros', '_ones', '_full', '_zeros_without_dtype')
+"""Ops that make a constant whose shape may hold a 0 (a dimension MXNet
+infers from how the value is used)."""
 
 
 STATIC_ALLOC_UNDER_AUTOGRAD = False
@@ -745,12 +760,18 @@ class FlushProgram:
 def flush_program(steps, recipes, hoists=()):
     """One :class:`FlushProgram` for ``steps`` whose every argument has a
     replayable recipe (see :func:`~.execute.run_step`), or None when one
-    has not (it reads user NDArrays or an earlier flush) or the steps span
-    several contexts.  ``hoists`` (see :func:`~.execute.flush_hoists`) are
+    has not (it reads user NDArrays or an earlier flush), the steps span
+    several contexts, or, in training, a step has auxiliary states.  ``hoists`` (see :func:`~.execute.flush_hoists`) are
     groups of steps whose host part runs once, inside the program, over
     the distinct host rows of all its members."""
     if len({step.sig.ctx for step in steps}) != 1 or \
             any(recipe is None or None in recipe for recipe in recipes):
+        return None
+    if mx.autograd.is_recording() and \
+            any(step.sig.symbol.list_auxiliary_states() for step in steps):
+        # a BatchNorm's moving averages move in backward, step by step, and
+        # one program's backward runs the steps in another order: under
+        # momentum, other running statistics than per sample
         return None
     ctx = steps[0].sig.ctx
     outputs, spec, params = [], {}, {}

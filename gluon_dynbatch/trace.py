@@ -17,7 +17,8 @@ from mxnet.ndarray.ndarray import _DTYPE_NP_TO_MX
 from .errors import InputError
 from .rules import OpView, batching_rule, draws_random
 
-__all__ = ['flatten', 'regroup', 'leaf_count', 'TracedSignature', 'trace_signature']
+__all__ = ['flatten', 'regroup', 'leaf_count', 'TracedSignature', 'trace_signature',
+           'prelu_by_ops']
 
 
 _LISTS = (list, tuple)
@@ -159,6 +160,7 @@ def trace_signature(sig_id, block, fmt, shapes, dtypes):
     types = {name: dtype for name, dtype in zip(data_names, dtypes) if name in inputs}
     _, out_types, _ = symbol.infer_type(**types)
     out_dtypes = [np.dtype(t).type for t in out_types]
+    symbol = prelu_by_ops(symbol, known)
     batch_safe, reason = check_batch_safe(symbol, set(data_names), known)
     return TracedSignature(sig_id, block, symbol, data_names, out_fmt, out_shapes,
                            out_dtypes, batch_safe, reason)
@@ -173,6 +175,51 @@ def _drop_stale_vars(block):
         if var is not None and param.dtype is not None and \
                 var.attr('__dtype__') != str(_DTYPE_NP_TO_MX.get(np.dtype(param.dtype).type)):
             param._var = None
+
+
+def prelu_by_ops(symbol, known):
+    """``symbol`` with every ``LeakyReLU(act_type='prelu')`` computed as
+    ``relu(x) + alpha * min(x, 0)`` (``alpha`` along axis 1, as ``prelu``
+    takes it), or ``symbol`` itself when it has none; ``known``: input
+    shapes, which give each ``x`` its rank.
+
+    MXNet 1.9.1's ``prelu`` backward inside a CachedOp, which every step
+    program is, scales ``alpha``'s gradient by ``alpha`` when ``x`` needs a
+    gradient too (a ``Dense`` before it): plain hybridized Gluon gets it
+    wrong the same way, eager Gluon right.  These ops compute it right."""
+    nodes, heads, by_name = _parse_graph(symbol, known)
+    if not any(_is_prelu(node) for node in nodes):
+        return symbol
+    graph = json.loads(symbol.tojson())
+    out, moved = [], {}
+
+    def add(name, op, inputs, attrs=None):
+        out.append({'op': op, 'name': name, 'attrs': attrs or {}, 'inputs': inputs})
+        return [len(out) - 1, 0, 0]
+
+    for old, node in enumerate(nodes):
+        inputs = [[moved[e[0]], e[1], 0] for e in node['inputs']]
+        if not _is_prelu(node):
+            out.append(dict(node, inputs=inputs))
+            moved[old] = len(out) - 1
+            continue
+        name, (x, alpha) = node['name'], inputs[:2]
+        shape = _entry_shape(nodes, node['inputs'][0], by_name)
+        if shape is not None and len(shape) > 2:
+            alpha = add(name + '_alpha', 'Reshape', [alpha],
+                        {'shape': str((1, -1) + (1,) * (len(shape) - 2))})
+        positive = add(name + '_pos', 'Activation', [x], {'act_type': 'relu'})
+        negative = add(name + '_neg', '_minimum_scalar', [x], {'scalar': '0.0'})
+        scaled = add(name + '_scaled', 'broadcast_mul', [alpha, negative])
+        moved[old] = add(name, 'broadcast_add', [positive, scaled])[0]
+    graph.update(nodes=out, heads=[[moved[e[0]], e[1], 0] for e in heads],
+                 arg_nodes=[i for i, node in enumerate(out) if node['op'] == 'null'])
+    graph.pop('node_row_ptr', None)
+    return mx.sym.load_json(json.dumps(graph))
+
+
+def _is_prelu(node):
+    return node['op'] == 'LeakyReLU' and node.get('attrs', {}).get('act_type') == 'prelu'
 
 
 def _infer_shapes(block, symbol, known, shapes):
@@ -198,6 +245,13 @@ def _finish_deferred_init(block, symbol, arg_shapes, aux_shapes, params):
     inferred = dict(zip(symbol.list_arguments(), arg_shapes))
     inferred.update(zip(symbol.list_auxiliary_states(), aux_shapes))
     for name, param in params.items():
+        if name in inferred and param.grad_req == 'add' and \
+                getattr(param, '_grad_stype', 'default') == 'row_sparse':
+            raise InputError(
+                'parameter %s of block %s has a row-sparse gradient (sparse_grad=True) and '
+                "grad_req='add', which MXNet's sparse Embedding gradient does not support (eager "
+                "Gluon silently keeps only the last gradient). Use grad_req='write', or "
+                'sparse_grad=False.' % (name, _block_name(block)))
         if name not in inferred or param._data is not None:
             continue
         if param._deferred_init:

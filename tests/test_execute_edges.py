@@ -244,3 +244,107 @@ def test_a_weight_read_by_linalg_gemm2_eight_times_gets_its_gradient():
         for strategy in strategies:
             np.testing.assert_allclose(grad(strategy, calls), want, rtol=1e-5, atol=1e-6)
     assert dyb.stats()['last']['strategy'] == 'cached-compiled'
+
+
+def _train_once(block, inputs, strategy):
+    """Outputs and every parameter's gradient of ``sum(out ** 2)``, per
+    sample (``strategy`` None) or batched."""
+    with autograd.record():
+        with dyb.batching(strategy) if strategy else contextlib.nullcontext():
+            outs = [block(*args) for args in inputs]
+        got = dyb.concat_rows(outs)
+        (got * got).sum().backward()
+    return [got.asnumpy()] + [p.grad().asnumpy().copy()
+                              for p in block.collect_params().values() if p.grad_req != 'null']
+
+
+class Unrolled(gluon.HybridBlock):
+    """An LSTM cell unrolled over 3 steps from its default begin state,
+    ``zeros(shape=(0, H))``, whose 0 dimension MXNet infers through the add
+    after the cell's h2h layer."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.cell = gluon.rnn.LSTMCell(5, input_size=4)
+
+    def hybrid_forward(self, F, x):
+        outputs, _ = self.cell.unroll(3, F.reshape(x, shape=(0, 3, 4)), layout='NTC',
+                                      merge_outputs=True)
+        return F.sum(outputs, axis=1)
+
+
+class PReLUAfterDense(gluon.HybridBlock):
+    def __init__(self, conv=False):
+        super().__init__()
+        with self.name_scope():
+            self.layer = nn.Conv2D(3, 3, padding=1, in_channels=2) if conv else \
+                nn.Dense(6, in_units=6)
+            self.act = nn.PReLU(in_channels=3 if conv else 1)
+
+    def hybrid_forward(self, F, x):
+        return F.tanh(self.act(self.layer(x)))
+
+
+@pytest.mark.parametrize('model,shape', [('unroll', (1, 12)), ('prelu', (1, 6)),
+                                         ('prelu-conv', (1, 2, 4, 4))])
+@pytest.mark.parametrize('strategy', ['per-sample', 'depth'])
+def test_training_programs_of_gluon_layers_equal_per_sample(model, shape, strategy):
+    """An unrolled LSTM cell failed to train (the add that sizes its begin
+    state had become a broadcast_add, which cannot), and PReLU's alpha got a
+    gradient scaled by alpha (MXNet's prelu backward in a CachedOp, as in
+    hybridized Gluon; traces now compute prelu from relu and min)."""
+    block = dyb.DynBatchBlock(Unrolled() if model == 'unroll' else
+                              PReLUAfterDense(conv=model == 'prelu-conv'))
+    block.initialize(mx.init.Uniform(0.5))
+    if model.startswith('prelu'):
+        alpha = block.block.act.alpha
+        alpha.set_data(mx.nd.array(np.linspace(0.1, 0.5, alpha.shape[0])))
+    rng = np.random.RandomState(0)
+    inputs = [(mx.nd.array(rng.randn(*shape)),) for _ in range(5)]
+    for got, want in zip(_train_once(block, inputs, strategy), _train_once(block, inputs, None)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+class DenseBatchNorm(gluon.HybridBlock):
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.dense = nn.Dense(4, in_units=4)
+            self.norm = nn.BatchNorm(in_channels=4)
+
+    def hybrid_forward(self, F, x):
+        return F.tanh(self.norm(self.dense(x)))
+
+
+def test_batchnorm_running_statistics_under_a_plan_compiled_in_training():
+    """BatchNorm runs per sample; its moving averages move in backward, in
+    step order.  A compiled flush (one program for the plan) ran them in
+    another order, and its running mean drifted from per-sample's: plans
+    whose steps have auxiliary states are not compiled in training."""
+    block = dyb.DynBatchBlock(DenseBatchNorm())
+    block.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(0)
+    inputs = [(rng.randn(1, 4).astype(np.float32),) for _ in range(6)]
+    cached = dyb.CachedPlan()
+    for _ in range(4):
+        block.block.norm.running_mean.set_data(mx.nd.zeros(4))
+        _train_once(block, inputs, None)
+        want = block.block.norm.running_mean.data().asnumpy()
+        block.block.norm.running_mean.set_data(mx.nd.zeros(4))
+        _train_once(block, inputs, cached)
+        np.testing.assert_allclose(block.block.norm.running_mean.data().asnumpy(), want,
+                                   rtol=1e-5, atol=1e-7)
+    assert dyb.stats()['last']['strategy'] == 'cached'
+
+
+def test_error_row_sparse_gradient_accumulated_by_add():
+    """MXNet's sparse Embedding gradient cannot be added to (eager Gluon
+    silently keeps the last one; batched, training wrote garbage)."""
+    block = dyb.DynBatchBlock(nn.Embedding(10, 4, sparse_grad=True))
+    block.initialize()
+    block.collect_params().setattr('grad_req', 'add')
+    with pytest.raises(dyb.InputError, match=r"row-sparse gradient .* grad_req='add'"):
+        with autograd.record():
+            with dyb.batching():
+                block(np.array([3], np.float32))
