@@ -205,9 +205,10 @@ class BatchingScope:
             self._flush()
 
     def _flush(self):
-        nodes, summary = self.take()
-        record_ms, self.record_s = self.record_s * 1e3, 0.0
+        nodes = self.pending        # failed, not left pending, if take() is interrupted
         try:
+            nodes, summary = self.take()
+            record_ms, self.record_s = self.record_s * 1e3, 0.0
             start = time.perf_counter()
             plan = self.strategy.plan(nodes, summary)
             planned = time.perf_counter()

@@ -279,6 +279,31 @@ def test_error_lazy_value_after_failed_scope():
     assert z.shape == (1, 3) and z.asnumpy().shape == (1, 3)
 
 
+def test_interrupt_while_a_flush_takes_its_calls(monkeypatch):
+    """An interrupt (KeyboardInterrupt, MemoryError) while a flush takes the
+    pending calls left them pending for good: reading one raised a bare
+    TypeError.  They fail like the calls of any interrupted flush."""
+    import gluon_dynbatch.block as block_module
+    block = dense()
+    real = block_module.summarize
+
+    def interrupted(*args, **kwargs):
+        monkeypatch.setattr(block_module, 'summarize', real)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(block_module, 'summarize', interrupted)
+    values = []
+    with pytest.raises(KeyboardInterrupt):
+        with dyb.batching('depth', flush_every=2):
+            for _ in range(3):      # the flush at the second call is interrupted
+                values.append(block(mx.nd.ones((1, 3))))
+    assert len(values) == 1     # the second call raised, in its flush
+    with pytest.raises(dyb.LazyValueError, match='failed'):
+        values[0].data
+    with dyb.batching():
+        z = block(mx.nd.ones((1, 3)))
+    np.testing.assert_allclose(z.asnumpy(), block(mx.nd.ones((1, 3))).asnumpy(), rtol=1e-6)
+
+
 def test_error_nested_scopes():
     with dyb.batching():
         with pytest.raises(dyb.ScopeError, match='do not nest'):
