@@ -390,7 +390,10 @@ class CachedPlan(Strategy):
     analysis beyond hashing the structure, and each step's rows are found
     from a recipe (earlier steps' outputs and a gather index already on the
     device) instead of per row.  On a miss, plan with ``fallback`` and
-    remember the result (at most ``capacity`` structures).
+    remember the result (at most ``capacity`` structures and ``max_calls``
+    calls over all of them, the oldest dropped first: a stored plan keeps
+    ~60 bytes of Python per call, and with entries alone as the bound a
+    cache of minibatches of 1,024 pairs could grow to ~4.6 GB).
 
     The first run of a stored plan (its first hit) learns its recipes; a
     miss runs like the fallback's plan.  A structure that has come back
@@ -406,9 +409,12 @@ class CachedPlan(Strategy):
     each), so ``auto`` ran 0.5x ``depth``."""
     name = 'cached'
 
-    def __init__(self, fallback=None, capacity=4096, compile_after=2, max_compiled=64):
+    def __init__(self, fallback=None, capacity=4096, compile_after=2, max_compiled=64,
+                 max_calls=500_000):
         self.fallback = fallback or ByDepth()
         self.capacity = capacity
+        self.max_calls = max_calls
+        self.calls = 0          # over every stored plan
         self.compile_after = compile_after
         self.max_compiled = max_compiled
         self.cache = {}
@@ -476,15 +482,20 @@ class CachedPlan(Strategy):
     def store(self, key, plan):
         """Remember ``plan`` under structure ``key``, its recipes (None per
         step) to be learned by its first hit."""
+        calls = sum(len(step.nodes) for step in plan.steps)
         if key in self.cache:                  # replacing a stale plan
             self.compiled.pop(key, None)
-        elif len(self.cache) >= self.capacity:
+            self.calls -= self.cache.pop(key).calls
+        while self.cache and (len(self.cache) >= self.capacity or
+                              self.calls + calls > self.max_calls):
             old_key = next(iter(self.cache))
-            self.cache.pop(old_key)
+            self.calls -= self.cache.pop(old_key).calls
             self.compiled.pop(old_key, None)
         entry = _Entry([(step.sig, _picker([n.pos for n in step.nodes]), step.ragged)
                         for step in plan.steps],
                        [None] * len(plan.steps))
+        entry.calls = calls
+        self.calls += calls
         self.cache[key] = entry
 
 
@@ -502,7 +513,8 @@ class _Entry:
     often it was reused and when last (the strategy's hit count then), its
     compiled program once there is one, and whether that program was
     dropped (see :class:`CachedPlan`)."""
-    __slots__ = ('steps', 'recipes', 'hits', 'last_hit', 'program', 'uncompilable', 'dropped')
+    __slots__ = ('steps', 'recipes', 'hits', 'last_hit', 'program', 'uncompilable', 'dropped',
+                 'calls')
 
     def __init__(self, steps, recipes):
         self.steps, self.recipes = steps, recipes
@@ -510,6 +522,7 @@ class _Entry:
         self.program = None
         self.uncompilable = False
         self.dropped = False
+        self.calls = 0
 
 
 STRATEGIES = {strategy.name: strategy for strategy in (PerSample(), ByDepth(), Agenda(),

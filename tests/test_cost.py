@@ -783,3 +783,20 @@ def test_rival_run_slowed_by_a_build_is_timed_again():
         assert record.rival_timed == kept
         if not kept:
             assert auto._cached_measured_best('summary') is None   # the rival again
+
+
+def test_cached_plans_are_bounded_by_calls_as_well_as_entries():
+    """A stored plan keeps ~60 bytes of Python per call: the cache drops its
+    oldest plans once their calls pass ``max_calls`` (with entries alone as
+    the bound, 4,096 plans of minibatches of 1,024 pairs took ~4.6 GB)."""
+    block = dyb.DynBatchBlock(nn.Dense(3, in_units=3))
+    block.initialize()
+    x = mx.nd.ones((1, 3))
+    cached = dyb.CachedPlan(max_calls=100)
+    for calls in (40, 50, 30, 60):          # a new structure each: chains of this length
+        with dyb.batching(cached):
+            value = x
+            for _ in range(calls):
+                value = block(value)
+    assert cached.calls == sum(entry.calls for entry in cached.cache.values()) <= 100
+    assert sorted(entry.calls for entry in cached.cache.values()) == [30, 60]
