@@ -28,6 +28,18 @@ class DenseAddLists(mx.gluon.HybridBlock):
         return out
 
 
+class TanhDense(mx.gluon.HybridBlock):
+    """``tanh(dense(x))``: the smallest trained block."""
+
+    def __init__(self, width=4, **kwargs):
+        super().__init__(**kwargs)
+        with self.name_scope():
+            self.dense = mx.gluon.nn.Dense(width, in_units=width)
+
+    def hybrid_forward(self, F, x):
+        return F.tanh(self.dense(x))
+
+
 class TwoOutputs(mx.gluon.HybridBlock):
     """Two outputs from two inputs."""
 

@@ -15,7 +15,7 @@ from gluon_dynbatch.execute import threaded_engine
 from gluon_dynbatch.plan import summarize
 from gluon_dynbatch.models import ChildSumTreeLSTMCell
 
-from helpers import DenseAddLists, Gate, follow_engine, random_tree
+from helpers import DenseAddLists, Gate, TanhDense, follow_engine, random_tree
 
 
 def dense(units=3, in_units=3):
@@ -199,16 +199,6 @@ def test_debug_output(capsys, monkeypatch):
         block(block(mx.nd.ones((1, 3))))
     assert 'auto chose' not in capsys.readouterr().err
     assert dyb.stats()['last']['choice'] == 'depth'
-
-
-class TanhDense(gluon.HybridBlock):
-    def __init__(self):
-        super().__init__()
-        with self.name_scope():
-            self.dense = nn.Dense(4, in_units=4)
-
-    def hybrid_forward(self, F, x):
-        return F.tanh(self.dense(x))
 
 
 @pytest.mark.parametrize('accelerated', [True, False])

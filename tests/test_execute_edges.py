@@ -14,6 +14,8 @@ import gluon_dynbatch as dyb
 from gluon_dynbatch import plan
 from gluon_dynbatch.models import ChildSumTreeLSTMCell
 
+from helpers import TanhDense
+
 
 class Token(gluon.HybridBlock):
     """A host token's embedding and Dense (the host part that flushes share
@@ -27,16 +29,6 @@ class Token(gluon.HybridBlock):
 
     def hybrid_forward(self, F, token, h):
         return F.tanh(self.dense(self.embed(token))) * h
-
-
-class Step(gluon.HybridBlock):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        with self.name_scope():
-            self.dense = nn.Dense(4, in_units=4)
-
-    def hybrid_forward(self, F, h):
-        return F.tanh(self.dense(h))
 
 
 def _grads(block):
@@ -78,7 +70,7 @@ def test_blocks_whose_parameters_are_named_alike_stay_apart(hoist, training, mon
 
 
 def test_compiled_flush_of_blocks_whose_parameters_are_named_alike():
-    a, b = (dyb.DynBatchBlock(Step(prefix='m_')) for _ in range(2))
+    a, b = (dyb.DynBatchBlock(TanhDense(prefix='m_')) for _ in range(2))
     a.initialize(mx.init.Uniform(0.5))
     b.initialize(mx.init.Uniform(0.5))
     xs = [np.random.RandomState(i).uniform(-1, 1, (1, 4)).astype(np.float32) for i in range(40)]
@@ -216,7 +208,7 @@ def test_a_weight_read_by_linalg_gemm2_eight_times_gets_its_gradient():
     samples = [(rng.randn(1, 4).astype(np.float32),
                 [rng.randn(1, 4).astype(np.float32) for _ in range(10)]) for _ in range(3)]
     tokens = [rng.randn(1, 4).astype(np.float32) for _ in range(12)]
-    start = dyb.DynBatchBlock(Step())
+    start = dyb.DynBatchBlock(TanhDense())
     start.initialize()
 
     def grad(strategy, calls):
