@@ -13,11 +13,15 @@ Comparing two separate benchmark runs cannot resolve changes that small.
 Both sides run the same model (this tree's ``TreeLSTMNode`` and
 ``Similarity``, one set of weights) through the plain per-sample recursion
 of ``bench_treelstm.py``, with one strategy (``--strategy``, default
-``auto``); each repeat uses new minibatches.  Output: per setting, ms per
-minibatch for each side (median over repeats) and the speed-up.
+``auto``); each repeat uses new minibatches.  Training uses one trainer,
+with this tree's ``'fusedadagrad'`` for both sides: changes to the
+optimizer itself are not compared.  Output: per setting, ms per minibatch
+for each side (median over repeats) and the speed-up.
 """
 import argparse
+import atexit
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -44,8 +48,10 @@ def parse_args(argv=None):
 
 
 def load_revision(rev):
-    """Import ``gluon_dynbatch`` as of ``rev`` under the name ``gdb_rev``."""
+    """Import ``gluon_dynbatch`` as of ``rev`` under the name ``gdb_rev``
+    (from a temporary folder removed at exit)."""
     folder = tempfile.mkdtemp(prefix='dynbatch_ab_')
+    atexit.register(shutil.rmtree, folder, True)
     archive = subprocess.run(['git', '-C', ROOT, 'archive', rev, 'gluon_dynbatch'],
                              check=True, capture_output=True).stdout
     subprocess.run(['tar', '-x', '-C', folder], input=archive, check=True)
@@ -73,6 +79,10 @@ def main(argv=None):
     import bench_treelstm as bt  # pylint: disable=import-outside-toplevel
     import gluon_dynbatch as dyb  # pylint: disable=import-outside-toplevel
     old = load_revision(args.rev)
+    # importing the revision registered its 'fusedadagrad' over this tree's
+    # (and its C kernel is not built): both sides share one trainer, which
+    # uses this tree's optimizer, so training compares the batching only
+    mx.optimizer.register(dyb.optim.FusedAdaGrad)
 
     class OldForm(bt.DynBatchForm):
         """Reads results the way the revision allows (``concat_rows`` is

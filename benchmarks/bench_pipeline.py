@@ -7,9 +7,11 @@ lets the worker compute one part of a minibatch while Python records the
 next; each flush batches fewer calls, so K trades overlap against batching.
 This script runs the same minibatches (a different one per repeat, so
 structures do not repeat) with one flush per minibatch (twice: the spread
-between the two identical forms is the harness's noise) and with each K, in
-an order rotated every repeat, and prints medians and ratios; JSON goes to
-``<out>/pipeline.json``.
+between the two identical forms is the harness's noise), with each K and
+with the default (``flush_every='auto'``, the form ``auto``), in an order
+shuffled every repeat (a rotated order made each form always follow the
+same one, which moved identical forms by up to 25%), and prints medians and
+ratios; JSON goes to ``<out>/pipeline.json``.
 
     python benchmarks/bench_pipeline.py [--repeats 25] [--out benchmarks/results]
 """
@@ -23,7 +25,7 @@ SETTINGS = (('infer', 256), ('infer', 512), ('infer', 1024), ('train', 256), ('t
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0].replace('\n', ' '))
     p.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results'))
     p.add_argument('--data', default=None)
     p.add_argument('--seed', type=int, default=0)
@@ -69,6 +71,7 @@ def main():
     forms.update(('every %d' % k, Pipelined(k)) for k in args.every)
     forms['auto'] = Pipelined('auto')      # the default: follows the engine (see PIPELINE_FIRST)
     names = list(forms)
+    order_rng = np.random.RandomState(args.seed)
     results = []
     for setting in args.settings:
         mode, batch = setting.split()[0], int(setting.split()[1])
@@ -80,8 +83,7 @@ def main():
                 start = 0
             pairs, target = items[start:start + batch], targets[start:start + batch]
             start += batch
-            for j in range(len(names)):
-                name = names[(repeat + j) % len(names)]
+            for name in order_rng.permutation(names):
                 dyb.reset_stats()
                 began = time.perf_counter()
                 bt.run_minibatch(ctx, forms[name], mode, pairs, target)

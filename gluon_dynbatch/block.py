@@ -324,6 +324,11 @@ def batching(strategy='auto', flush_every='auto'):
     if current_scope() is not None:
         raise ScopeError('batching() scopes do not nest: a scope is already open in this '
                          'thread. Close it first, or record everything in the outer scope.')
+    if mx.util.is_np_array():
+        raise ScopeError("batching() does not support MXNet's numpy interface (npx.set_np() "
+                         'is active): blocks are traced and batched with the legacy NDArray and '
+                         'Symbol API. Call mx.npx.reset_np() first, or run the blocks without a '
+                         'scope.')
     if isinstance(strategy, str):
         if strategy not in STRATEGIES:
             raise ScopeError('unknown strategy %r; choose one of %s'

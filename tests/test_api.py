@@ -775,3 +775,18 @@ def test_uploads_keep_values_dtypes_shapes_and_contexts(monkeypatch, engine_thre
     total = mx.nd.add_n(*arrays).asnumpy()
     np.testing.assert_allclose(total, np.sum(expected, axis=0), rtol=1e-5)
     assert junk[0][0, 0] == -1.0
+
+
+def test_error_numpy_interface():
+    """npx.set_np() made the first traced call fail deep in MXNet (a legacy
+    symbol met a numpy operator); the scope now refuses to open."""
+    mx.npx.set_np()
+    try:
+        with pytest.raises(dyb.ScopeError, match=r"numpy interface \(npx.set_np\(\)"):
+            with dyb.batching():
+                pass
+    finally:
+        mx.npx.reset_np()
+    with dyb.batching():
+        value = dense()(mx.nd.ones((1, 3)))
+    assert value.shape == (1, 3)
