@@ -405,7 +405,8 @@ and a batched program meets both more often than the per-sample block:
 
 Plain Gluon is correct in both, and so is ``hybridize()`` without
 ``static_alloc``.  Keeping the buffers made SICK training 1.00-1.02x
-faster at minibatch 25 and 1.04-1.06x at 256 (in-process A/B); inference
+faster at minibatch 25 and 1.04-1.06x at 256 in earlier in-process A/B runs,
+and removing them ran training 0.87x at 256 and 1.06x at 25; inference
 programs may keep theirs (only compiled flushes do, see
 :class:`FlushProgram`)."""
 
