@@ -22,7 +22,7 @@ from mxnet.gluon import Block
 from . import accel, debug
 from .errors import InputError, ScopeError
 from .execute import collect, pad_leaves, run_plan, threaded_engine, to_device
-from .graph import DONE, FAILED, PENDING, LazyValue, Node
+from .graph import DONE, FAILED, PENDING, LazyValue, Node, recorded
 from .lower import ragged_lists
 from .plan import SETUP, STRATEGIES, Strategy, summarize
 from .trace import flatten, leaf_count, regroup, trace_signature
@@ -416,10 +416,11 @@ def concat_rows(values):
                              'values must share one shape.' % (i, value.shape, shape))
     ctx = values[0].context
     parts, index, _ = collect(values, ctx)
-    source = parts[0] if len(parts) == 1 else mx.nd.concat(*parts, dim=0)
-    if index is None:
-        return source
-    return mx.nd.take(source, to_device(np.asarray(index, dtype='int32'), ctx))
+    with recorded():            # (see graph.recorded)
+        source = parts[0] if len(parts) == 1 else mx.nd.concat(*parts, dim=0)
+        if index is None:
+            return source
+        return mx.nd.take(source, to_device(np.asarray(index, dtype='int32'), ctx))
 
 
 def _signature_key(dblock, fmt, leaves, scope):

@@ -43,6 +43,17 @@ class Node:
         return 'Node(%s, depth=%d)' % (self.sig.block.name, self.depth)
 
 
+def recorded():
+    """A context in which autograd records, for the ops that cut a value
+    out of its step's output (``.data``, ``concat_rows``): per sample the
+    value is the output array itself, part of the autograd graph whenever
+    its call was recorded, wherever it is read; cut out outside
+    ``autograd.record()`` it had left the graph (no gradient).  MXNet
+    records nothing for an op whose inputs were not recorded, so reading a
+    value of an inference flush records nothing either."""
+    return mx.autograd._RecordingStateScope(True, None)
+
+
 class LazyValue:
     """A block call's output that may not be computed yet.
 
@@ -103,7 +114,9 @@ class LazyValue:
             if array.shape[0] == 1:
                 self._data = array
             else:
-                self._data = mx.nd.slice_axis(array, axis=0, begin=node.row, end=node.row + 1)
+                with recorded():
+                    self._data = mx.nd.slice_axis(array, axis=0, begin=node.row,
+                                                  end=node.row + 1)
         return self._data
 
     def asnumpy(self):

@@ -790,3 +790,30 @@ def test_error_numpy_interface():
     with dyb.batching():
         value = dense()(mx.nd.ones((1, 3)))
     assert value.shape == (1, 3)
+
+
+@pytest.mark.parametrize('read', ['data', 'concat_rows', 'concat_rows_reversed'])
+def test_values_read_after_record_keep_their_gradient(read):
+    """Calls recorded under autograd.record(), their values read after it
+    ended: per sample those are the recorded output arrays, so the loss
+    reaches the weights; the row cut out of the batched output was made
+    unrecorded, and the weights got no gradient."""
+    block = dyb.DynBatchBlock(TanhDense())
+    block.initialize(mx.init.Uniform(0.5))
+    xs = [mx.nd.array(np.random.RandomState(i).randn(1, 4)) for i in range(3)]
+
+    def grad(batched):
+        with dyb.batching('depth') if batched else contextlib.nullcontext():
+            with autograd.record():
+                outs = [block(x) for x in xs]
+        if read == 'data' or not batched:
+            rows = [o.data if batched else o for o in outs]
+        else:
+            order = outs[::-1] if read == 'concat_rows_reversed' else outs
+            rows = [dyb.concat_rows(order)]
+        with autograd.record():
+            loss = sum((row * row).sum() for row in rows)
+        loss.backward()
+        return block.block.dense.weight.grad().asnumpy().copy()
+
+    np.testing.assert_allclose(grad(True), grad(False), rtol=1e-5, atol=1e-7)
