@@ -348,9 +348,9 @@ static int push_update_in_job(const Request *r)
  * handles as ints, lr, eps, rescale, clip, decay)): a list of whether each
  * was pushed (False when the arrays are not three dense float32 arrays of
  * one shape: the caller then takes MXNet's path), or None when waiting for
- * the ops before failed (the caller raises MXNet's last error).  One wait serves them
- * all: a Trainer step's updates, each waiting on its own, waited for the
- * one pushed before it. */
+ * the ops before failed (the caller raises MXNet's last error).  One wait
+ * serves them all: a Trainer step's updates, each waiting on its own,
+ * waited for the one pushed before it. */
 static PyObject *update_many(PyObject *self, PyObject *requests)
 {
     PyObject *seq = PySequence_Fast(requests, "update_many takes a sequence of tuples");

@@ -58,6 +58,7 @@ import numpy as np
 
 from .lanes import CUT, INCIDENCE, PADDED, SEGMENT, graph_readers, vectorize_lists
 from .trace import leaf_count
+from .trace import load_graph as _load
 
 __all__ = ['StepProgram', 'step_program', 'element_major', 'FlushProgram', 'flush_program',
            'share_host_part', 'host_part', 'embedding_reads', 'read_tables', 'HostSplit',
@@ -355,8 +356,8 @@ def adds_by_broadcast(symbol):
     NDArray, host rows, a frozen parameter), a backward with
     ``static_alloc`` drops or misroutes the other's (a block computing
     ``tanh(x + W h)`` with ``x`` such an input got zero or garbage
-    gradients for ``W``) and one without fails MXNet's storage-type check.  ``broadcast_add`` computes its gradients itself and
-    runs correctly; so did ``add_n``, ``elemwise_sub``, ``elemwise_mul``,
+    gradients for ``W``) and one without fails MXNet's storage-type check.
+    ``broadcast_add`` computes its gradients itself and runs correctly; so did ``add_n``, ``elemwise_sub``, ``elemwise_mul``,
     ``Concat`` and ``dot``, and ``elemwise_add`` of two values computed in
     the program (only an input as operand went wrong)."""
     graph = json.loads(symbol.tojson())
@@ -386,8 +387,7 @@ infers from how the value is used)."""
 STATIC_ALLOC_UNDER_AUTOGRAD = False
 """Whether programs that autograd records keep their buffers between calls
 (CachedOp ``static_alloc``; read when a program is built).  They do not:
-MXNet 1.9.1's backward
-with ``static_alloc`` computes wrong gradients in two cases found so far,
+MXNet 1.9.1's backward with ``static_alloc`` computes wrong gradients in two cases found so far,
 and a batched program meets both more often than the per-sample block:
 
 * ``elemwise_add`` with one operand reached from the program's inputs
@@ -405,8 +405,8 @@ and a batched program meets both more often than the per-sample block:
 
 Plain Gluon is correct in both, and so is ``hybridize()`` without
 ``static_alloc``.  Keeping the buffers made SICK training 1.00-1.02x
-faster at minibatch 25 and 1.04-1.06x at 256 in earlier in-process A/B runs,
-and removing them ran training 0.87x at 256 and 1.06x at 25; inference
+faster at minibatch 25 and 1.04-1.06x at 256 in earlier in-process A/B
+runs, and removing them ran training 0.87x at 256 and 1.06x at 25; inference
 programs may keep theirs (only compiled flushes do, see
 :class:`FlushProgram`)."""
 
@@ -718,15 +718,6 @@ def _take_along(out, moved, source, name, index=INVERSE):
     return len(out) - 1
 
 
-def _load(graph, nodes, heads):
-    """The symbol of a symbol's JSON ``graph`` rebuilt with new ``nodes``
-    (in topological order) and ``heads``."""
-    graph.update(nodes=nodes, heads=heads,
-                 arg_nodes=[i for i, node in enumerate(nodes) if node['op'] == 'null'])
-    graph.pop('node_row_ptr', None)
-    return mx.sym.load_json(json.dumps(graph))
-
-
 class FlushProgram:
     """A whole plan compiled into one CachedOp: ``feeds`` says per input
     whether it is a parameter, a constant (a recorded gather index or a zero
@@ -762,8 +753,8 @@ def flush_program(steps, recipes, hoists=()):
     """One :class:`FlushProgram` for ``steps`` whose every argument has a
     replayable recipe (see :func:`~.execute.run_step`), or None when one
     has not (it reads user NDArrays or an earlier flush), the steps span
-    several contexts, or, in training, a step has auxiliary states.  ``hoists`` (see :func:`~.execute.flush_hoists`) are
-    groups of steps whose host part runs once, inside the program, over
+    several contexts, or, in training, a step has auxiliary states.
+    ``hoists`` (see :func:`~.execute.flush_hoists`) are groups of steps whose host part runs once, inside the program, over
     the distinct host rows of all its members."""
     if len({step.sig.ctx for step in steps}) != 1 or \
             any(recipe is None or None in recipe for recipe in recipes):

@@ -491,12 +491,9 @@ class CachedPlan(Strategy):
             old_key = next(iter(self.cache))
             self.calls -= self.cache.pop(old_key).calls
             self.compiled.pop(old_key, None)
-        entry = _Entry([(step.sig, _picker([n.pos for n in step.nodes]), step.ragged)
-                        for step in plan.steps],
-                       [None] * len(plan.steps))
-        entry.calls = calls
+        self.cache[key] = _Entry([(step.sig, _picker([n.pos for n in step.nodes]), step.ragged)
+                                  for step in plan.steps], [None] * len(plan.steps), calls)
         self.calls += calls
-        self.cache[key] = entry
 
 
 def _picker(positions):
@@ -511,18 +508,17 @@ def _picker(positions):
 class _Entry:
     """A cached plan: steps as (signature, picker of its nodes, ragged), recipes, how
     often it was reused and when last (the strategy's hit count then), its
-    compiled program once there is one, and whether that program was
-    dropped (see :class:`CachedPlan`)."""
+    compiled program once there is one, whether that program was dropped
+    (see :class:`CachedPlan`), and its number of calls."""
     __slots__ = ('steps', 'recipes', 'hits', 'last_hit', 'program', 'uncompilable', 'dropped',
                  'calls')
 
-    def __init__(self, steps, recipes):
-        self.steps, self.recipes = steps, recipes
+    def __init__(self, steps, recipes, calls):
+        self.steps, self.recipes, self.calls = steps, recipes, calls
         self.hits = self.last_hit = 0
         self.program = None
         self.uncompilable = False
         self.dropped = False
-        self.calls = 0
 
 
 STRATEGIES = {strategy.name: strategy for strategy in (PerSample(), ByDepth(), Agenda(),

@@ -18,7 +18,7 @@ from .errors import InputError
 from .rules import OpView, batching_rule, draws_random
 
 __all__ = ['flatten', 'regroup', 'leaf_count', 'TracedSignature', 'trace_signature',
-           'prelu_by_ops']
+           'prelu_by_ops', 'load_graph']
 
 
 _LISTS = (list, tuple)
@@ -187,10 +187,11 @@ def prelu_by_ops(symbol, known):
     program is, scales ``alpha``'s gradient by ``alpha`` when ``x`` needs a
     gradient too (a ``Dense`` before it): plain hybridized Gluon gets it
     wrong the same way, eager Gluon right.  These ops compute it right."""
-    nodes, heads, by_name = _parse_graph(symbol, known)
+    graph = json.loads(symbol.tojson())
+    nodes = graph['nodes']
     if not any(_is_prelu(node) for node in nodes):
         return symbol
-    graph = json.loads(symbol.tojson())
+    _, _, by_name = _parse_graph(symbol, known)
     out, moved = [], {}
 
     def add(name, op, inputs, attrs=None):
@@ -212,8 +213,14 @@ def prelu_by_ops(symbol, known):
         negative = add(name + '_neg', '_minimum_scalar', [x], {'scalar': '0.0'})
         scaled = add(name + '_scaled', 'broadcast_mul', [alpha, negative])
         moved[old] = add(name, 'broadcast_add', [positive, scaled])[0]
-    graph.update(nodes=out, heads=[[moved[e[0]], e[1], 0] for e in heads],
-                 arg_nodes=[i for i, node in enumerate(out) if node['op'] == 'null'])
+    return load_graph(graph, out, [[moved[e[0]], e[1], 0] for e in graph['heads']])
+
+
+def load_graph(graph, nodes, heads):
+    """The symbol of a symbol's JSON ``graph`` rebuilt with new ``nodes``
+    (in topological order) and ``heads``."""
+    graph.update(nodes=nodes, heads=heads,
+                 arg_nodes=[i for i, node in enumerate(nodes) if node['op'] == 'null'])
     graph.pop('node_row_ptr', None)
     return mx.sym.load_json(json.dumps(graph))
 
