@@ -126,14 +126,25 @@ def steps_of(by_sig):
     if RAGGED:
         padded = sigs[0].dblock.padded_signature(sigs)
         if padded.ragged and _ragged_us(widths, counts, step_us) < split_us:
-            return [BatchStep(padded, tuple(node for sig in sigs for node in by_sig[sig]), True)]
+            return [BatchStep(padded, _joined(by_sig, sigs), True)]
     steps = []
     for first, last in buckets:
-        group = tuple(node for sig in sigs[first:last + 1] for node in by_sig[sig])
+        group = _joined(by_sig, sigs[first:last + 1])
         sig = sigs[last] if first == last else \
             sigs[0].dblock.padded_signature(sigs[first:last + 1])
         steps.append(BatchStep(sig, group))
     return steps
+
+
+def _joined(by_sig, sigs):
+    """The calls of ``sigs``, in that order, as one tuple (joined as lists:
+    a generator over every call was a third of :func:`steps_of`'s time)."""
+    if len(sigs) == 1:
+        return tuple(by_sig[sigs[0]])
+    nodes = []
+    for sig in sigs:
+        nodes += by_sig[sig]
+    return tuple(nodes)
 
 
 def _ragged_us(widths, counts, step_us=None):
