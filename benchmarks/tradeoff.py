@@ -610,7 +610,10 @@ def measure(mx, dyb, workload, cfg, tol):
         out, total, st = one(name, batch)
         outs[name] = out
         last = st['last']
+        # nodes: the calls that ran; calls: also those that reused an
+        # earlier call's results (equal host arguments, merge_repeats)
         row = {'total_ms': total, 'nodes': st['nodes'], 'steps': st['steps'],
+               'calls': st['nodes'] + st['repeated_calls'],
                'flushes': st['flushes'], 'record_ms': st['record_ms'],
                'analyse_ms': st['analyse_ms'], 'run_ms': st['run_ms']}
         if name == 'auto':
@@ -644,7 +647,7 @@ def measure(mx, dyb, workload, cfg, tol):
     for name, rows in samples.items():
         cell = {key: median([row[key] for row in rows])
                 for key in ('total_ms', 'record_ms', 'analyse_ms', 'run_ms', 'steps',
-                            'nodes')}
+                            'nodes', 'calls')}
         cell['other_ms'] = cell['total_ms'] - cell['record_ms'] - cell['analyse_ms'] \
             - cell['run_ms']
         cell['total_ms_all'] = [round(row['total_ms'], 3) for row in rows]
@@ -652,7 +655,7 @@ def measure(mx, dyb, workload, cfg, tol):
             for key in ('record_ms', 'analyse_ms', 'run_ms', 'other_ms'):
                 cell[key] = None
             cell['steps'] = None
-            cell['nodes'] = median(sizes)
+            cell['nodes'] = cell['calls'] = median(sizes)
             cell['note'] = 'plain imperative Gluon calls outside any scope'
         if name in ('auto', 'cached'):
             plans = {}

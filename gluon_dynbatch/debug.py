@@ -25,7 +25,8 @@ def reset_stats():
     """Zero every counter."""
     _TOTALS.clear()
     _TOTALS.update(flushes=0, nodes=0, steps=0, record_ms=0.0, analyse_ms=0.0, compile_ms=0.0,
-                   run_ms=0.0, per_sample_nodes=0, choices={}, predicted_ms=0.0, actual_ms=0.0)
+                   run_ms=0.0, per_sample_nodes=0, repeated_calls=0, choices={}, predicted_ms=0.0,
+                   actual_ms=0.0)
     _LAST.clear()
 
 
@@ -34,11 +35,18 @@ def stats():
     the most recent flush (nodes, steps, batch_sizes, ``*_ms``, strategy).
     ``choices`` counts the flushes ``auto`` planned by each strategy;
     ``predicted_ms`` and ``actual_ms`` total those it decided by the cost
-    model (those of 32 calls or more, see :class:`~gluon_dynbatch.Auto`)."""
+    model (those of 32 calls or more, see :class:`~gluon_dynbatch.Auto`).
+    ``nodes`` counts the calls that ran; ``repeated_calls`` those that
+    reused an earlier call's results instead (equal host arguments, see
+    :meth:`~gluon_dynbatch.block.BatchingScope.record`)."""
     out = dict(_TOTALS)
     out['choices'] = dict(_TOTALS['choices'])
     out['last'] = dict(_LAST)
     return out
+
+
+def count_repeated(calls):
+    _TOTALS['repeated_calls'] += calls
 
 
 def record_flush(plan, record_ms, analyse_ms, run_ms, extra=None, compile_ms=0.0):

@@ -74,7 +74,7 @@ class TracedSignature:
     whether calls may be merged (with the reason when not)."""
 
     def __init__(self, sig_id, block, symbol, data_names, out_fmt, out_shapes, out_dtypes,
-                 batch_safe, reason):
+                 batch_safe, reason, repeatable=False):
         self.sig_id = sig_id
         self.block = block
         self.symbol = symbol
@@ -84,6 +84,9 @@ class TracedSignature:
         self.out_dtypes = out_dtypes
         self.batch_safe = batch_safe
         self.reason = reason
+        # calls with equal host arguments may share one node (see
+        # BatchingScope.record): batch-safe and a function of its inputs
+        self.repeatable = repeatable
         self.input_names = symbol.list_inputs()
         params = block.collect_params()
         by_name = {p.name: p for p in params.values()}
@@ -163,7 +166,20 @@ def trace_signature(sig_id, block, fmt, shapes, dtypes):
     symbol = prelu_by_ops(symbol, known)
     batch_safe, reason = check_batch_safe(symbol, set(data_names), known)
     return TracedSignature(sig_id, block, symbol, data_names, out_fmt, out_shapes,
-                           out_dtypes, batch_safe, reason)
+                           out_dtypes, batch_safe, reason,
+                           batch_safe and is_function_of_inputs(symbol))
+
+
+def is_function_of_inputs(symbol):
+    """Whether every output of ``symbol`` is a function of its inputs and
+    parameters alone, so that two calls with equal arguments may share one
+    result: no op draws random numbers (:func:`~.rules.draws_random`:
+    ``Dropout`` in training, samplers) and none keeps auxiliary state
+    (``BatchNorm``'s running statistics, which every training call updates)."""
+    if symbol.list_auxiliary_states():
+        return False
+    return not any(node['op'] != 'null' and draws_random(node['op'], node.get('attrs'))
+                   for node in json.loads(symbol.tojson())['nodes'])
 
 
 def _drop_stale_vars(block):

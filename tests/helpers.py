@@ -162,7 +162,8 @@ def param_grads(*blocks):
     return out
 
 
-def run_both(forward, blocks, inputs=(), strategy='depth', flush_every='auto'):
+def run_both(forward, blocks, inputs=(), strategy='depth', flush_every='auto',
+             merge_repeats=True):
     """Run ``forward(batched)`` per sample and batched under autograd.
 
     ``forward`` returns a list of output NDArrays (batched: ``.data`` of lazy
@@ -175,7 +176,8 @@ def run_both(forward, blocks, inputs=(), strategy='depth', flush_every='auto'):
             x.attach_grad()
         with autograd.record():
             if batched:
-                with dyb.batching(strategy, flush_every=flush_every):
+                with dyb.batching(strategy, flush_every=flush_every,
+                                  merge_repeats=merge_repeats):
                     outs = forward()
                 outs = [o.data if isinstance(o, dyb.LazyValue) else o for o in outs]
             else:

@@ -208,7 +208,7 @@ def test_cached_plan_recipes_follow_new_data_and_gradients():
             if strategy is None:
                 outs = [head(enc(t)[0]) * scale for t in trees]
             else:
-                with dyb.batching(strategy):
+                with dyb.batching(strategy, merge_repeats=False):
                     roots = [enc(t)[0] for t in trees]
                     outs = [head(r) for r in roots]
                 outs = [o.data * scale for o in outs]
@@ -266,7 +266,7 @@ def test_a_miss_runs_as_its_fallback_and_the_first_hit_learns_recipes():
     learned = []
     for _ in range(3):
         ids = rng.randint(0, 20, 12).astype(np.float32)
-        with dyb.batching(cached):
+        with dyb.batching(cached, merge_repeats=False):
             got = [enc(t, ids)[0] for t in trees]
         want = [enc(t, ids)[0] for t in trees]
         for a, b in zip(got, want):
@@ -343,7 +343,7 @@ def test_compiled_plan_outputs_stay_valid_across_flushes():
     kept = []
     with autograd.record():
         for ids in all_ids:
-            with dyb.batching(cached):
+            with dyb.batching(cached, merge_repeats=False):
                 kept.append([enc(t, ids)[0] for t in trees])
         loss = sum((v.data * v.data).sum() for roots in kept for v in roots)
     loss.backward()
@@ -381,7 +381,7 @@ def test_compiled_plan_runs_host_parts_on_each_flushs_distinct_rows(hoist_rows, 
         ids = rng.randint(0, tokens, 25).astype(np.float32)
         distinct.add(len(np.unique(ids)))
         with autograd.record():
-            with dyb.batching(cached):
+            with dyb.batching(cached, merge_repeats=False):
                 got = [enc(t, ids)[0] for t in trees]
             loss = sum((v.data * v.data).sum() for v in got)
         loss.backward()

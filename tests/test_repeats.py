@@ -1,0 +1,231 @@
+"""Calls with equal host arguments share one node (``merge_repeats``).
+
+A call of a block that is a function of its inputs, whose arguments are all
+numpy arrays equal bit for bit to an earlier call's, records no node of its
+own and gets the earlier call's results.  These tests check that results and
+gradients still equal per-sample execution, that calls which must not share
+(random draws, running statistics, other autograd states, host arguments
+with other bits, arguments that are not all host data) do not, and that the
+scope forgets its first calls where the user's code may have changed a
+parameter.
+"""
+import mxnet as mx
+import numpy as np
+import pytest
+from mxnet import autograd, gluon
+from mxnet.gluon import nn
+
+import gluon_dynbatch as dyb
+from gluon_dynbatch import accel
+from helpers import assert_same, run_both
+from test_equivalence import make_tree_model, pair_forward, random_pairs
+
+STRATEGIES = ['per-sample', 'depth', 'agenda', 'cached', 'auto']
+
+
+@pytest.fixture(params=[True, False], ids=['C', 'python'])
+def recorder(request):
+    """Record in C (where built) or in Python."""
+    if request.param and accel.STATUS != 'C extension':
+        pytest.skip(accel.STATUS)
+    was_on = accel.record is not None
+    accel.enable(request.param)
+    yield request.param
+    accel.enable(was_on)
+
+
+def calls_of(pairs):
+    return sum(len(ids_a) + len(ids_b) + 1 for _, ids_a, _, ids_b in pairs)
+
+
+@pytest.mark.parametrize('strategy', STRATEGIES)
+@pytest.mark.parametrize('flush_every', [None, 5])
+def test_tree_lstm_with_few_tokens_equals_per_sample(recorder, strategy, flush_every):
+    """Three tokens: most leaves repeat one still pending.  Values and
+    every gradient equal per-sample execution, and each repeat recorded no
+    node."""
+    node, head = make_tree_model(vocab=3)
+    pairs = random_pairs(np.random.RandomState(11), 8, vocab=3)
+    dyb.reset_stats()
+    chosen = dyb.CachedPlan() if strategy == 'cached' else strategy
+    assert_same(run_both(pair_forward(node, head, pairs), [node, head], strategy=chosen,
+                         flush_every=flush_every))
+    stats = dyb.stats()
+    assert stats['nodes'] + stats['repeated_calls'] == calls_of(pairs)
+    # leaves are the only calls with host arguments alone: at most one
+    # node per token and flush
+    leaves = sum(1 for a, _, b, _ in pairs for tree in (a, b) for t in _walk(tree)
+                 if not t.children)
+    assert stats['repeated_calls'] >= leaves - 3 * stats['flushes']
+    assert stats['repeated_calls'] > 0
+
+
+def _walk(tree):
+    yield tree
+    for child in tree.children:
+        yield from _walk(child)
+
+
+def test_off_records_a_node_per_call():
+    node, head = make_tree_model(vocab=3)
+    pairs = random_pairs(np.random.RandomState(11), 4, vocab=3)
+    dyb.reset_stats()
+    assert_same(run_both(pair_forward(node, head, pairs), [node, head],
+                         merge_repeats=False))
+    assert dyb.stats()['repeated_calls'] == 0
+    assert dyb.stats()['nodes'] == calls_of(pairs)
+
+
+def test_both_recorders_merge_the_same_calls():
+    node, head = make_tree_model(vocab=4)
+    pairs = random_pairs(np.random.RandomState(2), 6, vocab=4)
+    counts = []
+    for on in ([True, False] if accel.STATUS == 'C extension' else [False]):
+        accel.enable(on)
+        try:
+            dyb.reset_stats()
+            with dyb.batching('depth'):
+                pair_forward(node, head, pairs)()
+            counts.append((dyb.stats()['nodes'], dyb.stats()['repeated_calls']))
+        finally:
+            accel.enable(True)
+    assert len(set(counts)) == 1 and counts[0][1] > 0
+
+
+class Scaled(gluon.HybridBlock):
+    """``dense(x) * 2``: a function of its input."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.dense = nn.Dense(3, in_units=2)
+
+    def hybrid_forward(self, F, x):
+        return self.dense(x) * 2
+
+
+def scaled_block():
+    block = dyb.DynBatchBlock(Scaled())
+    block.initialize(mx.init.Uniform(0.5))
+    return block
+
+
+def test_equal_bits_share_other_bits_do_not(recorder):
+    """Equal values in other arrays (copies, views) share; -0.0 and 0.0,
+    other values, and arguments that are not all numpy arrays do not."""
+    block = scaled_block()
+    x = np.array([[1.0, -2.0]], np.float32)
+    wide = np.array([[1.0, 9.0, -2.0, 9.0]], np.float32)
+    calls = [x, x.copy(), wide[:, ::2],             # equal bits: one node
+             np.array([[-0.0, 1.0]], np.float32),   # -0.0 ...
+             np.array([[0.0, 1.0]], np.float32),   # ... and 0.0 differ
+             mx.nd.array(x), mx.nd.array(x)]        # NDArrays: a node each
+    dyb.reset_stats()
+    with dyb.batching('depth'):
+        outs = [block(arg) for arg in calls]
+    stats = dyb.stats()
+    got = [o.asnumpy() for o in outs]
+    want = [block.block(mx.nd.array(np.asarray(arg.asnumpy() if isinstance(arg, mx.nd.NDArray)
+                                               else arg))).asnumpy() for arg in calls]
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    # the strided view is not contiguous: the C recorder gives it a node
+    # of its own (it reads contiguous arrays only), Python merges it
+    assert stats['repeated_calls'] == (1 if recorder else 2)
+    assert stats['nodes'] == len(calls) - stats['repeated_calls']
+    assert outs[0] is not outs[1]           # new lazy values of one node
+
+
+class Noisy(gluon.HybridBlock):
+    def hybrid_forward(self, F, x):
+        return F.Dropout(x * 1, p=0.5)
+
+
+class Normed(gluon.HybridBlock):
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.norm = nn.BatchNorm(in_channels=4)
+
+    def hybrid_forward(self, F, x):
+        return self.norm(x)
+
+
+def test_random_draws_and_running_statistics_are_not_merged(recorder):
+    """A block that draws random numbers (Dropout in training) or keeps
+    running statistics (BatchNorm) is not a function of its inputs: equal
+    calls each get a node, and each call its own draw."""
+    noisy = dyb.DynBatchBlock(Noisy())
+    normed = dyb.DynBatchBlock(Normed())
+    normed.initialize()
+    x = np.ones((1, 64), np.float32)
+    y = np.ones((1, 4), np.float32)
+    dyb.reset_stats()
+    with autograd.train_mode():
+        with dyb.batching('depth'):
+            masks = [noisy(x) for _ in range(6)]
+            normed_outs = [normed(y) for _ in range(3)]
+        masks = [m.asnumpy() for m in masks]
+        [o.asnumpy() for o in normed_outs]
+    assert not any(sig.repeatable for sig in noisy.signatures())
+    assert not any(sig.repeatable for sig in normed.signatures())
+    assert dyb.stats()['repeated_calls'] == 0 and dyb.stats()['nodes'] == 9
+    assert len({m.tobytes() for m in masks}) == 6
+
+
+def test_only_pending_calls_are_shared(recorder):
+    """A repeat of a call that ran already (here in a part the scope ran by
+    itself, then read) runs anew: the user's code may have changed a
+    parameter since, and this call must see the new weights."""
+    block = scaled_block()
+    x = np.array([[0.5, 1.5]], np.float32)
+    weight = block.block.dense.weight
+    with dyb.batching('depth', flush_every=2) as scope:
+        first = block(x)
+        again = block(x)
+        assert again._node is first._node and scope.repeated == 1
+        block(np.array([[3.0, 4.0]], np.float32))   # the scope runs its part
+        assert first.ready
+        before = first.asnumpy()
+        weight.set_data(weight.data() * 3)
+        after = block(x)
+        assert after._node is not first._node
+    np.testing.assert_allclose(again.asnumpy(), before)
+    np.testing.assert_allclose(after.asnumpy(), block.block(mx.nd.array(x)).asnumpy(),
+                               rtol=1e-6)
+    assert not np.allclose(after.asnumpy(), before)
+
+
+def test_calls_under_another_autograd_state_do_not_share(recorder):
+    """A call made inside ``autograd.pause()`` in a recording scope gets a
+    node of its own, and the recorded one still trains."""
+    block = scaled_block()
+    x = np.array([[0.5, 1.5]], np.float32)
+    with autograd.record():
+        with dyb.batching('depth'):
+            trained = block(x)
+            with autograd.pause():
+                paused = block(x)
+            again = block(x)
+        loss = (trained.data * 2).sum() + (again.data * 3).sum()
+    assert paused._node is not trained._node
+    loss.backward()
+    grad = block.block.dense.weight.grad().asnumpy().copy()
+    with autograd.record():
+        ref = (block.block(mx.nd.array(x)) * 5).sum()
+    ref.backward()
+    np.testing.assert_allclose(grad, block.block.dense.weight.grad().asnumpy(), rtol=1e-5)
+
+
+def test_mixed_host_and_lazy_arguments_are_not_merged(recorder):
+    """Only calls whose arguments are all host arrays merge: a call that
+    reads another call's value runs once per call (its input is computed)."""
+    node, _ = make_tree_model(vocab=2)
+    ids = np.zeros((1,), np.float32)
+    dyb.reset_stats()
+    with dyb.batching('depth'):
+        leaf = node(ids, [], [])
+        parents = [node(ids, [leaf[0]], [leaf[1]]) for _ in range(3)]
+        node(ids, [], [])
+    [p[0].asnumpy() for p in parents]
+    assert dyb.stats()['repeated_calls'] == 1 and dyb.stats()['nodes'] == 4
