@@ -58,7 +58,7 @@ static Py_ssize_t n_sig, n_leaves, n_depth, n_scope, n_pos, n_state, n_used, n_a
 static PyObject *s_out_info, *s_batch_safe, *s_group_key, *s_out_fmt,
     *s_signatures, *s_trace, *s_pending, *s_flush_at, *s_pipeline,
     *s_shape, *s_dtype, *s_type, *s_context, *s_device_typeid, *s_device_id, *s_sig_id,
-    *s_arrays, *s_value, *s_tape, *s_repeatable, *s_itemsize;
+    *s_arrays, *s_value, *s_tape, *s_repeatable, *s_itemsize, *s_isnative;
 
 enum { PENDING = 0, DONE = 1, FAILED = 2 };
 
@@ -674,8 +674,11 @@ static PyObject *scope_field(PyObject *scope, Py_ssize_t offset, PyObject *name)
 
 #define BAIL(label) do { goto label; } while (0)
 
-/* The item size of numpy dtype objects met lately.  An entry holds its
- * dtype, so no other dtype takes its address while the entry lives. */
+/* The item size of numpy dtype objects met lately, -1 for a dtype whose
+ * arrays are not merged: not in the machine's byte order (a signature
+ * names the dtype's type, and '<f4' and '>f4' bytes mean other values).
+ * An entry holds its dtype, so no other dtype takes its address while the
+ * entry lives. */
 #define ITEMSIZE_CACHE 16
 static struct { PyObject *descr; Py_ssize_t size; } itemsizes[ITEMSIZE_CACHE];
 
@@ -687,19 +690,25 @@ static Py_ssize_t numpy_itemsize(PyObject *descr)
     PyObject *value = PyObject_GetAttr(descr, s_itemsize);
     Py_ssize_t size = value ? PyLong_AsSsize_t(value) : -1;
     Py_XDECREF(value);
-    if (size <= 0) {
+    PyObject *native = size > 0 ? PyObject_GetAttr(descr, s_isnative) : NULL;
+    int is_native = native ? PyObject_IsTrue(native) : -1;
+    Py_XDECREF(native);
+    if (is_native < 0) {
         PyErr_Clear();
         return -1;
     }
     Py_INCREF(descr);
     Py_XSETREF(itemsizes[slot].descr, descr);
-    itemsizes[slot].size = size;
-    return size;
+    itemsizes[slot].size = is_native ? size : -1;
+    return itemsizes[slot].size;
 }
+
+#define REPEAT_BYTES 256    /* block.REPEAT_BYTES */
 
 /* block.repeat_key in C: the signature id (8 bytes, little-endian), then
  * each numpy leaf's bytes; NULL without an error when a leaf is not a
- * C-contiguous array whose fields NumpyFields reads (the call then simply
+ * C-contiguous array in the machine's byte order whose fields NumpyFields
+ * reads, or when they hold more than REPEAT_BYTES (the call then simply
  * records a node of its own). */
 static PyObject *repeat_key(long sig_id, PyObject *leaves)
 {
@@ -716,6 +725,8 @@ static PyObject *repeat_key(long sig_id, PyObject *leaves)
         for (int d = 0; d < array->nd; d++)
             size *= array->dimensions[d];
         total += size;
+        if (total > 8 + REPEAT_BYTES)
+            return NULL;
     }
     PyObject *key = PyBytes_FromStringAndSize(NULL, total);
     if (key == NULL)
@@ -2414,7 +2425,7 @@ PyMODINIT_FUNC PyInit__speedups(void)
     INTERN(s_trace, "_trace"); INTERN(s_pending, "pending");
     INTERN(s_flush_at, "flush_at"); INTERN(s_pipeline, "pipeline");
     INTERN(s_tape, "tape"); INTERN(s_repeatable, "repeatable");
-    INTERN(s_itemsize, "itemsize");
+    INTERN(s_itemsize, "itemsize"); INTERN(s_isnative, "isnative");
     INTERN(s_shape, "shape"); INTERN(s_dtype, "dtype"); INTERN(s_type, "type");
     INTERN(s_context, "context"); INTERN(s_device_typeid, "device_typeid");
     INTERN(s_device_id, "device_id"); INTERN(s_sig_id, "sig_id"); INTERN(s_arrays, "arrays");

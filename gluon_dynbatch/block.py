@@ -148,9 +148,9 @@ class BatchingScope:
         if sig is None:
             sig = dblock._trace(key, fmt, ctx)
         repeat = None
-        if sig.repeatable and self.repeats is not None and \
-                all(type(leaf) is np.ndarray for leaf in leaves):
+        if sig.repeatable and self.repeats is not None:
             repeat = repeat_key(sig, leaves)
+        if repeat is not None:
             first = self.repeats.get(repeat)
             if first is not None and first.state == PENDING:
                 self.repeated += 1
@@ -478,15 +478,30 @@ def _results(node):
 
 
 def repeat_key(sig, leaves):
-    """What makes a call of ``sig`` on the host arrays ``leaves`` equal to
-    another (see :meth:`BatchingScope.record`): its signature's id (which
-    fixes the block, the arguments' nesting, shapes, dtype and context) and
-    the leaves' bytes, in C order, as the C recorder writes it (bit for bit:
-    -0.0 and 0.0 differ)."""
+    """What makes a call of ``sig`` on ``leaves`` equal to another (see
+    :meth:`BatchingScope.record`): its signature's id (which fixes the
+    block, the arguments' nesting, shapes, dtype and context) and the
+    leaves' bytes, as the C recorder writes it (bit for bit: -0.0 and 0.0
+    differ).  None unless every leaf is a C-contiguous numpy array in the
+    machine's byte order (the signature names the dtype's type, not its
+    byte order) and they hold at most :data:`REPEAT_BYTES` bytes."""
+    size = 0
+    for leaf in leaves:
+        if type(leaf) is not np.ndarray or not leaf.flags.c_contiguous or \
+                not leaf.dtype.isnative:
+            return None
+        size += leaf.nbytes
+    if size > REPEAT_BYTES:
+        return None
     return _SIG_ID_BYTES.pack(sig.sig_id) + b''.join(leaf.tobytes() for leaf in leaves)
 
 
 _SIG_ID_BYTES = struct.Struct('<q')
+REPEAT_BYTES = 256
+"""Calls whose host arguments hold more bytes are not merged (see
+:meth:`BatchingScope.record`): each key holds a copy of them until the
+flush (a token id is 4 bytes; 256 images of 3 x 224 x 224 floats held
+154 MB), and large inputs rarely repeat."""
 
 
 def _signature_key(dblock, fmt, leaves, scope):

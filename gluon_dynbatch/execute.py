@@ -666,7 +666,9 @@ def host_item_rows(nodes, item):
     if data is None:
         return host_rows(_item_rows(nodes, item))
     first = nodes[0].leaves[nodes[0].sig.item_pos(item)]
-    return np.frombuffer(data, dtype=first.dtype).reshape((-1,) + first.shape[1:])
+    # (not -1 rows: a (1, 0) argument has no bytes to divide)
+    return np.frombuffer(data, dtype=first.dtype).reshape(
+        (len(nodes) * first.shape[0],) + first.shape[1:])
 
 
 def _gather_item(nodes, sig, item, ctx, compact=False):

@@ -17,17 +17,32 @@ import warnings
 __all__ = ['register_batching_rule', 'batching_rule', 'draws_random', 'OpView', 'RULES']
 
 RULES = {}
+NOT_FUNCTIONS = {'Custom'}
+"""Operators that may give other outputs for equal inputs (a custom op's
+Python code may draw random numbers or keep state; so may an operator
+whose rule the user registered without ``function_of_inputs=True``):
+calls of a block that has one are never merged (see
+:func:`~gluon_dynbatch.trace.is_function_of_inputs`)."""
+_BUILTIN = [True]   # while this module registers its own rules
 
 
-def register_batching_rule(*op_names):
+def register_batching_rule(*op_names, function_of_inputs=False):
     """Decorator registering ``rule`` for each MXNet operator name.
 
-    Overriding an existing rule warns, as ``mxnet.registry`` does."""
+    Overriding an existing rule warns, as ``mxnet.registry`` does.  Pass
+    ``function_of_inputs=True`` when the operator's outputs depend on its
+    inputs alone (no random draws, no state kept between calls): only then
+    may calls with equal host arguments of a block that uses it share one
+    result (``batching(merge_repeats=True)``, see :data:`NOT_FUNCTIONS`)."""
     def register(rule):
         for name in op_names:
             if name in RULES and RULES[name] is not rule:
                 warnings.warn('batching rule for %r overridden' % name, stacklevel=2)
             RULES[name] = rule
+            if function_of_inputs or (_BUILTIN[0] and name != 'Custom'):
+                NOT_FUNCTIONS.discard(name)
+            else:
+                NOT_FUNCTIONS.add(name)
         return rule
     return register
 
@@ -256,3 +271,4 @@ register_batching_rule('transpose')(_transpose)
 register_batching_rule('dot')(_dot)
 register_batching_rule('take')(_take)
 register_batching_rule('batch_dot')(_all_batched)
+_BUILTIN[0] = False

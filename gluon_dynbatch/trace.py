@@ -15,7 +15,7 @@ import numpy as np
 from mxnet.ndarray.ndarray import _DTYPE_NP_TO_MX
 
 from .errors import InputError
-from .rules import OpView, batching_rule, draws_random
+from .rules import NOT_FUNCTIONS, OpView, batching_rule, draws_random
 
 __all__ = ['flatten', 'regroup', 'leaf_count', 'TracedSignature', 'trace_signature',
            'prelu_by_ops', 'load_graph']
@@ -174,11 +174,14 @@ def is_function_of_inputs(symbol):
     """Whether every output of ``symbol`` is a function of its inputs and
     parameters alone, so that two calls with equal arguments may share one
     result: no op draws random numbers (:func:`~.rules.draws_random`:
-    ``Dropout`` in training, samplers) and none keeps auxiliary state
-    (``BatchNorm``'s running statistics, which every training call updates)."""
+    ``Dropout`` in training, samplers), none keeps auxiliary state
+    (``BatchNorm``'s running statistics, which every training call updates)
+    and none is a custom op or one whose rule the user registered without
+    saying it is such a function (:data:`~.rules.NOT_FUNCTIONS`)."""
     if symbol.list_auxiliary_states():
         return False
-    return not any(node['op'] != 'null' and draws_random(node['op'], node.get('attrs'))
+    return not any(node['op'] != 'null' and (node['op'] in NOT_FUNCTIONS or
+                                             draws_random(node['op'], node.get('attrs')))
                    for node in json.loads(symbol.tojson())['nodes'])
 
 
