@@ -1733,19 +1733,55 @@ typedef struct {
     Py_ssize_t count, used;
 } GroupCount;
 
+static size_t count_slot(const GroupCount *table, Py_ssize_t size, long depth, long family)
+{
+    size_t slot = ((size_t)depth * 1000003u ^ (size_t)family * 2654435761u) & (size - 1);
+    while (table[slot].depth != -1 &&
+           (table[slot].depth != depth || table[slot].family != family))
+        slot = (slot + 1) & (size - 1);
+    return slot;
+}
+
+/* A table of ``size`` empty slots (depth -1), or NULL (MemoryError). */
+static GroupCount *new_counts(Py_ssize_t size)
+{
+    GroupCount *table = PyMem_Malloc(size * sizeof(GroupCount));
+    if (table == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < size; i++) table[i].depth = -1;
+    return table;
+}
+
+/* ``*table`` moved into one twice its ``*size``; -1 (MemoryError, the old
+ * table kept) or 0. */
+static int grow_counts(GroupCount **table, Py_ssize_t *size)
+{
+    GroupCount *grown = new_counts(2 * *size);
+    if (grown == NULL) return -1;
+    for (Py_ssize_t i = 0; i < *size; i++)
+        if ((*table)[i].depth != -1)
+            grown[count_slot(grown, 2 * *size, (*table)[i].depth, (*table)[i].family)] =
+                (*table)[i];
+    PyMem_Free(*table);
+    *table = grown;
+    *size *= 2;
+    return 0;
+}
+
 static PyObject *count_groups(PyObject *self, PyObject *nodes)
 {
     if (!configured || !PyList_Check(nodes)) {
         PyErr_SetString(PyExc_TypeError, "count_groups(list of nodes)");
         return NULL;
     }
-    Py_ssize_t n = PyList_GET_SIZE(nodes), size = 64, filled = 0, alone = 0;
-    GroupCount *table = NULL;
+    /* groups are few (a flush of a SICK minibatch of 256 has ~40): the
+     * table starts small and doubles whenever it is half full */
+    Py_ssize_t n = PyList_GET_SIZE(nodes), size = 128, filled = 0, alone = 0;
     PyObject *groups = NULL, *used = NULL;
-    while (size < 2 * n + 2 && size < (1 << 20)) size *= 2;      /* at most half full */
-    table = PyMem_Malloc(size * sizeof(GroupCount));
-    if (table == NULL) return PyErr_NoMemory();
-    for (Py_ssize_t i = 0; i < size; i++) table[i].depth = -1;
+    GroupCount *table = new_counts(size);
+    if (table == NULL) return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *node = PyList_GET_ITEM(nodes, i);
         if (Py_TYPE(node) != NodeType) {
@@ -1758,16 +1794,13 @@ static PyObject *count_groups(PyObject *self, PyObject *nodes)
         PyObject *depth_obj = SLOT(node, n_depth);
         long depth = PyLong_AsLong(depth_obj), family = PyLong_AsLong(info->family);
         if (PyErr_Occurred()) goto error;
-        size_t slot = ((size_t)depth * 1000003u ^ (size_t)family * 2654435761u) & (size - 1);
-        while (table[slot].depth != -1 &&
-               (table[slot].depth != depth || table[slot].family != family))
-            slot = (slot + 1) & (size - 1);
+        size_t slot = count_slot(table, size, depth, family);
+        if (table[slot].depth == -1 && ++filled > size / 2) {
+            if (grow_counts(&table, &size)) goto error;
+            slot = count_slot(table, size, depth, family);
+        }
         GroupCount *entry = &table[slot];
         if (entry->depth == -1) {
-            if (++filled > size / 2) {          /* cannot happen: size >= 2n */
-                PyErr_SetString(PyExc_RuntimeError, "count_groups: table full");
-                goto error;
-            }
             entry->depth = depth; entry->family = family;
             entry->depth_obj = depth_obj; entry->family_obj = info->family;
             entry->count = entry->used = 0;
@@ -1826,6 +1859,51 @@ static SinkDepth *sink_slot(SinkDepth *table, Py_ssize_t size, long family)
     return &table[slot];
 }
 
+static size_t depth_sig_slot(const DepthSig *table, Py_ssize_t size, long depth, PyObject *sig)
+{
+    size_t slot = ((size_t)depth * 1000003u ^ ((uintptr_t)sig >> 4) * 2654435761u) & (size - 1);
+    while (table[slot].sig != NULL && (table[slot].sig != sig || table[slot].depth != depth))
+        slot = (slot + 1) & (size - 1);
+    return slot;
+}
+
+/* The tables start small and double whenever they are half full (a flush
+ * of a SICK minibatch of 256 has ~100 groups and one family; a chain of
+ * calls has a group per call).  -1: MemoryError, the old table kept. */
+static int grow_sinks(SinkDepth **table, Py_ssize_t *size)
+{
+    SinkDepth *grown = PyMem_Malloc(2 * *size * sizeof(SinkDepth));
+    if (grown == NULL) { PyErr_NoMemory(); return -1; }
+    for (Py_ssize_t i = 0; i < 2 * *size; i++) grown[i].depth = -1;
+    for (Py_ssize_t i = 0; i < *size; i++)
+        if ((*table)[i].depth != -1)
+            *sink_slot(grown, 2 * *size, (*table)[i].family) = (*table)[i];
+    PyMem_Free(*table);
+    *table = grown;
+    *size *= 2;
+    return 0;
+}
+
+/* (``order`` lists the occupied slots in the order they were filled; it
+ * is renumbered.) */
+static int grow_depth_sigs(DepthSig **table, Py_ssize_t *size, Py_ssize_t *order,
+                           Py_ssize_t n_groups)
+{
+    DepthSig *grown = PyMem_Malloc(2 * *size * sizeof(DepthSig));
+    if (grown == NULL) { PyErr_NoMemory(); return -1; }
+    for (Py_ssize_t i = 0; i < 2 * *size; i++) grown[i].sig = NULL;
+    for (Py_ssize_t g = 0; g < n_groups; g++) {
+        DepthSig *old = &(*table)[order[g]];
+        size_t slot = depth_sig_slot(grown, 2 * *size, old->depth, old->sig);
+        grown[slot] = *old;
+        order[g] = slot;
+    }
+    PyMem_Free(*table);
+    *table = grown;
+    *size *= 2;
+    return 0;
+}
+
 /* plan.depth_groups_py in C: ({(depth, family): {sig: [nodes]}},
  * [(depth, family, node)] for calls that run alone), both in the order
  * their first call was recorded, as the Python version makes them.  The
@@ -1839,20 +1917,18 @@ static PyObject *depth_groups(PyObject *self, PyObject *nodes)
         PyErr_SetString(PyExc_TypeError, "depth_groups(list of nodes)");
         return NULL;
     }
-    Py_ssize_t n = PyList_GET_SIZE(nodes), size = 64, n_groups = 0;
-    while (size < 2 * n + 2 && size < (1 << 22)) size *= 2;      /* at most half full */
+    Py_ssize_t n = PyList_GET_SIZE(nodes), size = 256, n_groups = 0, sink_size = 16,
+               n_sinks = 0;
     DepthSig *table = PyMem_Malloc(size * sizeof(DepthSig));
-    SinkDepth *sinks = PyMem_Malloc(size * sizeof(SinkDepth));
+    SinkDepth *sinks = PyMem_Malloc(sink_size * sizeof(SinkDepth));
     Py_ssize_t *order = PyMem_Malloc((n + 1) * sizeof(Py_ssize_t));
     PyObject *groups = NULL, *alone = NULL;
     if (table == NULL || sinks == NULL || order == NULL) {
         PyErr_NoMemory();
         goto error;
     }
-    for (Py_ssize_t i = 0; i < size; i++) {
-        table[i].sig = NULL;
-        sinks[i].depth = -1;
-    }
+    for (Py_ssize_t i = 0; i < size; i++) table[i].sig = NULL;
+    for (Py_ssize_t i = 0; i < sink_size; i++) sinks[i].depth = -1;
     if ((groups = PyDict_New()) == NULL || (alone = PyList_New(0)) == NULL) goto error;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *node = PyList_GET_ITEM(nodes, i);
@@ -1866,7 +1942,11 @@ static PyObject *depth_groups(PyObject *self, PyObject *nodes)
         if (!info->safe) continue;
         long family = PyLong_AsLong(info->family), depth = small_int(SLOT(node, n_depth));
         if (PyErr_Occurred()) goto error;
-        SinkDepth *sink = sink_slot(sinks, size, family);
+        SinkDepth *sink = sink_slot(sinks, sink_size, family);
+        if (sink->depth == -1 && ++n_sinks > sink_size / 2) {
+            if (grow_sinks(&sinks, &sink_size)) goto error;
+            sink = sink_slot(sinks, sink_size, family);
+        }
         if (sink->depth == -1 || depth > sink->depth) {
             sink->family = family;
             sink->depth = depth;
@@ -1889,16 +1969,18 @@ static PyObject *depth_groups(PyObject *self, PyObject *nodes)
         if (SLOT(node, n_used) != Py_True) {
             long family = PyLong_AsLong(info->family);
             if (PyErr_Occurred()) goto error;
-            SinkDepth *sink = sink_slot(sinks, size, family);
+            SinkDepth *sink = sink_slot(sinks, sink_size, family);
             depth = sink->depth;
             depth_obj = sink->depth_obj;
         } else {
             depth = small_int(depth_obj);
             if (PyErr_Occurred()) goto error;
         }
-        size_t slot = ((size_t)depth * 1000003u ^ ((uintptr_t)sig >> 4) * 2654435761u) & (size - 1);
-        while (table[slot].sig != NULL && (table[slot].sig != sig || table[slot].depth != depth))
-            slot = (slot + 1) & (size - 1);
+        size_t slot = depth_sig_slot(table, size, depth, sig);
+        if (table[slot].sig == NULL && n_groups + 1 > size / 2) {
+            if (grow_depth_sigs(&table, &size, order, n_groups)) goto error;
+            slot = depth_sig_slot(table, size, depth, sig);
+        }
         DepthSig *group = &table[slot];
         if (group->sig == NULL) {
             if ((group->members = PyList_New(0)) == NULL) goto error;

@@ -479,6 +479,32 @@ def test_recording_keeps_no_model_alive(make_input):
     assert alive() is None
 
 
+@needs_extension
+def test_groups_of_long_chains_and_many_families_match_python():
+    """Depth grouping's and counting's C tables start small and grow when
+    half full (a chain makes a group per call; many blocks, many families
+    and sinks): grown, they still give what the Python versions give."""
+    blocks = [dyb.DynBatchBlock(gluon.nn.Dense(3, in_units=3)) for _ in range(40)]
+    for block in blocks:
+        block.initialize()
+    x = mx.nd.ones((1, 3))
+    with private_scope('depth') as scope:
+        value = x
+        for _ in range(1500):                   # one chain: 1,500 depths
+            value = blocks[0](value)
+        for i, block in enumerate(blocks):      # 40 families, sinks at many depths
+            value = x
+            for _ in range(i % 7 + 1):
+                value = block(value)
+        nodes, _ = scope.take()
+    assert accel._LOADED['count_groups'](nodes) == count_groups_py(nodes)
+    fast_groups, fast_alone = accel._LOADED['depth_groups'](nodes)
+    groups, alone = depth_groups_py(nodes)
+    assert [(k, list(v.items())) for k, v in fast_groups.items()] == \
+        [(k, list(v.items())) for k, v in groups.items()]
+    assert fast_alone == alone and len(groups) > 1500
+
+
 class AddItems(mx.gluon.HybridBlock):
     """``relu(x)`` plus every item of a list: any shape, any dtype."""
 
