@@ -45,11 +45,7 @@ def stats():
     return out
 
 
-def count_repeated(calls):
-    _TOTALS['repeated_calls'] += calls
-
-
-def record_flush(plan, record_ms, analyse_ms, run_ms, extra=None, compile_ms=0.0):
+def record_flush(plan, record_ms, analyse_ms, run_ms, extra=None, compile_ms=0.0, repeated=0):
     sizes = plan.batch_sizes()
     per_sample = sum(n for n, step in zip(sizes, plan.steps) if not step.sig.batch_safe)
     _TOTALS['flushes'] += 1
@@ -60,10 +56,11 @@ def record_flush(plan, record_ms, analyse_ms, run_ms, extra=None, compile_ms=0.0
     _TOTALS['compile_ms'] += compile_ms
     _TOTALS['run_ms'] += run_ms
     _TOTALS['per_sample_nodes'] += per_sample
+    _TOTALS['repeated_calls'] += repeated
     _LAST.clear()
     _LAST.update(nodes=sum(sizes), steps=len(sizes), batch_sizes=sizes, record_ms=record_ms,
                  analyse_ms=analyse_ms, compile_ms=compile_ms, run_ms=run_ms,
-                 strategy=plan.strategy, per_sample_nodes=per_sample)
+                 strategy=plan.strategy, per_sample_nodes=per_sample, repeated_calls=repeated)
     if extra:
         _LAST.update(extra)
         if 'choice' in extra:
@@ -80,9 +77,11 @@ def record_flush(plan, record_ms, analyse_ms, run_ms, extra=None, compile_ms=0.0
 def _print_flush(plan, sizes, level):
     last = _LAST
     ordered = sorted(sizes)
-    line = ('[dynbatch] flush: %d nodes -> %d steps (batch min/median/max %d/%d/%d), '
+    line = ('[dynbatch] flush: %d nodes%s -> %d steps (batch min/median/max %d/%d/%d), '
             'record %.2f ms, analyse %.2f ms, %srun %.2f ms, strategy %s'
-            % (last['nodes'], last['steps'], ordered[0], ordered[len(ordered) // 2],
+            % (last['nodes'], ' (+%d merged calls)' % last['repeated_calls']
+               if last['repeated_calls'] else '', last['steps'], ordered[0],
+               ordered[len(ordered) // 2],
                ordered[-1], last['record_ms'], last['analyse_ms'],
                'compile %.2f ms, ' % last['compile_ms'] if last['compile_ms'] else '',
                last['run_ms'], last['strategy']))

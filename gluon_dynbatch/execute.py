@@ -915,7 +915,11 @@ def to_device(host, ctx):
     worker, stalling it while Python runs: with the C version (~2 us, the
     release deferred to the main thread) ``auto`` ran SICK minibatches of
     1 / 25 1.54x / 1.33x faster under that engine.  (Both make arrays on
-    ``cpu(0)`` only.)"""
+    ``cpu(0)`` only.)  Both copy the bytes as they are, so an array in the
+    other byte order (``'>f4'`` on x86) is converted first: its values,
+    not its bytes, must arrive."""
+    if not host.dtype.isnative:
+        host = host.astype(host.dtype.newbyteorder('='))
     if ctx.device_type == 'cpu' and ctx.device_id == 0 and threaded_engine():
         host = np.ascontiguousarray(host)
         handle = accel.wrap_host(host) if accel.wrap_host else None

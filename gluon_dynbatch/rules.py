@@ -18,11 +18,12 @@ __all__ = ['register_batching_rule', 'batching_rule', 'draws_random', 'OpView', 
 
 RULES = {}
 NOT_FUNCTIONS = {'Custom'}
-"""Operators that may give other outputs for equal inputs (a custom op's
-Python code may draw random numbers or keep state; so may an operator
-whose rule the user registered without ``function_of_inputs=True``):
-calls of a block that has one are never merged (see
-:func:`~gluon_dynbatch.trace.is_function_of_inputs`)."""
+"""Operators that may give other outputs for equal inputs: every custom op
+(``Custom``, whose Python code may draw random numbers or keep state; one
+rule serves every ``op_type``, so one custom op's word cannot vouch for
+another's), and each operator whose rule the user registered without
+``function_of_inputs=True``.  Calls of a block that has one are never
+merged (see :func:`~gluon_dynbatch.trace.is_function_of_inputs`)."""
 _BUILTIN = [True]   # while this module registers its own rules
 
 
@@ -33,13 +34,14 @@ def register_batching_rule(*op_names, function_of_inputs=False):
     ``function_of_inputs=True`` when the operator's outputs depend on its
     inputs alone (no random draws, no state kept between calls): only then
     may calls with equal host arguments of a block that uses it share one
-    result (``batching(merge_repeats=True)``, see :data:`NOT_FUNCTIONS`)."""
+    result (``batching(merge_repeats=True)``, see :data:`NOT_FUNCTIONS`;
+    never for ``'Custom'``, whose rule covers every custom op)."""
     def register(rule):
         for name in op_names:
             if name in RULES and RULES[name] is not rule:
                 warnings.warn('batching rule for %r overridden' % name, stacklevel=2)
             RULES[name] = rule
-            if function_of_inputs or (_BUILTIN[0] and name != 'Custom'):
+            if name != 'Custom' and (function_of_inputs or _BUILTIN[0]):
                 NOT_FUNCTIONS.discard(name)
             else:
                 NOT_FUNCTIONS.add(name)

@@ -299,14 +299,16 @@ class HardSigmoid(gluon.HybridBlock):
 def test_user_rules_merge_only_when_they_say_so(recorder, monkeypatch):
     """A user's rule claims the op is row-wise, not that it is a function
     of its inputs: a row-wise custom op that draws noise gets a draw per
-    call (found by a review: two calls shared one), unless its rule says
-    ``function_of_inputs=True``, as ``hard_sigmoid``'s does here."""
+    call (found by a review: two calls shared one), even when the rule for
+    ``Custom`` says ``function_of_inputs=True`` (it covers every custom
+    op); ``hard_sigmoid``'s rule says so, and its calls merge."""
     from gluon_dynbatch import rules
     monkeypatch.setattr(rules, 'RULES', dict(rules.RULES))
     monkeypatch.setattr(rules, 'NOT_FUNCTIONS', set(rules.NOT_FUNCTIONS))
     monkeypatch.setattr('gluon_dynbatch.trace.NOT_FUNCTIONS', rules.NOT_FUNCTIONS)
     monkeypatch.setattr('gluon_dynbatch.trace.batching_rule', rules.RULES.get)
-    dyb.register_batching_rule('Custom')(lambda op: None)
+    # (one rule covers every custom op, so it cannot vouch for them all)
+    dyb.register_batching_rule('Custom', function_of_inputs=True)(lambda op: None)
     dyb.register_batching_rule('hard_sigmoid', function_of_inputs=True)(lambda op: None)
     noisy = dyb.DynBatchBlock(Noisier())
     hard = dyb.DynBatchBlock(HardSigmoid())
@@ -343,3 +345,64 @@ class IgnoresSecond(gluon.HybridBlock):
 
     def hybrid_forward(self, F, x, unused):
         return self.dense(x)
+
+
+class SumOfTwo(gluon.HybridBlock):
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.dense = nn.Dense(2, in_units=4)
+
+    def hybrid_forward(self, F, x, y):
+        return F.broadcast_add(self.dense(x), F.sum(y, axis=1, keepdims=True))
+
+
+@pytest.mark.parametrize('engine_wraps', [True, False])
+def test_host_arguments_in_the_other_byte_order_arrive_as_values(recorder, engine_wraps,
+                                                                 monkeypatch):
+    """Steps send their host rows to MXNet as bytes (wrapped under a
+    threaded engine, copied otherwise); '>f4' rows arrived as little-endian
+    garbage (found by a review, older than merging)."""
+    from gluon_dynbatch import execute
+    monkeypatch.setattr(execute, 'threaded_engine', lambda: engine_wraps)
+    block = dyb.DynBatchBlock(SumOfTwo())
+    block.initialize(mx.init.Uniform(0.5))
+    base = np.arange(8, dtype=np.float32).reshape(2, 4)
+    args = [(base[i % 2:i % 2 + 1].astype('>f4'), base[:1].astype('>f4')) for i in range(4)]
+    with dyb.batching('depth'):
+        outs = [block(x, y) for x, y in args]
+    for out, (x, y) in zip(outs, args):
+        want = block.block(mx.nd.array(x.astype(np.float32)), mx.nd.array(y.astype(np.float32)))
+        np.testing.assert_allclose(out.asnumpy(), want.asnumpy(), rtol=1e-6)
+
+
+def test_stats_count_the_merged_calls_of_flushes_that_ran(recorder, monkeypatch):
+    """Per flush, ``stats()['last']`` and the ``DYNBATCH_DEBUG`` line say
+    how many calls merged; a flush that fails counts neither its nodes nor
+    its merged calls (it had counted the merged ones)."""
+    import gluon_dynbatch.block as block_module
+    block = scaled_block()
+    x = np.ones((1, 2), np.float32)
+    dyb.reset_stats()
+    with dyb.batching('depth'):
+        [block(x) for _ in range(4)]
+    assert dyb.stats()['last']['repeated_calls'] == 3
+    assert dyb.stats()['nodes'] + dyb.stats()['repeated_calls'] == 4
+
+    def fail(*args, **kwargs):
+        raise RuntimeError('the step failed')
+    monkeypatch.setattr(block_module, 'run_plan', fail)
+    dyb.reset_stats()
+    with pytest.raises(RuntimeError):
+        with dyb.batching('depth'):
+            [block(x) for _ in range(4)]
+    assert dyb.stats()['nodes'] == 0 and dyb.stats()['repeated_calls'] == 0
+
+
+def test_the_debug_line_shows_merged_calls(recorder, monkeypatch, capsys):
+    monkeypatch.setenv('DYNBATCH_DEBUG', '1')
+    block = scaled_block()
+    x = np.ones((1, 2), np.float32)
+    with dyb.batching('depth'):
+        [block(x) for _ in range(3)]
+    assert '[dynbatch] flush: 1 nodes (+2 merged calls) -> 1 steps' in capsys.readouterr().err
