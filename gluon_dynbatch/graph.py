@@ -123,6 +123,30 @@ class LazyValue:
         """The value as a numpy array."""
         return self.data.asnumpy()
 
+    # A lazy value is no NDArray: NDArray code meeting one (``v + 1``,
+    # ``v.sum()``, ``np.asarray(v)``) says how to get one instead of failing
+    # obscurely or making an object array.
+    _HINT = ('a LazyValue (an output of block %s recorded in a batching() scope) is not an '
+             'NDArray: use value.data for one value, or gluon_dynbatch.concat_rows(values) '
+             'for many (one gather)')
+
+    def __getattr__(self, name):
+        if name.startswith('__'):       # protocol probes (copy, pickle, numpy)
+            raise AttributeError(name)
+        raise AttributeError("'LazyValue' object has no attribute %r: %s"
+                             % (name, self._HINT % self._node.sig.block.name))
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError(self._HINT % self._node.sig.block.name)
+
+    def _not_an_ndarray(self, *args):
+        raise TypeError(self._HINT % self._node.sig.block.name)
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _not_an_ndarray
+    __truediv__ = __rtruediv__ = __pow__ = __rpow__ = __neg__ = __abs__ = _not_an_ndarray
+    __matmul__ = __rmatmul__ = __getitem__ = __lt__ = __le__ = __gt__ = __ge__ = \
+        _not_an_ndarray
+
     def __repr__(self):
         state = ('pending', 'ready', 'failed')[self._node.state]
         return 'LazyValue(%s, shape=%s, %s)' % (self._node.sig.block.name, self.shape, state)

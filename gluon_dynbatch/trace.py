@@ -132,7 +132,7 @@ def trace_signature(sig_id, block, fmt, shapes, dtypes):
     variables = [mx.sym.var(n) for n in data_names]
     sym_args, _ = regroup(fmt, variables)
     _drop_stale_vars(block)
-    out = block(*sym_args)
+    out = _outputs_as_lists(block(*sym_args))
     out_leaves = []
     out_fmt = flatten(out if isinstance(out, (list, tuple)) else [out], out_leaves)
     if not isinstance(out, (list, tuple)):
@@ -183,6 +183,19 @@ def is_function_of_inputs(symbol):
     return not any(node['op'] != 'null' and (node['op'] in NOT_FUNCTIONS or
                                              draws_random(node['op'], node.get('attrs')))
                    for node in json.loads(symbol.tojson())['nodes'])
+
+
+def _outputs_as_lists(out):
+    """The traced outputs nested as per-sample execution nests them: an op
+    with several outputs returned as it is (``F.split(x, 2)``) is one
+    Symbol when traced but a list of NDArrays per sample, so it becomes the
+    list of its outputs (as one leaf, its outputs were counted as one, and
+    the values of later outputs went to the wrong places)."""
+    if isinstance(out, (list, tuple)):
+        return type(out)(_outputs_as_lists(item) for item in out)
+    if isinstance(out, mx.sym.Symbol) and len(out.list_outputs()) > 1:
+        return [out[i] for i in range(len(out.list_outputs()))]
+    return out
 
 
 def _drop_stale_vars(block):

@@ -817,3 +817,25 @@ def test_values_read_after_record_keep_their_gradient(read):
         return block.block.dense.weight.grad().asnumpy().copy()
 
     np.testing.assert_allclose(grad(True), grad(False), rtol=1e-5, atol=1e-7)
+
+
+def test_a_lazy_value_in_ndarray_code_says_how_to_get_an_ndarray():
+    """``v + 1``, ``v.sum()``, ``v[0]`` and ``np.asarray(v)`` on a lazy
+    value raised bare TypeErrors / AttributeErrors or made a 0-d object
+    array; they now point to ``.data`` and ``concat_rows``.  Protocol
+    probes (copy, pickle, numpy's) still see plain missing attributes."""
+    import copy
+    block = dyb.DynBatchBlock(nn.Dense(4, in_units=3))
+    block.initialize()
+    with dyb.batching():
+        value = block(mx.nd.ones((1, 3)))
+        for attempt in (lambda: value + 1, lambda: 2 * value, lambda: -value,
+                        lambda: value[0], lambda: np.asarray(value)):
+            with pytest.raises(TypeError, match=r'dense\d+.*value\.data.*concat_rows'):
+                attempt()
+        with pytest.raises(AttributeError, match=r"no attribute 'sum'.*value\.data"):
+            value.sum()
+        assert not hasattr(value, '__array_interface__')
+        assert copy.copy(value)._node is value._node
+        assert not value.ready
+    np.testing.assert_allclose(value.asnumpy(), block(mx.nd.ones((1, 3))).asnumpy(), rtol=1e-6)

@@ -730,3 +730,41 @@ def test_windows_of_ids_share_rows_and_tables(strategy, hoist, monkeypatch):
         assert any(p[0] == ('hoisted', 1) for p in patterns)
     else:
         assert any(p[0][:1] == ('unique',) and p[0][2:] == ('table',) for p in patterns)
+
+
+class SplitAndDense(gluon.HybridBlock):
+    """Returns a multi-output op as it is: per sample ``F.split`` gives a
+    list of NDArrays, traced one Symbol of two outputs."""
+
+    def __init__(self, nested):
+        super().__init__()
+        self.nested = nested
+        with self.name_scope():
+            self.d = nn.Dense(4, in_units=3)
+            self.e = nn.Dense(5, in_units=3)
+
+    def hybrid_forward(self, F, x):
+        parts = F.split(self.d(x), num_outputs=2, axis=1)
+        return (parts, F.tanh(self.e(x))) if self.nested else parts
+
+
+@pytest.mark.parametrize('nested', [False, True])
+@pytest.mark.parametrize('strategy', ['depth', 'per-sample'])
+def test_a_multi_output_op_returned_as_it_is(nested, strategy):
+    """Batched, its outputs were counted as one: the second split part was
+    lost and, nested, ``e(x)`` came back holding the second part (found by
+    a review).  They now nest as per sample, values and gradients alike."""
+    block = dyb.DynBatchBlock(SplitAndDense(nested))
+    block.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(4)
+    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 3))) for _ in range(5)]
+
+    def forward():
+        outs = []
+        for x in xs:
+            out = block(x)
+            parts, rest = (out[0], [out[1]]) if nested else (out, [])
+            assert len(parts) == 2
+            outs += list(parts) + rest
+        return outs
+    assert_same(run_both(forward, [block], inputs=xs, strategy=strategy))
