@@ -748,7 +748,7 @@ static PyObject *repeat_key(long sig_id, PyObject *leaves)
 }
 
 /* The lazy results of ``node``, nested as ``info``'s outputs
- * (block._results). */
+ * (graph.lazy_results). */
 static PyObject *lazy_results(PyObject *node, SigInfo *info)
 {
     PyObject *out_fmt = info->out_fmt;
@@ -775,7 +775,7 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
     double start = now();
     PyObject *leaves = NULL, *fmt = NULL, *key = NULL, *ctx = NULL, *dtype = NULL,
              *sig = NULL, *node = NULL, *result = NULL, *signatures = NULL,
-             *depth_obj = NULL, *pending = NULL, *out_fmt = NULL, *keep = NULL, *tape = NULL;
+             *depth_obj = NULL, *pending = NULL, *keep = NULL, *tape = NULL;
     PyObject *marks_inline[MAX_INLINE_MARKS];
     PyObject **marks = marks_inline;
     Py_ssize_t n_marks = 0;
@@ -1007,7 +1007,7 @@ done:
     if (marks != marks_inline) PyMem_Free(marks);
     Py_XDECREF(leaves); Py_XDECREF(fmt); Py_XDECREF(key); Py_XDECREF(ctx);
     Py_XDECREF(sig); Py_XDECREF(node); Py_XDECREF(signatures); Py_XDECREF(depth_obj);
-    Py_XDECREF(pending); Py_XDECREF(out_fmt); Py_XDECREF(keep); Py_XDECREF(tape);
+    Py_XDECREF(pending); Py_XDECREF(keep); Py_XDECREF(tape);
     Py_XDECREF(repeat);
     return result;
 }

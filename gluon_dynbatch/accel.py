@@ -60,8 +60,8 @@ import os
 import mxnet as mx
 import numpy as np
 
-from .graph import LazyValue, Node
-from .trace import _ZEROS, regroup
+from .graph import LazyValue, Node, lazy_results
+from .trace import _ZEROS
 
 __all__ = ['record', 'count_groups', 'depth_groups', 'agenda_groups', 'structure_key', 'Tape',
            'gather_index', 'gather_item', 'host_rows', 'host_item', 'finish_nodes', 'wrap_host',
@@ -85,14 +85,6 @@ gather_index = gather_item = host_rows = host_item = finish_nodes = wrap_host = 
 push_marker = marker_done = None
 
 
-def _group_outputs(node):
-    """The lazy results of ``node`` nested as its signature's outputs (the
-    rare case of a block with more than two or nested outputs)."""
-    sig = node.sig
-    outputs = [LazyValue(node, i) for i in range(len(sig.out_shapes))]
-    return tuple(regroup(sig.out_fmt, outputs)[0])
-
-
 def _load():
     if os.environ.get('GLUON_DYNBATCH_PURE_PYTHON', '0') not in ('', '0'):
         return 'pure Python (GLUON_DYNBATCH_PURE_PYTHON is set)'
@@ -100,7 +92,7 @@ def _load():
         from . import _speedups  # pylint: disable=import-outside-toplevel
         NUMPY_FIELDS[0] = _speedups.configure(
             LazyValue, Node, mx.nd.NDArray, np.ndarray, mx.current_context,
-            mx.context.Context._default_ctx, _group_outputs, _ZEROS,
+            mx.context.Context._default_ctx, lazy_results, _ZEROS,
             np.empty((2, 3, 5), np.float32))
         _speedups.set_shape_reader(*_shape_reader())
         _speedups.set_from_dlpack(_from_dlpack())

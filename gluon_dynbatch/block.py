@@ -23,7 +23,7 @@ from mxnet.gluon import Block
 from . import accel, debug
 from .errors import InputError, ScopeError
 from .execute import collect, pad_leaves, run_plan, threaded_engine, to_device
-from .graph import DONE, FAILED, PENDING, LazyValue, Node, recorded
+from .graph import DONE, FAILED, PENDING, LazyValue, Node, lazy_results, recorded
 from .lower import ragged_lists
 from .plan import SETUP, STRATEGIES, Strategy, summarize
 from .trace import flatten, leaf_count, regroup, trace_signature
@@ -34,7 +34,6 @@ NDArray = mx.nd.NDArray
 _LOCAL = accel.scope_holder()     # .scope: this thread's open scope
 _SIG_IDS = itertools.count()
 _TRACING = threading.RLock()    # see DynBatchBlock._trace
-_PAIR = (0, 0)
 TIMED_EVERY = 64
 """Under a threaded engine a step's host-clock time is only its launch, so
 a strategy that learns (``auto``) has any flush whose measurement it still
@@ -154,7 +153,7 @@ class BatchingScope:
             first = self.repeats.get(repeat)
             if first is not None and first.state == PENDING:
                 self.repeated += 1
-                result = _results(first)
+                result = lazy_results(first)
                 self.record_s += _clock() - start
                 return result
         node = Node(sig, leaves, depth, self, len(self.pending))
@@ -169,7 +168,7 @@ class BatchingScope:
         self.pending.append(node)
         if self.tape is not None:
             self.tape.add(node)
-        result = _results(node)
+        result = lazy_results(node)
         self.record_s += _clock() - start
         if len(self.pending) >= self.flush_at:
             self.pipeline()
@@ -465,17 +464,6 @@ def concat_rows(values):
         if index is None:
             return source
         return mx.nd.take(source, to_device(np.asarray(index, dtype='int32'), ctx))
-
-
-def _results(node):
-    """The lazy results of ``node``, nested as its signature's outputs."""
-    out_fmt = node.sig.out_fmt
-    if out_fmt == 0:
-        return LazyValue(node, 0)
-    if out_fmt == _PAIR:
-        return (LazyValue(node, 0), LazyValue(node, 1))
-    outputs = [LazyValue(node, i) for i in range(len(node.sig.out_shapes))]
-    return tuple(regroup(out_fmt, outputs)[0])
 
 
 def repeat_key(sig, leaves):

@@ -13,8 +13,9 @@ import threading
 import mxnet as mx
 
 from .errors import LazyValueError, ScopeError
+from .trace import regroup
 
-__all__ = ['Node', 'LazyValue']
+__all__ = ['Node', 'LazyValue', 'lazy_results']
 
 PENDING, DONE, FAILED = 0, 1, 2
 
@@ -150,3 +151,19 @@ class LazyValue:
     def __repr__(self):
         state = ('pending', 'ready', 'failed')[self._node.state]
         return 'LazyValue(%s, shape=%s, %s)' % (self._node.sig.block.name, self.shape, state)
+
+
+_PAIR = (0, 0)
+
+
+def lazy_results(node):
+    """What a recorded call returns: the lazy values of ``node``, nested as
+    its signature's outputs (the C recorder builds one output and pairs
+    itself, and calls this for the rest)."""
+    out_fmt = node.sig.out_fmt
+    if out_fmt == 0:
+        return LazyValue(node, 0)
+    if out_fmt == _PAIR:
+        return (LazyValue(node, 0), LazyValue(node, 1))
+    outputs = [LazyValue(node, i) for i in range(len(node.sig.out_shapes))]
+    return tuple(regroup(out_fmt, outputs)[0])

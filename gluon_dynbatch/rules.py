@@ -24,7 +24,6 @@ rule serves every ``op_type``, so one custom op's word cannot vouch for
 another's), and each operator whose rule the user registered without
 ``function_of_inputs=True``.  Calls of a block that has one are never
 merged (see :func:`~gluon_dynbatch.trace.is_function_of_inputs`)."""
-_BUILTIN = [True]   # while this module registers its own rules
 
 
 def register_batching_rule(*op_names, function_of_inputs=False):
@@ -41,7 +40,7 @@ def register_batching_rule(*op_names, function_of_inputs=False):
             if name in RULES and RULES[name] is not rule:
                 warnings.warn('batching rule for %r overridden' % name, stacklevel=2)
             RULES[name] = rule
-            if name != 'Custom' and (function_of_inputs or _BUILTIN[0]):
+            if function_of_inputs and name != 'Custom':
                 NOT_FUNCTIONS.discard(name)
             else:
                 NOT_FUNCTIONS.add(name)
@@ -273,4 +272,6 @@ register_batching_rule('transpose')(_transpose)
 register_batching_rule('dot')(_dot)
 register_batching_rule('take')(_take)
 register_batching_rule('batch_dot')(_all_batched)
-_BUILTIN[0] = False
+# The builtin rules' ops are functions of their inputs (those that draw
+# random numbers are told apart by draws_random).
+NOT_FUNCTIONS.intersection_update({'Custom'})
