@@ -16,7 +16,8 @@ of ``bench_treelstm.py``, with one strategy (``--strategy``, default
 ``auto``); each repeat uses new minibatches.  Training uses one trainer,
 with this tree's ``'fusedadagrad'`` for both sides: changes to the
 optimizer itself are not compared.  Output: per setting, ms per minibatch
-for each side (median over repeats) and the speed-up.
+for each side (median over repeats) and the speed-up, and the record and
+analysis times a minibatch of each side (``stats()``, medians).
 """
 import argparse
 import atexit
@@ -113,6 +114,7 @@ def main(argv=None):
         count = max(4, args.pairs // batch)
         offset = 0
         times = {name: [] for name in sides}
+        split = {name: [] for name in sides}    # (record, analysis) ms a minibatch
         for form in sides.values():          # warm-up: trace, build programs, calibrate
             for start in range(0, 4 * batch, batch):
                 bt.run_minibatch(ctx, form, mode, items[start:start + batch], targets)
@@ -121,14 +123,21 @@ def main(argv=None):
             offset += count * batch
             order = list(sides) if rep % 2 else list(sides)[::-1]
             for name in order:
+                module = sides[name].dyb
+                module.reset_stats()
                 tic = time.perf_counter()
                 for start in starts:
                     bt.run_minibatch(ctx, sides[name], mode, items[start:start + batch],
                                      targets[start:start + batch])
                 times[name].append((time.perf_counter() - tic) / count)
+                stats = module.stats()
+                split[name].append((stats['record_ms'] / count, stats['analyse_ms'] / count))
         old_ms, new_ms = (1e3 * float(np.median(times[n])) for n in sides)
         print('%-10s revision %8.2f ms  working tree %8.2f ms  speed-up %.3f'
               % (setting, old_ms, new_ms, old_ms / new_ms), flush=True)
+        (old_rec, old_an), (new_rec, new_an) = (np.median(split[n], axis=0) for n in sides)
+        print('%-10s record + analysis: revision %.2f + %.2f ms, working tree %.2f + %.2f ms'
+              % ('', old_rec, old_an, new_rec, new_an), flush=True)
 
 
 if __name__ == '__main__':

@@ -145,7 +145,12 @@ typedef struct {
     long sig_id;
     int safe;
     int repeatable;         /* TracedSignature.repeatable (absent: no) */
+    int results;            /* what a call returns: RESULTS_ONE, RESULTS_PAIR, RESULTS_OTHER */
 } SigInfo;
+
+/* A call's results (graph.lazy_results): one lazy value, a tuple of two,
+ * or another nesting (built by Python) */
+enum { RESULTS_ONE, RESULTS_PAIR, RESULTS_OTHER };
 
 #define SIG_CACHE 64
 static SigInfo sig_cache[SIG_CACHE];
@@ -188,6 +193,9 @@ static SigInfo *sig_info(PyObject *sig)
     Py_XSETREF(info->out_fmt, out_fmt);
     info->safe = safe;
     info->sig_id = sig_id;
+    int pair = PyObject_RichCompareBool(out_fmt, pair_fmt, Py_EQ);
+    info->results = PyLong_CheckExact(out_fmt) && PyLong_AsLong(out_fmt) == 0 ? RESULTS_ONE
+        : pair == 1 ? RESULTS_PAIR : RESULTS_OTHER;
     PyObject *repeatable = PyObject_GetAttr(sig, s_repeatable);
     info->repeatable = repeatable != NULL && PyObject_IsTrue(repeatable) == 1;
     Py_XDECREF(repeatable);
@@ -421,7 +429,8 @@ static MemoEntry memo[MEMO_SIZE];
 typedef struct {
     int64_t words[MEMO_WORDS];
     PyObject *dtypes[MEMO_WORDS];       /* borrowed: the leaves hold them */
-    Py_ssize_t n, n_dtypes;
+    PyObject *leaves[MEMO_WORDS];       /* borrowed: the call's arguments hold them */
+    Py_ssize_t n, n_dtypes, n_leaves;
     int lazy;
 } CallWords;
 
@@ -432,15 +441,15 @@ static inline int push_call_word(CallWords *cw, int64_t value)
     return 1;
 }
 
-/* Append ``leaf`` to ``leaves`` and its words to ``cw``, updating the
+/* Add ``leaf`` to ``cw``'s leaves and its words to ``cw``, updating the
  * call's depth and the producers to mark used as record_args does; 1 if
  * done, 0 if the call is not one for the memo (a pending value of another
  * scope among them: record_args then defers to Python, which refuses it),
  * -1 on error. */
-static int leaf_words(CallWords *cw, PyObject *leaf, PyObject *leaves, Py_ssize_t *n_leaves,
-                      long *depth, PyObject **marks, Py_ssize_t *n_marks, PyObject *scope)
+static int leaf_words(CallWords *cw, PyObject *leaf, long *depth, PyObject **marks,
+                      Py_ssize_t *n_marks, PyObject *scope)
 {
-    PyList_SET_ITEM(leaves, (*n_leaves)++, Py_NewRef(leaf));
+    cw->leaves[cw->n_leaves++] = leaf;
     if (Py_TYPE(leaf) == LazyValueType) {
         PyObject *producer = SLOT(leaf, lv_node);
         long state = small_int(SLOT(producer, n_state));
@@ -485,18 +494,18 @@ static int leaf_words(CallWords *cw, PyObject *leaf, PyObject *leaves, Py_ssize_
     return ok;
 }
 
-/* Flatten ``args`` into ``*leaves`` (a new list) and their words into
- * ``cw`` (and the depth and marks, as leaf_words); 1, 0 or -1 as
- * leaf_words. */
-static int call_words(CallWords *cw, PyObject *const *args, Py_ssize_t nargs, PyObject **leaves,
+/* Flatten ``args`` into ``cw->leaves`` (borrowed: no list is made for a
+ * call that merges with an earlier one) and their words into ``cw`` (and
+ * the depth and marks, as leaf_words); 1, 0 or -1 as leaf_words. */
+static int call_words(CallWords *cw, PyObject *const *args, Py_ssize_t nargs,
                       long *depth, PyObject **marks, Py_ssize_t *n_marks, PyObject *scope)
 {
-    Py_ssize_t count = 0, n_leaves = 0;
+    Py_ssize_t count = 0;
     for (Py_ssize_t i = 0; i < nargs; i++)
         count += PyList_CheckExact(args[i]) || PyTuple_CheckExact(args[i]) ?
             PySequence_Fast_GET_SIZE(args[i]) : 1;
-    if ((*leaves = PyList_New(count)) == NULL) return -1;
-    cw->n = cw->n_dtypes = 0;
+    if (count > MEMO_WORDS) return 0;       /* (each leaf takes two words or more) */
+    cw->n = cw->n_dtypes = cw->n_leaves = 0;
     cw->lazy = 0;
     if (!push_call_word(cw, nargs)) return 0;
     for (Py_ssize_t i = 0; i < nargs; i++) {
@@ -507,11 +516,9 @@ static int call_words(CallWords *cw, PyObject *const *args, Py_ssize_t nargs, Py
             PyObject **elems = PySequence_Fast_ITEMS(arg);
             if (!push_call_word(cw, LIST_WORD - len)) return 0;
             for (Py_ssize_t j = 0; j < len; j++)
-                if ((rc = leaf_words(cw, elems[j], *leaves, &n_leaves, depth, marks,
-                                     n_marks, scope)) != 1)
+                if ((rc = leaf_words(cw, elems[j], depth, marks, n_marks, scope)) != 1)
                     return rc;
-        } else if ((rc = leaf_words(cw, arg, *leaves, &n_leaves, depth, marks, n_marks,
-                                    scope)) != 1) {
+        } else if ((rc = leaf_words(cw, arg, depth, marks, n_marks, scope)) != 1) {
             return rc;
         }
     }
@@ -710,13 +717,13 @@ static Py_ssize_t numpy_itemsize(PyObject *descr)
  * C-contiguous array in the machine's byte order whose fields NumpyFields
  * reads, or when they hold more than REPEAT_BYTES (the call then simply
  * records a node of its own). */
-static PyObject *repeat_key(long sig_id, PyObject *leaves)
+static PyObject *repeat_key(long sig_id, PyObject *const *leaves, Py_ssize_t n)
 {
-    Py_ssize_t n = PyList_GET_SIZE(leaves), total = 8;
+    Py_ssize_t total = 8;
     if (!numpy_fields_read)
         return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
-        const NumpyFields *array = (const NumpyFields *)PyList_GET_ITEM(leaves, i);
+        const NumpyFields *array = (const NumpyFields *)leaves[i];
         if (Py_TYPE(array) != NumpyType || !(array->flags & NUMPY_C_CONTIGUOUS))
             return NULL;
         Py_ssize_t size = numpy_itemsize(array->descr);
@@ -737,7 +744,7 @@ static PyObject *repeat_key(long sig_id, PyObject *leaves)
         out[b] = (unsigned char)(id >> (8 * b));
     out += 8;
     for (Py_ssize_t i = 0; i < n; i++) {
-        const NumpyFields *array = (const NumpyFields *)PyList_GET_ITEM(leaves, i);
+        const NumpyFields *array = (const NumpyFields *)leaves[i];
         Py_ssize_t size = numpy_itemsize(array->descr);
         for (int d = 0; d < array->nd; d++)
             size *= array->dimensions[d];
@@ -751,11 +758,9 @@ static PyObject *repeat_key(long sig_id, PyObject *leaves)
  * (graph.lazy_results). */
 static PyObject *lazy_results(PyObject *node, SigInfo *info)
 {
-    PyObject *out_fmt = info->out_fmt;
-    if (PyLong_CheckExact(out_fmt) && PyLong_AsLong(out_fmt) == 0)
+    if (info->results == RESULTS_ONE)
         return new_lazy(node, int_zero);
-    int pair = PyObject_RichCompareBool(out_fmt, pair_fmt, Py_EQ);
-    if (pair == 1) {
+    if (info->results == RESULTS_PAIR) {
         PyObject *first = new_lazy(node, int_zero);
         PyObject *second = first ? new_lazy(node, int_one) : NULL;
         PyObject *result = second ? PyTuple_Pack(2, first, second) : NULL;
@@ -763,8 +768,33 @@ static PyObject *lazy_results(PyObject *node, SigInfo *info)
         Py_XDECREF(second);
         return result;
     }
-    PyErr_Clear();
     return PyObject_CallFunctionObjArgs(group_outputs, node, NULL);
+}
+
+/* The node of what BatchingScope.repeats holds for a call (graph.repeat_node):
+ * the node itself, or the call's results, when they are a lazy value or a
+ * tuple of them (borrowed; NULL for anything else). */
+static PyObject *repeat_node(PyObject *first)
+{
+    if (Py_TYPE(first) == NodeType)
+        return first;
+    if (PyTuple_CheckExact(first) && PyTuple_GET_SIZE(first) > 0)
+        first = PyTuple_GET_ITEM(first, 0);
+    return Py_TYPE(first) == LazyValueType ? SLOT(first, lv_node) : NULL;
+}
+
+/* int objects for positions in a flush (Node.pos), made once: a flush of
+ * thousands of calls would otherwise allocate one per call */
+#define POS_INTS 65536
+static PyObject *pos_ints[POS_INTS];
+
+static PyObject *pos_int(Py_ssize_t pos)
+{
+    if (pos >= POS_INTS)
+        return PyLong_FromSsize_t(pos);
+    if (pos_ints[pos] == NULL && (pos_ints[pos] = PyLong_FromSsize_t(pos)) == NULL)
+        return NULL;
+    return Py_NewRef(pos_ints[pos]);
 }
 
 /* BatchingScope.record for the common case; None when the Python version
@@ -782,13 +812,15 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
     long depth = 0;
     int host_only = 1;          /* every leaf a numpy array */
     PyObject *repeat = NULL;
+    PyObject *const *leaf_items;    /* the call's leaves (``leaves`` once a list is made) */
+    Py_ssize_t leaf_count;
 
     tape = scope_field(scope, sc_tape, s_tape);
     if (tape == NULL || !Py_IS_TYPE(tape, &TapeType)) BAIL(fallback);
     if (!mode_matches(scope)) BAIL(fallback);
     CallWords words;
     uint64_t hash = 0;
-    int memo_rc = call_words(&words, args, nargs, &leaves, &depth, marks, &n_marks, scope);
+    int memo_rc = call_words(&words, args, nargs, &depth, marks, &n_marks, scope);
     if (memo_rc < 0) BAIL(error);
     if (memo_rc == 1) {
         hash = call_hash(&words, dblock);
@@ -796,11 +828,13 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
         if (sig != NULL) {
             Py_INCREF(sig);
             host_only = !words.lazy;        /* the words take lazy and numpy leaves only */
+            leaf_items = words.leaves;
+            leaf_count = words.n_leaves;
             goto have_signature;
         }
     }
     /* the key's way, from the start */
-    Py_XSETREF(leaves, PyList_New(0));
+    leaves = PyList_New(0);
     if (leaves == NULL) BAIL(error);
     depth = 0;
     n_marks = 0;
@@ -914,6 +948,8 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
     }
     if (memo_rc == 1)
         memo_put(dblock, &words, hash, sig);
+    leaf_items = ((PyListObject *)leaves)->ob_item;
+    leaf_count = n;
 have_signature:
     for (Py_ssize_t i = 0; i < n_marks; i++)
         mark_used(marks[i]);
@@ -922,19 +958,20 @@ have_signature:
     if (info == NULL) BAIL(error);
     /* a repeat of an earlier call (BatchingScope.record): its results */
     if (host_only && info->repeatable && PyDict_CheckExact(SLOT(scope, sc_repeats))) {
-        repeat = repeat_key(info->sig_id, leaves);
+        repeat = repeat_key(info->sig_id, leaf_items, leaf_count);
         if (repeat == NULL && PyErr_Occurred()) BAIL(error);
         PyObject *first = repeat ? PyDict_GetItemWithError(SLOT(scope, sc_repeats), repeat)
                                  : NULL;
         if (first == NULL && PyErr_Occurred()) BAIL(error);
-        if (first != NULL && Py_TYPE(first) == NodeType
-            && small_int(SLOT(first, n_state)) == PENDING) {
+        PyObject *first_node = first ? repeat_node(first) : NULL;
+        if (first_node != NULL && Py_TYPE(first_node) == NodeType
+            && small_int(SLOT(first_node, n_state)) == PENDING) {
             PyObject *count = SLOT(scope, sc_repeated);
             long repeated = count && PyLong_CheckExact(count) ? PyLong_AsLong(count) : 0;
             PyObject *next = PyLong_FromLong(repeated + 1);
             if (next == NULL) BAIL(error);
             set_slot(scope, sc_repeated, next);
-            result = lazy_results(first, info);
+            result = first == first_node ? lazy_results(first_node, info) : Py_NewRef(first);
             if (result == NULL) BAIL(error);
             ((TapeObject *)tape)->seconds += now() - start;
             goto done;
@@ -948,8 +985,13 @@ have_signature:
         BAIL(error);
     }
     depth_obj = PyLong_FromLong(depth);
-    PyObject *pos = PyLong_FromSsize_t(PyList_GET_SIZE(pending));
+    PyObject *pos = pos_int(PyList_GET_SIZE(pending));
     if (depth_obj == NULL || pos == NULL) { Py_XDECREF(pos); BAIL(error); }
+    if (leaves == NULL) {
+        if ((leaves = PyList_New(leaf_count)) == NULL) { Py_DECREF(pos); BAIL(error); }
+        for (Py_ssize_t i = 0; i < leaf_count; i++)
+            PyList_SET_ITEM(leaves, i, Py_NewRef(leaf_items[i]));
+    }
     node = NodeType->tp_alloc(NodeType, 0);
     if (node == NULL) { Py_DECREF(pos); BAIL(error); }
     Py_INCREF(sig); SLOT(node, n_sig) = sig;
@@ -963,12 +1005,18 @@ have_signature:
     Py_INCREF(int_zero); SLOT(node, n_row) = int_zero;
 
     if (PyList_Append(pending, node)) BAIL(error);
-    if (repeat != NULL && PyDict_SetItem(SLOT(scope, sc_repeats), repeat, node)) BAIL(error);
+    result = lazy_results(node, info);
+    if (result == NULL) BAIL(error);
+    /* a later equal call gets these very results when they are lazy
+     * values (immutable), else new ones of this node */
+    if (repeat != NULL && PyDict_SetItem(SLOT(scope, sc_repeats), repeat,
+                                         info->results == RESULTS_OTHER ? node : result)) {
+        Py_CLEAR(result);
+        BAIL(error);
+    }
 
     push_node(&((TapeObject *)tape)->words, info->sig_id, leaves);
     ((TapeObject *)tape)->nodes++;
-    result = lazy_results(node, info);
-    if (result == NULL) BAIL(error);
     ((TapeObject *)tape)->seconds += now() - start;
     /* a pipelined scope is asked to run what it holds once flush_at calls
      * are pending (BatchingScope.pipeline): the operators then run while
@@ -2497,7 +2545,7 @@ static struct PyModuleDef module = {
 /* Bumped whenever a function's arguments or results change meaning
  * (accel.ABI must match, else the pure-Python path runs): an extension
  * built from older sources would otherwise still load, and fail. */
-#define ABI 5
+#define ABI 6
 
 PyMODINIT_FUNC PyInit__speedups(void)
 {

@@ -15,7 +15,7 @@ import mxnet as mx
 from .errors import LazyValueError, ScopeError
 from .trace import regroup
 
-__all__ = ['Node', 'LazyValue', 'lazy_results']
+__all__ = ['Node', 'LazyValue', 'lazy_results', 'shared_results', 'repeat_node']
 
 PENDING, DONE, FAILED = 0, 1, 2
 
@@ -167,3 +167,22 @@ def lazy_results(node):
         return (LazyValue(node, 0), LazyValue(node, 1))
     outputs = [LazyValue(node, i) for i in range(len(node.sig.out_shapes))]
     return tuple(regroup(out_fmt, outputs)[0])
+
+
+def shared_results(node, result):
+    """What :attr:`BatchingScope.repeats <.block.BatchingScope>` keeps of a
+    call for later equal calls: its results themselves when they are one
+    lazy value or a pair of them (immutable, so a later call may get the
+    very same objects, and nothing is allocated for it), else its node (a
+    nesting with lists, which the user could change, is made anew)."""
+    out_fmt = node.sig.out_fmt
+    return result if out_fmt == 0 or out_fmt == _PAIR else node
+
+
+def repeat_node(first):
+    """The node of what :func:`shared_results` kept."""
+    if type(first) is Node:
+        return first
+    if type(first) is tuple:
+        first = first[0]
+    return first._node

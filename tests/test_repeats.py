@@ -133,7 +133,46 @@ def test_equal_bits_share_other_bits_do_not(recorder):
     # the strided view is not contiguous: a node of its own, in C and Python
     assert stats['repeated_calls'] == 1
     assert stats['nodes'] == len(calls) - stats['repeated_calls']
-    assert outs[0] is not outs[1]           # new lazy values of one node
+    assert outs[0] is outs[1]               # the same lazy value, nothing allocated
+
+
+class PairAndList(gluon.HybridBlock):
+    """Returns a pair, or, when ``nested``, a list (mutable) and a value."""
+
+    def __init__(self, nested, **kwargs):
+        super().__init__(**kwargs)
+        self.nested = nested
+        with self.name_scope():
+            self.dense = nn.Dense(3, in_units=2)
+
+    def hybrid_forward(self, F, x):
+        y = self.dense(x)
+        return ([y, y * 2], y) if self.nested else (y, y * 2)
+
+
+@pytest.mark.parametrize('nested', [False, True], ids=['pair', 'list'])
+def test_merged_call_shares_immutable_results_only(recorder, nested):
+    """A merged call gets the first call's pair of lazy values itself (a
+    tuple cannot change); results nested in a list are made anew, so that
+    changing one call's list leaves the other's alone."""
+    block = dyb.DynBatchBlock(PairAndList(nested))
+    block.initialize(mx.init.Uniform(0.5))
+    x = np.array([[1.0, -2.0]], np.float32)
+    with dyb.batching('depth'):
+        first, second = block(x), block(x.copy())
+        if nested:
+            assert first[0] is not second[0]                 # two lists
+            first[0][0] = None
+            assert second[0][0] is not None
+        else:
+            assert first is second
+        third = block(x)
+    assert dyb.stats()['last']['repeated_calls'] == 2
+    y = block.block.dense(mx.nd.array(x)).asnumpy()
+    for got in (second, third):
+        values = [*got[0], got[1]] if nested else list(got)
+        for value, expected in zip(values, [y, 2 * y, y] if nested else [y, 2 * y]):
+            np.testing.assert_allclose(value.asnumpy(), expected, rtol=1e-6)
 
 
 class Noisy(gluon.HybridBlock):
