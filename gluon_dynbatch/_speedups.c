@@ -829,20 +829,6 @@ static PyObject *repeat_node(PyObject *first)
     return Py_TYPE(first) == LazyValueType ? SLOT(first, lv_node) : NULL;
 }
 
-/* int objects for positions in a flush (Node.pos), made once: a flush of
- * thousands of calls would otherwise allocate one per call */
-#define POS_INTS 65536
-static PyObject *pos_ints[POS_INTS];
-
-static PyObject *pos_int(Py_ssize_t pos)
-{
-    if (pos >= POS_INTS)
-        return PyLong_FromSsize_t(pos);
-    if (pos_ints[pos] == NULL && (pos_ints[pos] = PyLong_FromSsize_t(pos)) == NULL)
-        return NULL;
-    return Py_NewRef(pos_ints[pos]);
-}
-
 /* BatchingScope.record for the common case; None when the Python version
  * must run instead (nothing has been changed then). */
 static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const *args,
@@ -1031,7 +1017,7 @@ have_signature:
         BAIL(error);
     }
     depth_obj = PyLong_FromLong(depth);
-    PyObject *pos = pos_int(PyList_GET_SIZE(pending));
+    PyObject *pos = PyLong_FromSsize_t(PyList_GET_SIZE(pending));
     if (depth_obj == NULL || pos == NULL) { Py_XDECREF(pos); BAIL(error); }
     if (leaves == NULL) {
         if ((leaves = PyList_New(leaf_count)) == NULL) { Py_DECREF(pos); BAIL(error); }
