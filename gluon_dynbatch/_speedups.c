@@ -159,11 +159,31 @@ static inline uint64_t ticks(void)
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
+/* ticks since ``start``; 0 if the counter went back (a TSC read on another
+ * core or socket that is not in step, or after a suspend that reset it) */
+static inline uint64_t ticks_since(uint64_t start)
+{
+    uint64_t end = ticks();
+    return end > start ? end - start : 0;
+}
+
 static void start_ticks(void)
 {
 #ifdef HAVE_TSC
     unsigned int eax, ebx, ecx, edx;
     use_tsc = __get_cpuid(0x80000007, &eax, &ebx, &ecx, &edx) && (edx & (1u << 8));
+#ifdef __linux__
+    /* and only where Linux keeps time by it: the kernel checked that the
+     * counters of all processors agree before choosing it */
+    FILE *file = fopen("/sys/devices/system/clocksource/clocksource0/current_clocksource", "r");
+    char name[16] = "";
+    if (file != NULL) {
+        if (fgets(name, sizeof name, file) == NULL)
+            name[0] = 0;
+        fclose(file);
+    }
+    use_tsc = use_tsc && strncmp(name, "tsc", 3) == 0 && (name[3] == '\n' || name[3] == 0);
+#endif
 #endif
     clock_origin = now();
     tsc_origin = ticks();
@@ -174,7 +194,7 @@ static double tick_seconds(uint64_t count)
 {
     if (!use_tsc)
         return count * 1e-9;
-    uint64_t elapsed = ticks() - tsc_origin;
+    uint64_t elapsed = ticks_since(tsc_origin);
     double seconds = now() - clock_origin;
     return elapsed > 0 && seconds > 0 ? count * (seconds / elapsed) : 0.0;
 }
@@ -475,7 +495,8 @@ static MemoEntry memo[MEMO_SIZE];
 typedef struct {
     int64_t words[MEMO_WORDS];
     PyObject *dtypes[MEMO_WORDS];       /* borrowed: the leaves hold them */
-    PyObject *leaves[MEMO_WORDS];       /* borrowed: the call's arguments hold them */
+    PyObject *leaves[MEMO_WORDS];       /* held until record_args returns (a collection
+                                         * during it could free an argument's leaves) */
     Py_ssize_t n, n_dtypes, n_leaves;
     int lazy;
 } CallWords;
@@ -495,7 +516,7 @@ static inline int push_call_word(CallWords *cw, int64_t value)
 static int leaf_words(CallWords *cw, PyObject *leaf, long *depth, PyObject **marks,
                       Py_ssize_t *n_marks, PyObject *scope)
 {
-    cw->leaves[cw->n_leaves++] = leaf;
+    cw->leaves[cw->n_leaves++] = Py_NewRef(leaf);  /* released by record_args */
     if (Py_TYPE(leaf) == LazyValueType) {
         PyObject *producer = SLOT(leaf, lv_node);
         long state = small_int(SLOT(producer, n_state));
@@ -540,9 +561,9 @@ static int leaf_words(CallWords *cw, PyObject *leaf, long *depth, PyObject **mar
     return ok;
 }
 
-/* Flatten ``args`` into ``cw->leaves`` (borrowed: no list is made for a
- * call that merges with an earlier one) and their words into ``cw`` (and
- * the depth and marks, as leaf_words); 1, 0 or -1 as leaf_words. */
+/* Flatten ``args`` into ``cw->leaves`` (no list is made for a call that
+ * merges with an earlier one) and their words into ``cw`` (and the depth
+ * and marks, as leaf_words); 1, 0 or -1 as leaf_words. */
 static int call_words(CallWords *cw, PyObject *const *args, Py_ssize_t nargs,
                       long *depth, PyObject **marks, Py_ssize_t *n_marks, PyObject *scope)
 {
@@ -550,8 +571,8 @@ static int call_words(CallWords *cw, PyObject *const *args, Py_ssize_t nargs,
     for (Py_ssize_t i = 0; i < nargs; i++)
         count += PyList_CheckExact(args[i]) || PyTuple_CheckExact(args[i]) ?
             PySequence_Fast_GET_SIZE(args[i]) : 1;
-    if (count > MEMO_WORDS) return 0;       /* (each leaf takes two words or more) */
     cw->n = cw->n_dtypes = cw->n_leaves = 0;
+    if (count > MEMO_WORDS) return 0;       /* (each leaf takes two words or more) */
     cw->lazy = 0;
     if (!push_call_word(cw, nargs)) return 0;
     for (Py_ssize_t i = 0; i < nargs; i++) {
@@ -844,13 +865,14 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
     long depth = 0;
     int host_only = 1;          /* every leaf a numpy array */
     PyObject *repeat = NULL;
+    CallWords words;
+    words.n_leaves = 0;
     PyObject *const *leaf_items;    /* the call's leaves (``leaves`` once a list is made) */
     Py_ssize_t leaf_count;
 
     tape = scope_field(scope, sc_tape, s_tape);
     if (tape == NULL || !Py_IS_TYPE(tape, &TapeType)) BAIL(fallback);
     if (!mode_matches(scope)) BAIL(fallback);
-    CallWords words;
     uint64_t hash = 0;
     int memo_rc = call_words(&words, args, nargs, &depth, marks, &n_marks, scope);
     if (memo_rc < 0) BAIL(error);
@@ -1005,7 +1027,7 @@ have_signature:
             set_slot(scope, sc_repeated, next);
             result = first == first_node ? lazy_results(first_node, info) : Py_NewRef(first);
             if (result == NULL) BAIL(error);
-            ((TapeObject *)tape)->ticks += ticks() - start;
+            ((TapeObject *)tape)->ticks += ticks_since(start);
             goto done;
         }
     }
@@ -1037,19 +1059,22 @@ have_signature:
     Py_INCREF(int_zero); SLOT(node, n_row) = int_zero;
 
     if (PyList_Append(pending, node)) BAIL(error);
+    /* read before lazy_results: for other nestings it runs Python code,
+     * during which another thread may replace this sig_cache entry */
+    int results_kind = info->results;
+    push_node(&((TapeObject *)tape)->words, info->sig_id, leaves);
+    ((TapeObject *)tape)->nodes++;
     result = lazy_results(node, info);
     if (result == NULL) BAIL(error);
     /* a later equal call gets these very results when they are lazy
      * values (immutable), else new ones of this node */
     if (repeat != NULL && PyDict_SetItem(SLOT(scope, sc_repeats), repeat,
-                                         info->results == RESULTS_OTHER ? node : result)) {
+                                         results_kind == RESULTS_OTHER ? node : result)) {
         Py_CLEAR(result);
         BAIL(error);
     }
 
-    push_node(&((TapeObject *)tape)->words, info->sig_id, leaves);
-    ((TapeObject *)tape)->nodes++;
-    ((TapeObject *)tape)->ticks += ticks() - start;
+    ((TapeObject *)tape)->ticks += ticks_since(start);
     /* a pipelined scope is asked to run what it holds once flush_at calls
      * are pending (BatchingScope.pipeline): the operators then run while
      * the user records on */
@@ -1089,6 +1114,8 @@ done:
     Py_XDECREF(sig); Py_XDECREF(node); Py_XDECREF(signatures); Py_XDECREF(depth_obj);
     Py_XDECREF(pending); Py_XDECREF(keep); Py_XDECREF(tape);
     Py_XDECREF(repeat);
+    for (Py_ssize_t i = 0; i < words.n_leaves; i++)
+        Py_DECREF(words.leaves[i]);
     return result;
 }
 

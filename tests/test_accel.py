@@ -679,3 +679,114 @@ def test_recording_time_is_counted_in_seconds():
         assert len(scope.pending) == 2000
         scope.take()
         assert 0 < scope.record_s < wall
+
+
+class ListAndValue(gluon.HybridBlock):
+    """Returns ``([y, 2y], y)``: results the C recorder builds in Python."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        with self.name_scope():
+            self.dense = gluon.nn.Dense(3, in_units=2)
+
+    def hybrid_forward(self, F, x):
+        y = self.dense(x)
+        return [y, y * 2], y
+
+
+class Relu(gluon.HybridBlock):
+    def hybrid_forward(self, F, x):
+        return F.relu(x)
+
+
+@needs_extension
+def test_python_code_run_while_recording_a_call_leaves_its_signature_alone():
+    """The C recorder builds nested results in Python, where another thread
+    may meet another signature and take the slot of the recorder's
+    signature cache this call's signature sat in; what the call records
+    after must not come from that slot.  (It did: the tape wrote the other
+    signature, and a cached plan of another structure ran, giving wrong
+    values.)  Here the other thread is simulated by Python code that reads
+    a colliding signature while the results are built."""
+    import gluon_dynbatch.graph as graph
+    nested = dyb.DynBatchBlock(ListAndValue())
+    nested.initialize(mx.init.Uniform(0.5))
+    x = np.array([[1.0, -2.0]], np.float32)
+    y = np.array([[3.0, 4.0]], np.float32)
+    with dyb.batching('depth'):
+        nested(x)
+    sig = next(iter(nested.signatures()))
+    slot = lambda s: (id(s) >> 4) % 64       # noqa: E731  (_speedups.c: SIG_CACHE)
+    blocks, other = [], None
+    for _ in range(1000):
+        relu = dyb.DynBatchBlock(Relu())
+        blocks.append(relu)
+        with dyb.batching('depth'):
+            value = relu(x)
+        if slot(value._node.sig) == slot(sig):
+            other = value._node
+            break
+    assert other is not None
+    with dyb.batching('cached'):            # the structure [nested(host), relu(host)]
+        nested(y)
+        relu(x)
+    real = graph.regroup
+
+    def regroup(*args, **kwargs):
+        accel.count_groups([other])         # reads the other signature's cache entry
+        return real(*args, **kwargs)
+    with dyb.batching('cached'):
+        nested(y)
+        graph.regroup = regroup
+        try:
+            out = nested(x)
+        finally:
+            graph.regroup = real
+    want = nested.block.dense(mx.nd.array(x)).asnumpy()
+    np.testing.assert_allclose(out[1].asnumpy(), want, rtol=1e-6)
+    np.testing.assert_allclose(out[0][0].asnumpy(), want, rtol=1e-6)
+    np.testing.assert_allclose(out[0][1].asnumpy(), 2 * want, rtol=1e-6)
+
+
+@needs_extension
+@pytest.mark.parametrize('allocations', range(1, 9))
+def test_arguments_freed_by_a_collection_while_recording_stay_alive(allocations):
+    """The C recorder holds a call's leaves while it records it: a cyclic
+    collection started by one of its allocations (another thread's scope
+    may have turned the collector back on) can run a finalizer that drops
+    the caller's last reference to an argument.  Before, the node then held
+    a freed array (a crash or garbage)."""
+    import gc
+
+    class Plus(gluon.HybridBlock):
+        def hybrid_forward(self, F, x, ys):
+            return x + ys[0]
+
+    class Dropper:
+        def __del__(self):
+            self.arg.clear()
+
+    block = dyb.DynBatchBlock(Plus())
+    ones = np.ones((1, 3), np.float32)
+    threshold = gc.get_threshold()
+    arg = [np.full((1, 3), 7, np.float32)]
+    try:
+        with dyb.batching('depth', flush_every=None, merge_repeats=False):
+            block(ones, [ones.copy()])      # traced (in Python)
+            block(ones, [ones.copy()])      # memoized: the C path
+            gc.enable()
+            gc.collect()
+            dropper = Dropper()
+            dropper.cycle, dropper.arg = dropper, arg
+            del dropper
+            gc.set_threshold(gc.get_count()[0] + allocations - 1)
+            try:
+                out = block(np.zeros((1, 3), np.float32), arg)
+            finally:
+                gc.set_threshold(*threshold)
+                gc.disable()                # as the scope left it
+            np.testing.assert_array_equal(out._node.leaves[1], np.full((1, 3), 7, np.float32))
+    except IndexError:
+        assert arg == []
+        pytest.skip('the collection ran before the call read its arguments (ys[0] of [])')
+    np.testing.assert_array_equal(out.asnumpy(), np.full((1, 3), 7, np.float32))
