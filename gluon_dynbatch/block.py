@@ -395,12 +395,7 @@ def batching(strategy='auto', flush_every='auto', merge_repeats=True):
     strategy.prepare()
     scope = BatchingScope(strategy, flush_every, follow_engine, bool(merge_repeats))
     _LOCAL.scope = scope
-    # Recording makes many small objects; the cyclic collector would walk every
-    # live object of the process (datasets included) again and again, which
-    # measured up to 7x the recording cost itself.  Recorded nodes form no
-    # cycles, so collection waits until the scope closes.
-    collecting = gc.isenabled()
-    gc.disable()
+    _pause_collector()
     try:
         yield scope
     except BaseException:
@@ -410,7 +405,30 @@ def batching(strategy='auto', flush_every='auto', merge_repeats=True):
         scope.flush()
     finally:
         _LOCAL.scope = None
-        if collecting:
+        _resume_collector()
+
+
+# Recording makes many small objects; the cyclic collector would walk every
+# live object of the process (datasets included) again and again, which
+# measured up to 7x the recording cost itself.  Recorded nodes form no
+# cycles, so collection waits until the last open scope, of any thread,
+# closes (the collector is one for the process).
+_COLLECTOR = {'scopes': 0, 'was_enabled': False}
+_COLLECTOR_LOCK = threading.Lock()
+
+
+def _pause_collector():
+    with _COLLECTOR_LOCK:
+        if _COLLECTOR['scopes'] == 0:
+            _COLLECTOR['was_enabled'] = gc.isenabled()
+            gc.disable()
+        _COLLECTOR['scopes'] += 1
+
+
+def _resume_collector():
+    with _COLLECTOR_LOCK:
+        _COLLECTOR['scopes'] -= 1
+        if _COLLECTOR['scopes'] == 0 and _COLLECTOR['was_enabled']:
             gc.enable()
 
 

@@ -629,6 +629,32 @@ def test_garbage_collector_paused_inside_scope_and_restored():
     assert gc.isenabled()
 
 
+def test_garbage_collector_waits_for_the_last_scope_of_any_thread():
+    """The collector is one for the process: a scope that closes while
+    another thread's is open leaves it paused (it had turned it back on,
+    and the other thread recorded with it running)."""
+    import gc
+    import threading
+    opened, close = threading.Event(), threading.Event()
+    seen = []
+
+    def other():
+        with dyb.batching():
+            opened.set()
+            close.wait(10)
+            seen.append(gc.isenabled())
+        seen.append(gc.isenabled())
+    assert gc.isenabled()
+    with dyb.batching():                # opens first, closes first
+        thread = threading.Thread(target=other)
+        thread.start()
+        assert opened.wait(10)
+    assert not gc.isenabled()           # the other thread's scope is open
+    close.set()
+    thread.join(10)
+    assert seen == [False, True] and gc.isenabled()
+
+
 def test_concat_rows_equals_concat_of_data_values_and_grads():
     block = dense(3, 3)
     xs = [mx.nd.array(np.random.RandomState(i).uniform(-1, 1, (1, 3))) for i in range(6)]
