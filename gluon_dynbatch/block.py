@@ -619,35 +619,81 @@ min only where every element is positive."""
 def check_padding_is_neutral(dblock, sig, padded):
     """Run the block on random inputs with the lists of ``sig`` and padded
     with zeros to ``padded``, for each range of
-    :data:`PADDING_CHECK_RANGES`; raise unless the outputs agree."""
+    :data:`PADDING_CHECK_RANGES`: once as it is, and once as the traced
+    symbols (what batched steps run) with random values for every
+    parameter; raise unless the outputs agree.  The parameters as they
+    stand can hide a block that padding changes: Gluon starts biases at
+    zero, and ``tanh(W 0 + b)`` is zero only while ``b`` is (its gradient,
+    and after a step its output, would differ, silently).  The block's own
+    parameters are never written (another thread may be running them)."""
     rng = np.random.RandomState(0)
     dtype = sig.key[-2]
     zero = {}
+
     def zeros(shape):
         if shape not in zero:
             zero[shape] = mx.nd.zeros(shape, ctx=sig.ctx, dtype=dtype)
         return zero[shape]
+    params = _random_parameters(sig, padded, dtype, np.random.RandomState(1))
+    short_op, long_op = mx.nd.CachedOp(sig.symbol), mx.nd.CachedOp(padded.symbol)
     for low, high in PADDING_CHECK_RANGES:
         leaves = [mx.nd.array(rng.uniform(low, high, shape), ctx=sig.ctx, dtype=dtype)
                   for shape in sig.in_shapes]
         longer = pad_leaves(sig.fmt, leaves, padded.fmt,
                             lambda item: zeros(padded.item_shape(item)))
         with mx.autograd.pause():
-            short_out = dblock.block(*regroup(sig.fmt, leaves)[0])
-            long_out = dblock.block(*regroup(padded.fmt, longer)[0])
-        flat_short, flat_long = [], []
-        flatten([short_out], flat_short)
-        flatten([long_out], flat_long)
-        for a, b in zip(flat_short, flat_long):
-            # NaNs in the same places (a square root of a negative input) are
-            # the block's own, not padding's doing
-            if not np.allclose(a.asnumpy(), b.asnumpy(), rtol=1e-5, atol=1e-6, equal_nan=True):
-                raise InputError(
-                    'block %s declares pad_lists, but padding its list arguments with zeros '
-                    'from %s to %s changes its output (inputs drawn from [%g, %g]). Pass '
-                    'pad_lists=False to DynBatchBlock (calls of different list lengths then '
-                    'run as separate groups).' % (dblock.block.name, sig.fmt, padded.fmt, low,
-                                                  high))
+            runs = [(dblock.block(*regroup(sig.fmt, leaves)[0]),
+                     dblock.block(*regroup(padded.fmt, longer)[0]), 'its parameters', False),
+                    (_run_symbol(short_op, sig, leaves, params),
+                     _run_symbol(long_op, padded, longer, params), 'random parameters', True)]
+        for short_out, long_out, parameters, relative in runs:
+            flat_short, flat_long = [], []
+            flatten([short_out], flat_short)
+            flatten([long_out], flat_long)
+            for a, b in zip(flat_short, flat_long):
+                a, b = a.asnumpy(), b.asnumpy()
+                # float32 rounding, which longer sums order differently, grows
+                # with the values (random parameters make larger ones: ~3e-7
+                # of the largest output at a Tree-LSTM's sizes)
+                atol = 1e-5 * np.nanmax(np.abs(a), initial=0.1) if relative else 1e-6
+                # NaNs in the same places (a square root of a negative input)
+                # are the block's own, not padding's doing
+                if not np.allclose(a, b, rtol=1e-5, atol=atol, equal_nan=True):
+                    raise InputError(
+                        'block %s declares pad_lists, but padding its list arguments with '
+                        'zeros from %s to %s changes its output (inputs drawn from [%g, %g], '
+                        '%s). Pass pad_lists=False to DynBatchBlock (calls of different list '
+                        'lengths then run as separate groups).' % (
+                            dblock.block.name, sig.fmt, padded.fmt, low, high, parameters))
+
+
+def _random_parameters(sig, padded, dtype, rng):
+    """Values drawn from [-0.5, 0.5] for every input of the two
+    signatures' symbols that is not a data input (parameters and auxiliary
+    states, named alike in both), by name."""
+    values = {}
+    for one in (sig, padded):
+        known = {name: shape for name, shape in zip(one.data_names, one.in_shapes)
+                 if name in one.input_names}
+        symbol = one.symbol
+        arg_shapes, _, aux_shapes = symbol.infer_shape(**known)
+        names = symbol.list_arguments() + symbol.list_auxiliary_states()
+        for name, shape in zip(names, arg_shapes + aux_shapes):
+            if name not in one.data_names and name not in values:
+                values[name] = mx.nd.array(rng.uniform(-0.5, 0.5, shape), ctx=sig.ctx,
+                                           dtype=dtype)
+    return values
+
+
+def _run_symbol(op, sig, leaves, params):
+    """``op``, a CachedOp of ``sig``'s traced symbol, run on ``leaves``
+    with ``params`` (by name): its outputs, nested as the block's."""
+    data = dict(zip(sig.data_names, leaves))
+    inputs = [data[name] if name in data else params[name] for name in sig.input_names]
+    outputs = op(*inputs)
+    if not isinstance(outputs, (list, tuple)):
+        outputs = [outputs]
+    return regroup(sig.out_fmt, list(outputs))[0] if sig.out_fmt != 0 else outputs[0]
 
 
 def _materialize(args):
@@ -680,7 +726,8 @@ class DynBatchBlock(Block):
         its outputs unchanged (true of sums over children, as in the child-sum
         Tree-LSTM; false of means).  Calls that differ only in list lengths
         may then run as one batched call, their lists padded with zeros.  The
-        claim is checked numerically once per padded shape.  Defaults to the
+        claim is checked numerically once per padded shape (with the
+        block's parameters and with random ones).  Defaults to the
         block's ``dynbatch_pad_lists`` attribute, else False.
     prefix : str, optional
         Gluon's name prefix of the wrapper itself (its parameters are the

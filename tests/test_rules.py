@@ -163,6 +163,42 @@ def test_wrong_pad_lists_claim_on_a_max_is_caught():
             block(x, [neg, neg * 2])
 
 
+class SumOfTransformedChildren(gluon.HybridBlock):
+    """Adds ``tanh(W h_k + b)`` per child: a zero child adds ``tanh(b)``,
+    which is zero only while Gluon's initial zero bias lasts."""
+    dynbatch_pad_lists = True
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.dense = gluon.nn.Dense(4, in_units=4)
+
+    def hybrid_forward(self, F, x, children):
+        if not children:
+            return F.tanh(x)
+        return x + F.add_n(*[F.tanh(self.dense(h)) for h in children])
+
+
+def test_wrong_pad_lists_claim_hidden_by_initial_parameters_is_caught():
+    """At initialisation padding leaves the outputs alone (the bias is
+    zero), but not their gradients, nor the outputs after a training step:
+    the check also runs the traced symbols with random parameters (and
+    writes none of the block's own).  Before, it passed, and batched
+    training got wrong gradients and then wrong values, silently."""
+    block = dyb.DynBatchBlock(SumOfTransformedChildren())
+    block.initialize()
+    before = {name: p.data().asnumpy() for name, p in block.collect_params().items()}
+    rng = np.random.RandomState(0)
+    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 4))) for _ in range(4)]
+    with pytest.raises(dyb.InputError, match=r'declares pad_lists.*random parameters'):
+        with dyb.batching('depth'):
+            leaves = [block(x, []) for x in xs[:3]]
+            block(xs[3], leaves[:1])
+            block(xs[3], leaves[1:3])
+    for name, p in block.collect_params().items():
+        np.testing.assert_array_equal(p.data().asnumpy(), before[name])
+
+
 class Cell(gluon.HybridBlock):
     def __init__(self, width=4):
         super().__init__()
