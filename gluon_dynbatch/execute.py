@@ -579,7 +579,9 @@ class FlushTables:
         # its arguments); steps numbered in ``hoisted`` read none
         self.tokens = self._read_ahead(
             [step for number, step in enumerate(steps) if number not in hoisted])
-        self.arrays = {}        # weight (Parameter; two blocks may name theirs alike) -> table
+        # (weight, context) -> table; weights are Parameter objects (two
+        # blocks may name theirs alike), one copy per context a flush uses
+        self.arrays = {}
 
     def reads(self, sig, items):
         """``{item: [weight names]}`` for the host ``items`` of ``sig``
@@ -607,11 +609,11 @@ class FlushTables:
         return positions if np.array_equal(positions, found) else found.astype(np.int32)
 
     def table(self, weight, ctx):
-        """The rows of ``weight`` for the flush's ids (one ``take``, made
-        at first use and recorded by autograd like any op)."""
-        array = self.arrays.get(weight)
+        """The rows of ``weight`` on ``ctx`` for the flush's ids (one
+        ``take``, made at first use and recorded by autograd like any op)."""
+        array = self.arrays.get((weight, ctx))
         if array is None:
-            array = self.arrays[weight] = mx.nd.take(
+            array = self.arrays[weight, ctx] = mx.nd.take(
                 weight.data(ctx), to_device(self.tokens, ctx), mode='clip')
         return array
 

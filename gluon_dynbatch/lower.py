@@ -725,23 +725,16 @@ class FlushProgram:
     hoisted group's distinct host rows (``('hoist_rows', (group, k))``) or
     its inverse (``('hoist_inverse', group)``); ``out_counts`` says how many
     of the outputs belong to each step, ``hoists`` per hoisted group its
-    members ``(step, host items, rows)``; ``training`` whether it was
-    compiled under ``autograd.record()`` (its ragged sums are then an
-    incidence ``dot``, which a NaN in one list would cross in inference:
-    :class:`~.plan.CachedPlan` runs it in that mode only)."""
-    __slots__ = ('cached_op', 'feeds', 'out_counts', 'hoists', 'ctx', 'training')
+    members ``(step, host items, rows)``.  Only for inference: see
+    :class:`~.plan.CachedPlan`."""
+    __slots__ = ('cached_op', 'feeds', 'out_counts', 'hoists', 'ctx')
 
     def __init__(self, symbol, feeds, out_counts, hoists, ctx):
-        self.training = mx.autograd.is_recording()
         # A structure fixes every shape but a hoisted group's number of
         # distinct rows, so without hoisting memory is planned once
         # (static_shape; ~10% faster at SICK minibatch 25).  Outputs are
-        # still fresh arrays on every call; a call recorded for backward
-        # keeps its own buffers (tests/test_cost.py checks both).
+        # still fresh arrays on every call (tests/test_cost.py checks it).
         flags = [('static_alloc', True)] + ([] if hoists else [('static_shape', True)])
-        if self.training:
-            symbol = adds_by_broadcast(symbol)
-            flags = flags if STATIC_ALLOC_UNDER_AUTOGRAD else []
         self.cached_op = mx.nd.CachedOp(symbol, flags)
         self.feeds = feeds
         self.out_counts = out_counts
@@ -752,18 +745,12 @@ class FlushProgram:
 def flush_program(steps, recipes, hoists=()):
     """One :class:`FlushProgram` for ``steps`` whose every argument has a
     replayable recipe (see :func:`~.execute.run_step`), or None when one
-    has not (it reads user NDArrays or an earlier flush), the steps span
-    several contexts, or, in training, a step has auxiliary states.
+    has not (it reads user NDArrays or an earlier flush) or the steps span
+    several contexts.  Called outside ``autograd.record()`` only.
     ``hoists`` (see :func:`~.execute.flush_hoists`) are groups of steps whose host part runs once, inside the program, over
     the distinct host rows of all its members."""
     if len({step.sig.ctx for step in steps}) != 1 or \
             any(recipe is None or None in recipe for recipe in recipes):
-        return None
-    if mx.autograd.is_recording() and \
-            any(step.sig.symbol.list_auxiliary_states() for step in steps):
-        # a BatchNorm's moving averages move in backward, step by step, and
-        # one program's backward runs the steps in another order: under
-        # momentum, other running statistics than per sample
         return None
     ctx = steps[0].sig.ctx
     outputs, spec, params = [], {}, {}

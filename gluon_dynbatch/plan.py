@@ -408,8 +408,8 @@ class CachedPlan(Strategy):
 
     The first run of a stored plan (its first hit) learns its recipes; a
     miss runs like the fallback's plan.  A structure that has come back
-    ``compile_after`` times, its recipes learned, is compiled into one
-    CachedOp for the whole plan (:func:`~.lower.flush_program`; the time it
+    ``compile_after`` times, its recipes learned, is compiled, outside
+    ``autograd.record()``, into one CachedOp for the whole plan (:func:`~.lower.flush_program`; the time it
     takes is reported as ``compile_ms``); at most ``max_compiled`` such
     programs are kept, the least recently used dropped first.  A structure
     whose program was dropped replays its recipes, and is compiled again
@@ -462,14 +462,18 @@ class CachedPlan(Strategy):
             entry.dropped = False           # in use again (see the class)
         entry.last_hit = self.hits
         steps = tuple(BatchStep(sig, rows(nodes), ragged) for sig, rows, ragged in entry.steps)
+        if autograd.is_recording():
+            # never compiled for training: one program's backward writes a
+            # (zero) gradient to every parameter it reads, and a Trainer then
+            # steps the parameters of calls whose values never reached the
+            # loss (momentum, weight decay), where per-sample execution and
+            # step by step ones leave them alone; replaying the recipes
+            # (no analysis) trained as fast at SICK minibatch 25
+            return Plan(self.name, steps, entry.recipes)
         if entry.program is None and entry.hits >= self.compile_after and \
                 not entry.uncompilable and not entry.dropped and None not in entry.recipes:
             self._compile(key, entry, steps)
         if entry.program is not None:
-            if entry.program.training != autograd.is_recording():
-                # compiled for the other autograd mode: replay the recipes,
-                # which pick this mode's ways (see lower.FlushProgram)
-                return Plan(self.name, steps, entry.recipes)
             self.compiled.move_to_end(key)
             return Plan(self.name + '-compiled', steps, entry.recipes, entry.program)
         return Plan(self.name, steps, entry.recipes)

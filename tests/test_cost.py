@@ -231,8 +231,8 @@ def test_cached_plan_recipes_follow_new_data_and_gradients():
     entry, = cached.cache.values()
     recipes = entry.recipes
     assert all(r is not None for r in recipes)
-    assert entry.program is not None          # the third flush ran compiled
-    assert dyb.stats()['last']['strategy'] == 'cached-compiled'
+    assert entry.program is None              # training replays its recipes, uncompiled
+    assert dyb.stats()['last']['strategy'] == 'cached'
     assert any(part not in (None, 'host') for r in recipes for part in r)  # gathers reused
 
 
@@ -334,12 +334,22 @@ def test_cached_plan_reads_new_user_arrays():
 
 
 def test_compiled_plan_outputs_stay_valid_across_flushes():
-    """A compiled plan (static memory) gives every flush fresh outputs:
-    values read after later flushes of the same structure, and gradients of
-    several flushes recorded before one backward, match per-sample."""
+    """A compiled plan (static memory, inference) gives every flush fresh
+    outputs: values read after later flushes of the same structure match
+    per-sample; and, replayed in training (never compiled there), so do
+    gradients of several flushes recorded before one backward."""
     node, rng, trees, enc = small_tree_lstm(30, 5, 9, (2, 6, 11))
     cached = dyb.CachedPlan(compile_after=1)
     all_ids = [rng.randint(0, 30, 12).astype(np.float32) for _ in range(4)]
+    kept = []
+    for ids in all_ids:
+        with dyb.batching(cached, merge_repeats=False):
+            kept.append([enc(t, ids)[0] for t in trees])
+    assert cached.hits == 3 and dyb.stats()['last']['strategy'] == 'cached-compiled'
+    for roots, ids in zip(kept, all_ids):
+        for value, tree in zip(roots, trees):
+            np.testing.assert_allclose(value.asnumpy(), enc(tree, ids)[0].asnumpy(),
+                                       rtol=1e-5, atol=1e-6)
     kept = []
     with autograd.record():
         for ids in all_ids:
@@ -348,7 +358,7 @@ def test_compiled_plan_outputs_stay_valid_across_flushes():
         loss = sum((v.data * v.data).sum() for roots in kept for v in roots)
     loss.backward()
     got_grads = {k: p.grad().asnumpy().copy() for k, p in node.collect_params().items()}
-    assert cached.hits == 3 and dyb.stats()['last']['strategy'] == 'cached-compiled'
+    assert dyb.stats()['last']['strategy'] == 'cached'
     with autograd.record():
         want = [[enc(t, ids)[0] for t in trees] for ids in all_ids]
         loss = sum((v * v).sum() for roots in want for v in roots)
@@ -366,8 +376,8 @@ def test_compiled_plan_runs_host_parts_on_each_flushs_distinct_rows(hoist_rows, 
     ``i2h``) once, inside its program, over the distinct ids of each flush,
     and a step alone with its host part (the leaves, or every step when
     steps do not share) on its own distinct ids: the number of distinct
-    ids changes from flush to flush, and results and gradients of every
-    flush still equal per-sample."""
+    ids changes from flush to flush, and the results of every flush still
+    equal per-sample.  (Plans are compiled for inference only.)"""
     monkeypatch.setattr(dyb.execute, 'HOIST_ROWS', hoist_rows)
     node, rng, trees, enc = small_tree_lstm(30, 5, 12, (9, 14, 20, 25))
     cached = dyb.CachedPlan(compile_after=1)
@@ -375,25 +385,15 @@ def test_compiled_plan_runs_host_parts_on_each_flushs_distinct_rows(hoist_rows, 
     plan_with_cache = cached.plan
     cached.plan = lambda *args, **kwargs: plans.append(plan_with_cache(*args, **kwargs)) \
         or plans[-1]
-    params = node.collect_params()
     distinct = set()
     for tokens in (3, 6, 10, 4, 30):            # few ids repeat often, many rarely
         ids = rng.randint(0, tokens, 25).astype(np.float32)
         distinct.add(len(np.unique(ids)))
-        with autograd.record():
-            with dyb.batching(cached, merge_repeats=False):
-                got = [enc(t, ids)[0] for t in trees]
-            loss = sum((v.data * v.data).sum() for v in got)
-        loss.backward()
-        got_grads = {k: p.grad().asnumpy().copy() for k, p in params.items()}
-        with autograd.record():
-            want = [enc(t, ids)[0] for t in trees]
-            loss = sum((v * v).sum() for v in want)
-        loss.backward()
+        with dyb.batching(cached, merge_repeats=False):
+            got = [enc(t, ids)[0] for t in trees]
+        want = [enc(t, ids)[0] for t in trees]
         for a, b in zip(got, want):
             np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-5, atol=1e-6)
-        for k, p in params.items():
-            np.testing.assert_allclose(got_grads[k], p.grad().asnumpy(), rtol=1e-4, atol=1e-6)
     assert len(distinct) == 5
     assert [plan.strategy for plan in plans][2:] == ['cached-compiled'] * 3
     entry, = cached.cache.values()

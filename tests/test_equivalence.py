@@ -3,7 +3,7 @@ import mxnet as mx
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
-from mxnet import gluon
+from mxnet import autograd, gluon
 from mxnet.gluon import nn
 
 import gluon_dynbatch as dyb
@@ -306,21 +306,19 @@ def test_inputs_without_gradients_added_to_trained_values(strategy, kind):
     :func:`_input_chains`).  MXNet 1.9.1's programs with ``static_alloc``
     computed zero or garbage gradients for ``W`` there (see
     lower.adds_by_broadcast); every strategy must give the per-sample
-    gradients, a cached plan on its miss, its hit and compiled."""
+    gradients, a cached plan on its miss, its hit and its replays."""
     block, forward = _input_chains(kind)
     chosen = dyb.CachedPlan(compile_after=2) if strategy == 'cached' else strategy
     for _ in range(3 if strategy == 'cached' else 1):
         assert_same(run_both(forward, [block], strategy=chosen))
     if strategy == 'cached' and kind == 'host':     # user NDArrays: no recipe
-        assert dyb.stats()['last']['strategy'] == 'cached-compiled'
+        assert dyb.stats()['last']['strategy'] == 'cached'     # never compiled in training
 
 
-def test_plan_compiled_in_one_mode_runs_the_other_like_per_sample():
-    """A cached plan compiled in inference replays its recipes in training
-    (a compiled program runs in the autograd mode it was compiled in only:
-    compiled in training it sums ragged lists by an incidence ``dot``, see
-    test_execute_edges), and one compiled in training runs compiled there,
-    its adds broadcast_adds (``static_alloc`` under autograd)."""
+def test_plan_compiled_in_inference_replays_in_training_like_per_sample():
+    """A cached plan compiled in inference replays its recipes in training,
+    and one met only in training is never compiled (see
+    test_unused_calls_leave_their_parameters_without_gradient)."""
     block, forward = _input_chains('host')
     plan = dyb.CachedPlan(compile_after=1)
     for _ in range(3):          # a miss, recipes learned, compiled
@@ -332,7 +330,43 @@ def test_plan_compiled_in_one_mode_runs_the_other_like_per_sample():
     trained = dyb.CachedPlan(compile_after=1)
     for _ in range(3):
         assert_same(run_both(forward, [block], strategy=trained))
-    assert dyb.stats()['last']['strategy'] == 'cached-compiled'
+    assert dyb.stats()['last']['strategy'] == 'cached'
+    assert all(entry.program is None for entry in trained.cache.values())
+
+
+@pytest.mark.parametrize('strategy', STRATEGIES)
+def test_unused_calls_leave_their_parameters_without_gradient(strategy):
+    """Calls recorded under ``autograd.record()`` whose values never reach
+    the loss (a head computed for metrics, or used on some steps only): per
+    sample their block's parameters get no gradient, and a Trainer with
+    ``ignore_stale_grad`` leaves them alone.  Batched they must not get a
+    (zero) one either: a whole flush compiled into one program gave every
+    parameter it read a fresh zero gradient, so weight decay and momentum
+    moved them, silently."""
+    def make(prefix):
+        block = dyb.DynBatchBlock(nn.Dense(3, in_units=3, prefix=prefix))
+        block.initialize(mx.init.Uniform(0.5))
+        return block
+    enc, used, unused = make('enc_'), make('used_'), make('unused_')
+    params = enc.collect_params()
+    params.update(used.collect_params())
+    params.update(unused.collect_params())
+    trainer = gluon.Trainer(params, 'sgd', {'learning_rate': 0.1, 'wd': 0.1})
+    before = params['unused_weight'].data().asnumpy()
+    xs = [np.random.RandomState(i).rand(1, 3).astype('float32') for i in range(4)]
+    chosen = dyb.CachedPlan(compile_after=1) if strategy == 'cached' else strategy
+    for _ in range(4):          # the same structure: cached plans would compile
+        with autograd.record():
+            with dyb.batching(chosen):
+                hs = [enc(x) for x in xs]
+                outs = [used(h) for h in hs]
+                for h in hs:
+                    unused(h)
+            loss = dyb.concat_rows(outs).sum()
+        loss.backward()
+        assert not params['unused_weight']._data[0]._fresh_grad
+        trainer.step(len(xs), ignore_stale_grad=True)
+    np.testing.assert_array_equal(params['unused_weight'].data().asnumpy(), before)
 
 
 @pytest.mark.parametrize('strategy', STRATEGIES)

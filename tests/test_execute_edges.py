@@ -117,11 +117,12 @@ def test_float16_ids_beyond_2048_distinct_ones_read_their_rows_in_training():
     np.testing.assert_array_equal(got.asnumpy(), want)
 
 
-def test_plan_compiled_in_training_keeps_a_nan_in_its_tree_in_inference(monkeypatch):
+def test_plan_met_in_training_keeps_a_nan_in_its_tree_in_inference(monkeypatch):
     """Training sums ragged child lists by an incidence ``dot``, under which
     a NaN in one list reaches every list; inference keeps padded sums that
-    isolate it.  A cached plan compiled in training was run as compiled in
-    inference; it now replays its recipes there."""
+    isolate it.  A cached plan compiled in training was once run as
+    compiled in inference; plans now compile in inference only, so the
+    plan met in training replays there and compiles for inference."""
     monkeypatch.setitem(plan.PADDING_COST, 'elem_us', 1e6)      # mixed arities run ragged
     monkeypatch.setitem(plan.PADDING_COST, 'family_step_us', {})
     cell = dyb.DynBatchBlock(ChildSumTreeLSTMCell(4, 3))
@@ -150,7 +151,7 @@ def test_plan_compiled_in_training_keeps_a_nan_in_its_tree_in_inference(monkeypa
                 outs = forward(fresh())
             dyb.concat_rows(outs).asnumpy()
         kinds.append(dyb.stats()['last']['strategy'])
-    assert kinds[-1] == 'cached-compiled', kinds
+    assert kinds == ['cached-miss:depth', 'cached', 'cached'], kinds
     xs = fresh()
     xs[0] = np.full((1, 3), np.nan, np.float32)      # the first tree's first leaf
     want = np.concatenate([o.asnumpy() for o in forward(xs)])
@@ -158,7 +159,7 @@ def test_plan_compiled_in_training_keeps_a_nan_in_its_tree_in_inference(monkeypa
         with dyb.batching(cached):
             outs = forward(xs)
         got = dyb.concat_rows(outs).asnumpy()
-        assert dyb.stats()['last']['strategy'] == 'cached'
+        assert dyb.stats()['last']['strategy'] == 'cached-compiled'
         np.testing.assert_array_equal(np.isnan(got).any(axis=1), [1, 0, 0, 0, 0])
         np.testing.assert_allclose(got[1:], want[1:], rtol=1e-5, atol=1e-6)
 
@@ -201,7 +202,8 @@ def test_a_weight_read_by_linalg_gemm2_eight_times_gets_its_gradient():
     """MXNet 1.9.1 sums a gradient of 8 or more uses in place, which
     linalg_gemm2's backward does not honour under static_alloc: the weight's
     gradient came out as garbage in a batched step program (10 uses here)
-    and in a compiled flush (one use per call, one program for all)."""
+    and in a flush compiled in training (one use per call, one program for
+    all; such flushes now replay their steps instead)."""
     block = dyb.DynBatchBlock(GemmPerElement())
     block.initialize()
     rng = np.random.RandomState(0)
@@ -235,7 +237,7 @@ def test_a_weight_read_by_linalg_gemm2_eight_times_gets_its_gradient():
         want = grad(None, calls)
         for strategy in strategies:
             np.testing.assert_allclose(grad(strategy, calls), want, rtol=1e-5, atol=1e-6)
-    assert dyb.stats()['last']['strategy'] == 'cached-compiled'
+    assert dyb.stats()['last']['strategy'] == 'cached'
 
 
 def _train_once(block, inputs, strategy):
@@ -340,3 +342,45 @@ def test_error_row_sparse_gradient_accumulated_by_add():
         with autograd.record():
             with dyb.batching():
                 block(np.array([3], np.float32))
+
+
+class EmbedDense(gluon.HybridBlock):
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.embedding = nn.Embedding(10, 4)        # dense gradient: a flush table
+            self.dense = nn.Dense(3, in_units=4)
+
+    def hybrid_forward(self, F, token):
+        return self.dense(self.embedding(token))
+
+
+def test_training_flush_reads_each_contexts_embedding_table():
+    """A training flush reads embedding rows from one table per weight; a
+    flush with calls on two contexts (data parallel over cpu(0) and cpu(1))
+    got the first context's table in the other's step, and MXNet refused
+    ("all inputs ... on the same context")."""
+    block = dyb.DynBatchBlock(EmbedDense())
+    block.initialize(mx.init.Uniform(0.5), ctx=[mx.cpu(0), mx.cpu(1)])
+
+    def body():
+        outs = [block(np.array([1.0], np.float32)), block(np.array([4.0], np.float32))]
+        with mx.cpu(1):
+            outs += [block(np.array([2.0], np.float32)), block(np.array([4.0], np.float32))]
+        return outs
+
+    def run(batched):
+        with autograd.record():
+            if batched:
+                with dyb.batching('depth', merge_repeats=False):
+                    outs = [value.data for value in body()]
+            else:
+                outs = body()
+            loss = sum((o * o).sum().as_in_context(mx.cpu(0)) for o in outs)
+        loss.backward()
+        return ([o.asnumpy() for o in outs],
+                [g.asnumpy() for p in block.collect_params().values() for g in p.list_grad()])
+
+    (want, want_grads), (got, got_grads) = run(False), run(True)
+    for a, b in zip(got + got_grads, want + want_grads):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
