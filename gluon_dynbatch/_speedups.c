@@ -1041,10 +1041,11 @@ have_signature:
     depth_obj = PyLong_FromLong(depth);
     PyObject *pos = PyLong_FromSsize_t(PyList_GET_SIZE(pending));
     if (depth_obj == NULL || pos == NULL) { Py_XDECREF(pos); BAIL(error); }
-    if (leaves == NULL) {
+    if (leaves == NULL) {       /* the memo's way: the list takes words' references */
         if ((leaves = PyList_New(leaf_count)) == NULL) { Py_DECREF(pos); BAIL(error); }
         for (Py_ssize_t i = 0; i < leaf_count; i++)
-            PyList_SET_ITEM(leaves, i, Py_NewRef(leaf_items[i]));
+            PyList_SET_ITEM(leaves, i, words.leaves[i]);
+        words.n_leaves = 0;
     }
     node = NodeType->tp_alloc(NodeType, 0);
     if (node == NULL) { Py_DECREF(pos); BAIL(error); }

@@ -126,8 +126,9 @@ class BatchingScope:
         first one is pending, records no node and gets the first one's
         results, as common-subexpression elimination would: the very same
         lazy values when the call returns one or a pair of them (see
-        :func:`~.graph.shared_results`), else new ones of the same node.  A SICK minibatch of 256 pairs has ~2,500 leaf
-        calls and ~300 distinct leaf tokens.  A call that ran already is
+        :func:`~.graph.shared_results`), else new ones of the same node.
+        A SICK minibatch of 256 pairs has ~2,500 leaf calls and ~300
+        distinct leaf tokens.  A call that ran already is
         not reused: the user's code may have changed a parameter since
         (without any sign MXNet would give).
 
@@ -646,6 +647,7 @@ def check_padding_is_neutral(dblock, sig, padded):
                      dblock.block(*regroup(padded.fmt, longer)[0]), 'its parameters', False),
                     (_run_symbol(short_op, sig, leaves, params),
                      _run_symbol(long_op, padded, longer, params), 'random parameters', True)]
+        # (the symbols' outputs come flat, in the order flatten() gives the block's)
         for short_out, long_out, parameters, relative in runs:
             flat_short, flat_long = [], []
             flatten([short_out], flat_short)
@@ -687,13 +689,11 @@ def _random_parameters(sig, padded, dtype, rng):
 
 def _run_symbol(op, sig, leaves, params):
     """``op``, a CachedOp of ``sig``'s traced symbol, run on ``leaves``
-    with ``params`` (by name): its outputs, nested as the block's."""
+    with ``params`` (by name): the list of its outputs."""
     data = dict(zip(sig.data_names, leaves))
     inputs = [data[name] if name in data else params[name] for name in sig.input_names]
     outputs = op(*inputs)
-    if not isinstance(outputs, (list, tuple)):
-        outputs = [outputs]
-    return regroup(sig.out_fmt, list(outputs))[0] if sig.out_fmt != 0 else outputs[0]
+    return [outputs] if isinstance(outputs, mx.nd.NDArray) else list(outputs)
 
 
 def _materialize(args):

@@ -357,7 +357,8 @@ def adds_by_broadcast(symbol):
     ``static_alloc`` drops or misroutes the other's (a block computing
     ``tanh(x + W h)`` with ``x`` such an input got zero or garbage
     gradients for ``W``) and one without fails MXNet's storage-type check.
-    ``broadcast_add`` computes its gradients itself and runs correctly; so did ``add_n``, ``elemwise_sub``, ``elemwise_mul``,
+    ``broadcast_add`` computes its gradients itself and runs correctly; so
+    did ``add_n``, ``elemwise_sub``, ``elemwise_mul``,
     ``Concat`` and ``dot``, and ``elemwise_add`` of two values computed in
     the program (only an input as operand went wrong)."""
     graph = json.loads(symbol.tojson())
@@ -747,8 +748,9 @@ def flush_program(steps, recipes, hoists=()):
     replayable recipe (see :func:`~.execute.run_step`), or None when one
     has not (it reads user NDArrays or an earlier flush) or the steps span
     several contexts.  Called outside ``autograd.record()`` only.
-    ``hoists`` (see :func:`~.execute.flush_hoists`) are groups of steps whose host part runs once, inside the program, over
-    the distinct host rows of all its members."""
+    ``hoists`` (see :func:`~.execute.flush_hoists`) are groups of steps
+    whose host part runs once, inside the program, over the distinct host
+    rows of all its members."""
     if len({step.sig.ctx for step in steps}) != 1 or \
             any(recipe is None or None in recipe for recipe in recipes):
         return None

@@ -409,8 +409,9 @@ class CachedPlan(Strategy):
     The first run of a stored plan (its first hit) learns its recipes; a
     miss runs like the fallback's plan.  A structure that has come back
     ``compile_after`` times, its recipes learned, is compiled, outside
-    ``autograd.record()``, into one CachedOp for the whole plan (:func:`~.lower.flush_program`; the time it
-    takes is reported as ``compile_ms``); at most ``max_compiled`` such
+    ``autograd.record()``, into one CachedOp for the whole plan
+    (:func:`~.lower.flush_program`; the time it takes is reported as
+    ``compile_ms``); at most ``max_compiled`` such
     programs are kept, the least recently used dropped first.  A structure
     whose program was dropped replays its recipes, and is compiled again
     only when it comes back within ``max_compiled`` hits of its last one
