@@ -962,7 +962,7 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
         }
         if (leaf_ctx != ctx && leaf_ctx != NULL) {
             if (ctx == NULL)
-                ctx = leaf_ctx;
+                ctx = Py_NewRef(leaf_ctx);  /* owned: done: drops it on every exit */
             else {
                 int differ = PyObject_RichCompareBool(leaf_ctx, ctx, Py_NE);
                 if (differ) { Py_DECREF(shape); PyErr_Clear(); BAIL(fallback); }
@@ -974,12 +974,10 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
         }
         PyTuple_SET_ITEM(key, i + 1, shape);
     }
-    /* borrowed references so far: ctx, dtype (kept alive by signatures / numpy) */
+    /* a borrowed reference so far: dtype (kept alive by signatures / numpy) */
     if (ctx == NULL) {
         ctx = default_context();
         if (ctx == NULL) BAIL(error);
-    } else {
-        Py_INCREF(ctx);
     }
     if (dtype == NULL) dtype = Py_None;
     Py_INCREF(dtype);
