@@ -172,6 +172,16 @@ def _reduction(op):
     return _axis_rule('axis', None)(op)
 
 
+def _softmax(op):
+    """Along a non-batch axis; with ``use_length``, the second input holds
+    one length per row, so it must be batched too (a shared ``(1,)``
+    length would keep its per-sample shape while the data grow)."""
+    reason = _axis_rule('axis', -1)(op)
+    if reason is None and op.attr('use_length', False) not in (False, 0, 'false', 'False', '0'):
+        return _all_batched(op)
+    return reason
+
+
 def _dropout(op):
     """Each element draws its own mask, unless ``axes`` shares the mask
     along some axes (variational dropout): along the batch axis, one mask
@@ -262,7 +272,7 @@ register_batching_rule('stack')(_axis_rule('axis', 0, need_all_batched=True, add
 register_batching_rule('expand_dims')(_axis_rule('axis', None, added=1))
 register_batching_rule('slice_axis', 'SliceChannel', 'split', 'repeat',
                        'argmax', 'argmin')(_axis_rule('axis', None))
-register_batching_rule('softmax', 'log_softmax')(_axis_rule('axis', -1))
+register_batching_rule('softmax', 'log_softmax')(_softmax)
 register_batching_rule('sum', 'mean', 'max', 'min', 'prod', 'nansum', 'nanprod')(_reduction)
 register_batching_rule('norm', 'squeeze')(_axis_rule('axis', None))
 register_batching_rule('Dropout', '_npx_dropout')(_dropout)

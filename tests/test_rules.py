@@ -237,3 +237,39 @@ def test_draws_random_knows_the_samplers_and_not_the_densities():
         assert not draws_random(name), name
     assert draws_random('LeakyReLU', {'act_type': 'rrelu'})
     assert not draws_random('LeakyReLU', {'act_type': 'leaky'})
+
+
+class LengthSoftmax(gluon.HybridBlock):
+    """A softmax over a row's first ``length`` entries: a constant length
+    (shared by every call) or one computed from the row (per sample)."""
+
+    def __init__(self, per_sample):
+        super().__init__()
+        self.per_sample = per_sample
+        with self.name_scope():
+            self.dense = gluon.nn.Dense(4, in_units=4)
+
+    def hybrid_forward(self, F, x):
+        if self.per_sample:
+            length = F.cast(F.sum(x > 0, axis=1), 'int32') + 1
+        else:
+            length = F.cast(F.ones((1,)) * 2, 'int32')
+        return F.softmax(self.dense(x), length, axis=-1, use_length=True)
+
+
+@pytest.mark.parametrize('per_sample', [False, True])
+def test_softmax_with_a_shared_length_runs_per_sample(per_sample):
+    """``softmax(x, length, use_length=True)`` reads one length per row: a
+    shared ``(1,)`` length keeps its shape while the rows grow, so such a
+    block runs per sample (MXNet raised at the flush before, found by a
+    review); a length computed per sample batches.  Values equal per
+    sample."""
+    block = dyb.DynBatchBlock(LengthSoftmax(per_sample))
+    block.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(1)
+    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 4))) for _ in range(5)]
+    assert_same(run_both(lambda: [block(x) for x in xs], [block], xs, 'depth'))
+    batch_safe, reason = _verdict(block)
+    assert batch_safe == per_sample, reason
+    if not per_sample:
+        assert 'softmax' in reason, reason
