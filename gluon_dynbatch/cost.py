@@ -327,6 +327,15 @@ class Auto(Strategy):
             raise ValueError('Auto: probe_every=%r; give a number of flushes >= 1'
                              % (probe_every,))
         probe_every = int(probe_every)
+        if model is not None and not isinstance(model, CostModel):
+            raise ValueError('Auto: model=%r; give a CostModel (or None: the process\'s '
+                             'default one)' % (model,))
+        for name, value, least in (('memory', memory, 1), ('small', small, 0),
+                                   ('cached_trials', cached_trials, 0),
+                                   ('explore_within', explore_within, 0)):
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or \
+                    not value >= least:
+                raise ValueError('Auto: %s=%r; give a number >= %d' % (name, value, least))
         self._model = model
         self.explore_within = explore_within    # 0: never run a predicted runner-up
         self.cached_trials = cached_trials

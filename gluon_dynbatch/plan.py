@@ -400,8 +400,9 @@ class CachedPlan(Strategy):
     """Reuse the plan of an earlier flush with the same structure: no
     analysis beyond hashing the structure, and each step's rows are found
     from a recipe (earlier steps' outputs and a gather index already on the
-    device) instead of per row.  On a miss, plan with ``fallback`` and
-    remember the result (at most ``capacity`` structures and ``max_calls``
+    device) instead of per row.  On a miss, plan with ``fallback`` (a
+    :class:`Strategy`, or ``'per-sample'``, ``'depth'`` or ``'agenda'``;
+    by default a new :class:`ByDepth`) and remember the result (at most ``capacity`` structures and ``max_calls``
     calls over all of them, the oldest dropped first: a stored plan keeps
     ~60 bytes of Python per call, and with entries alone as the bound a
     cache of minibatches of 1,024 pairs could grow to ~4.6 GB).
@@ -423,6 +424,11 @@ class CachedPlan(Strategy):
 
     def __init__(self, fallback=None, capacity=4096, compile_after=2, max_compiled=64,
                  max_calls=500_000):
+        if isinstance(fallback, str) and fallback in ('per-sample', 'depth', 'agenda'):
+            fallback = STRATEGIES[fallback]
+        if fallback is not None and not isinstance(fallback, Strategy):
+            raise ValueError("CachedPlan: fallback=%r; give None (depth), 'per-sample', "
+                             "'depth', 'agenda' or a Strategy instance" % (fallback,))
         self.fallback = fallback or ByDepth()
         self.capacity = capacity
         self.max_calls = max_calls

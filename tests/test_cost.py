@@ -92,6 +92,26 @@ def test_error_probe_every_below_one():
         dyb.Auto(probe_every=0)
 
 
+@pytest.mark.parametrize('kwargs,match', [
+    (dict(model='depth'), "model='depth'; give a CostModel"),
+    (dict(small='5'), "small='5'; give a number >= 0"),
+    (dict(memory=0), 'memory=0; give a number >= 1'),
+    (dict(cached_trials=-1), 'cached_trials=-1'),
+    (dict(explore_within=None), 'explore_within=None')])
+def test_error_auto_arguments_named_when_built(kwargs, match):
+    """A wrong argument is named when the strategy is made, not met at
+    the first flush as an AttributeError (found by a review)."""
+    with pytest.raises(ValueError, match=match):
+        dyb.Auto(**kwargs)
+
+
+def test_cached_plan_fallback_by_name_or_error():
+    assert isinstance(dyb.CachedPlan(fallback='agenda').fallback, dyb.Agenda)
+    assert isinstance(dyb.CachedPlan().fallback, dyb.ByDepth)
+    with pytest.raises(ValueError, match="fallback='auto'; give None"):
+        dyb.CachedPlan(fallback='auto')
+
+
 def test_recording_counts_what_depth_grouping_makes():
     """The counts behind the cost model's step estimate, kept while recording
     (Python) or counted at the flush (C), give depth grouping's groups."""
