@@ -57,6 +57,7 @@ import mxnet as mx
 import numpy as np
 
 from .lanes import CUT, INCIDENCE, PADDED, SEGMENT, graph_readers, vectorize_lists
+from .rules import NOT_FUNCTIONS, draws_random
 from .trace import leaf_count
 from .trace import load_graph as _load
 
@@ -459,14 +460,16 @@ def compose_takes(symbol):
         out.append(node)
     return _load(graph, out, [entry_for(entry) for entry in graph['heads']])
 
-_STOCHASTIC = ('Dropout', '_random', '_sample', 'random_', 'sample_')
-
 
 def _host_kinds(nodes, host, shared):
     """Per node of a symbol's JSON: ``'host'`` (a function of the ``host``
     inputs, and maybe of ``shared`` ones), ``'shared'`` (of ``shared``
-    inputs alone) or ``'other'``.  A stochastic op is ``'other'``: equal
-    rows must not share one random draw."""
+    inputs alone) or ``'other'``.  An op that may give other outputs for
+    equal inputs is ``'other'``: one that draws random numbers
+    (:func:`~.rules.draws_random`), a custom op or one whose rule the user
+    registered without ``function_of_inputs=True``
+    (:data:`~.rules.NOT_FUNCTIONS`); equal rows must not share one run of
+    it."""
     kinds = []
     for node in nodes:
         if node['op'] == 'null':
@@ -474,7 +477,8 @@ def _host_kinds(nodes, host, shared):
             kinds.append('host' if name in host else 'shared' if name in shared else 'other')
             continue
         below = {kinds[entry[0]] for entry in node['inputs']}
-        if 'other' in below or node['op'].startswith(_STOCHASTIC):
+        if 'other' in below or node['op'] in NOT_FUNCTIONS or \
+                draws_random(node['op'], node.get('attrs')):
             kinds.append('other')
         else:
             kinds.append('host' if 'host' in below else 'shared')

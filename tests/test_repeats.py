@@ -445,3 +445,36 @@ def test_the_debug_line_shows_merged_calls(recorder, monkeypatch, capsys):
     with dyb.batching('depth'):
         [block(x) for _ in range(3)]
     assert '[dynbatch] flush: 1 nodes (+2 merged calls) -> 1 steps' in capsys.readouterr().err
+
+
+class NoisyEmbedding(gluon.HybridBlock):
+    """A custom op (one draw per element) over a token's embedding: the
+    host part of the block ends at the custom op."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.embed = gluon.nn.Embedding(10, 3)
+
+    def hybrid_forward(self, F, token):
+        return F.Custom(self.embed(token), op_type='dynbatch_test_rowwise_noise')
+
+
+@pytest.mark.parametrize('hoist', [False, True])
+def test_equal_host_rows_do_not_share_a_custom_ops_run(recorder, hoist, monkeypatch):
+    """Equal tokens neither merge (the signature is not repeatable) nor
+    share one run of a custom op in a step that runs its host part on the
+    distinct rows (``execute.SHARE_ROWS``) or hoists it for the flush
+    (``HOIST_ROWS``): the op may draw, as this one does (found by a
+    review: 16 equal tokens got 1 draw)."""
+    from gluon_dynbatch import execute, rules
+    monkeypatch.setattr(execute, 'HOIST_ROWS', 0 if hoist else 10 ** 9)
+    monkeypatch.setattr(rules, 'RULES', dict(rules.RULES))
+    monkeypatch.setattr('gluon_dynbatch.trace.batching_rule', rules.RULES.get)
+    dyb.register_batching_rule('Custom')(lambda op: None)   # acts on each row alone
+    block = dyb.DynBatchBlock(NoisyEmbedding())
+    block.initialize()
+    token = np.array([3.0], np.float32)
+    with dyb.batching('depth'):
+        draws = [block(token) for _ in range(16)]
+    assert len({d.asnumpy().tobytes() for d in draws}) == 16
