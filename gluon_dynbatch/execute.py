@@ -597,10 +597,12 @@ class FlushTables:
         return found
 
     def positions(self, rows):
-        """Host indices ``rows`` as positions in the flush's tables."""
+        """Host indices ``rows`` as positions in the flush's tables (a NaN
+        id, which the lookup clips as ``Embedding`` does, finds the NaN that
+        ``np.unique`` sorts last)."""
         found = np.searchsorted(self.tokens, rows)
         if not (found < len(self.tokens)).all() or \
-                not np.array_equal(self.tokens[found], rows):
+                not np.array_equal(self.tokens[found], rows, equal_nan=True):
             raise RuntimeError('gluon_dynbatch: a host index was not read ahead for the '
                                'flush\'s embedding tables (please report this)')
         # as the ids' dtype, unless it cannot hold every position (float16

@@ -384,3 +384,32 @@ def test_training_flush_reads_each_contexts_embedding_table():
     (want, want_grads), (got, got_grads) = run(False), run(True)
     for a, b in zip(got + got_grads, want + want_grads):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('strategy', ['per-sample', 'depth'])
+def test_a_nan_token_reads_the_row_its_embedding_reads(strategy):
+    """Training reads a flush's embedding rows through a table of its
+    distinct ids, found again by ``searchsorted``; a NaN id (a missing
+    token) is not equal to itself, and the flush raised (found by a
+    review).  Values and the weight's gradient equal per-sample ones."""
+    emb = dyb.DynBatchBlock(nn.Embedding(10, 4))
+    emb.initialize()
+    weight = emb.collect_params()[emb.block.weight.name]
+    ids = [np.array([v], dtype=np.float32) for v in (1, 2, np.nan, 2, 7)]
+
+    def run(scope):
+        with autograd.record():
+            if scope:
+                with dyb.batching(strategy):
+                    outs = [emb(i) for i in ids]
+                outs = [o.data for o in outs]
+            else:
+                outs = [emb(mx.nd.array(i)) for i in ids]
+            loss = mx.nd.add_n(*[(o * (k + 1)).sum() for k, o in enumerate(outs)])
+        loss.backward()
+        return np.concatenate([o.asnumpy() for o in outs]), weight.grad().asnumpy().copy()
+
+    want, want_grad = run(False)
+    got, got_grad = run(True)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got_grad, want_grad)
