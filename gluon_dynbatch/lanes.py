@@ -81,7 +81,13 @@ def vectorize_lists(symbol, lane_ndims, dtype, training=False, ragged=False,
     :data:`SEGMENT`); every lane of every cut must then be read by
     vectorized sets alone, and the rank of every summed lane be known,
     or None is returned; ``incidence`` sums them by a ``dot`` with
-    :data:`INCIDENCE` instead of padding them."""
+    :data:`INCIDENCE` instead of padding them.
+
+    Lanes of other dtypes than float32 and float64 are left as they are
+    (``symbol``, or None when ``ragged``): MXNet's ``dot`` has no CPU
+    kernel for them."""
+    if dtype is not None and np.dtype(dtype) not in (np.float32, np.float64):
+        return None if ragged else symbol
     graph = json.loads(symbol.tojson())
     nodes = graph['nodes']
     lanes = _find_lanes(nodes, lane_ndims)

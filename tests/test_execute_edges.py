@@ -386,6 +386,45 @@ def test_training_flush_reads_each_contexts_embedding_table():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+class SumKids(gluon.HybridBlock):
+    """``tanh(x) + sum_k sigmoid(h_k) * h_k``: per-element ops on a list,
+    summed, which the lane pass would run over all elements at once."""
+    dynbatch_pad_lists = True
+
+    def hybrid_forward(self, F, x, kids):
+        out = F.tanh(x)
+        return out + F.add_n(*[F.sigmoid(h) * h for h in kids]) if kids else out
+
+
+@pytest.mark.parametrize('strategy', ['per-sample', 'depth', 'agenda', 'cached'])
+@pytest.mark.parametrize('training', [False, True])
+def test_float16_lists_run_without_dot(strategy, training):
+    """The lane pass sums lists by ``dot``, which MXNet's CPU has for
+    float32 and float64 only: float16 lists keep the block's own ops
+    (they raised under every strategy, per-sample too, found by a
+    review), with per-sample values."""
+    block = dyb.DynBatchBlock(SumKids())
+    rng = np.random.RandomState(0)
+    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 4)), dtype='float16') for _ in range(12)]
+    arities = [0, 1, 3, 2, 0, 1]
+
+    def forward():
+        outs, k = [], 0
+        for arity in arities:
+            outs.append(block(xs[k], xs[k + 1:k + 1 + arity]))
+            k += 1 + arity
+        return outs
+
+    want = np.concatenate([o.asnumpy() for o in forward()])
+    chosen = dyb.CachedPlan() if strategy == 'cached' else strategy
+    for _ in range(3 if strategy == 'cached' else 1):
+        with autograd.record() if training else contextlib.nullcontext():
+            with dyb.batching(chosen):
+                outs = forward()
+            got = dyb.concat_rows(outs).asnumpy()
+        np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
+
+
 @pytest.mark.parametrize('strategy', ['per-sample', 'depth'])
 def test_a_nan_token_reads_the_row_its_embedding_reads(strategy):
     """Training reads a flush's embedding rows through a table of its
