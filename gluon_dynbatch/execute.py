@@ -21,8 +21,8 @@ from mxnet.ndarray.ndarray import _DTYPE_NP_TO_MX, DLDataType, _int64_enabled
 
 from . import accel
 from .graph import DONE, LazyValue
-from .lanes import INCIDENCE, PADDED, SEGMENT
-from .lower import (element_major, embedding_reads, host_part, host_split, ragged_how,
+from .lanes import PADDED, SEGMENT
+from .lower import (element_major, embedding_reads, host_part, host_split,
                     step_program)
 
 __all__ = ['run_plan', 'run_step', 'FlushTables', 'FlushHoist', 'collect', 'gather_rows',
@@ -183,7 +183,7 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hois
         if index is not None and len(sources[item]) > 2:
             _pad_parts(sources[item], sig, item, ctx)
         pattern.append(('direct' if index is None else
-                        ragged_how(how_ragged) if how_ragged is not None else 'take',
+                        'ragged' if how_ragged is not None else 'take',
                         len(sources[item])))
         indices[item] = index
     if lists:
@@ -253,12 +253,12 @@ def _lay_out_lists(sig, lists, sources, indices, pattern, uploads, learned, wher
                                     if fmt != 0 and width > 1):
         lengths = _ragged_layout(sig, lists)
     ragged = None if lengths is None else \
-        RaggedInputs(lengths, sig.spans[next(iter(lists))][1], sig.key[-2], ctx)
+        RaggedInputs(lengths, sig.spans[next(iter(lists))][1], ctx)
     for item, (index, distinct, zero, own_lengths) in lists.items():
         if ragged is not None:
             if index.ndim == 2:     # gathered padded: its elements only
                 index = index[np.arange(index.shape[1]) < lengths[:, None]]
-            how = ragged_how(ragged)
+            how = 'ragged'
         else:
             if index.ndim == 1:     # gathered compact, laid out padded after all
                 index, zero = _padded_index(sig, item, index, own_lengths, sources[item], ctx)
@@ -298,22 +298,16 @@ class RaggedInputs:
     """The index inputs of a step whose lists run ragged (see
     :data:`~.lanes.SEGMENT`) for lists of ``lengths`` (int32, one per call)
     in a step ``width`` elements wide, by name: made on the host and sent
-    to ``ctx`` when a program first reads them.  A training program reads
-    ``SEGMENT`` and ``INCIDENCE``, an inference one ``SEGMENT`` and
-    ``PADDED``, and a recipe keeps one object for either (a plan learned in
-    training may run in inference); sending all three for every step cost
-    an upload per unread input.  ``INCIDENCE`` is ``in`` only
-    for steps of at most :data:`INCIDENCE_MAX` entries."""
-    __slots__ = ('lengths', 'width', 'segment', 'dtype', 'ctx', '_arrays')
+    to ``ctx`` when a program first reads them (a program whose lanes read
+    no shared value needs no ``SEGMENT``)."""
+    __slots__ = ('lengths', 'width', 'segment', 'ctx', '_arrays')
 
-    def __init__(self, lengths, width, dtype, ctx):
-        self.lengths, self.width, self.dtype, self.ctx = lengths, width, dtype, ctx
+    def __init__(self, lengths, width, ctx):
+        self.lengths, self.width, self.ctx = lengths, width, ctx
         self.segment = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
         self._arrays = {}
 
     def __contains__(self, name):
-        if name == INCIDENCE:
-            return len(self.lengths) * len(self.segment) <= INCIDENCE_MAX
         return name in (SEGMENT, PADDED)
 
     def __getitem__(self, name):
@@ -329,26 +323,11 @@ class RaggedInputs:
         lengths, segment = self.lengths, self.segment
         if name == SEGMENT:
             return segment
-        if name == PADDED:
-            ends = np.cumsum(lengths, dtype=np.int32)
-            lane = np.arange(self.width, dtype=np.int32)[:, None]
-            return np.where(lane < lengths, ends - lengths + lane, len(segment)).astype(np.int32)
-        if name != INCIDENCE:
+        if name != PADDED:
             raise KeyError(name)
-        incidence = np.zeros((len(lengths), len(segment)), dtype=self.dtype)
-        incidence[segment, np.arange(len(segment))] = 1
-        return incidence
-
-
-INCIDENCE_MAX = 12000
-"""Most entries (lists x elements) of the incidence matrix with which a
-ragged step sums its lists by one ``dot`` when training (see
-:data:`~.lanes.INCIDENCE` and :func:`~.lower.ragged_how`); other steps pad
-them (a zero row appended, a ``take`` and a ``dot``).  The ``dot`` is a
-GEMM of lists x elements x row width, cheaper than those ops up to ~13,000
-entries for rows of 150 (MXNet 1.9.1, one thread, forward and backward:
-77 against 101 us at 50 x 130, 177 against 140 at 100 x 241) and far
-dearer at ~1000 x 1000.  0 turns it off."""
+        ends = np.cumsum(lengths, dtype=np.int32)
+        lane = np.arange(self.width, dtype=np.int32)[:, None]
+        return np.where(lane < lengths, ends - lengths + lane, len(segment)).astype(np.int32)
 
 
 def _ragged_layout(sig, lists):

@@ -44,8 +44,7 @@ import json
 import mxnet as mx
 import numpy as np
 
-__all__ = ['CUT', 'SEGMENT', 'PADDED', 'INCIDENCE', 'vectorize_lists',
-           'graph_readers']
+__all__ = ['CUT', 'SEGMENT', 'PADDED', 'vectorize_lists', 'graph_readers']
 
 CUT = 'dynbatch_cut'
 """Name prefix of the ``SliceChannel`` that cuts a list argument into its
@@ -65,8 +64,7 @@ BINARY = {'elemwise_add': 'broadcast_add', 'elemwise_sub': 'broadcast_sub',
 (used when one input is the same value for every lane)."""
 
 
-def vectorize_lists(symbol, lane_ndims, dtype, training=False, ragged=False,
-                    incidence=False):
+def vectorize_lists(symbol, lane_ndims, dtype, training=False, ragged=False):
     """``symbol`` with each complete set of per-lane copies run once over
     all lanes (see the module docstring).  ``lane_ndims`` gives, per cut
     name, the number of axes of one lane (2 for ``(N, D)`` rows): a
@@ -80,8 +78,7 @@ def vectorize_lists(symbol, lane_ndims, dtype, training=False, ragged=False,
     elements of N lists of different lengths, list after list (see
     :data:`SEGMENT`); every lane of every cut must then be read by
     vectorized sets alone, and the rank of every summed lane be known,
-    or None is returned; ``incidence`` sums them by a ``dot`` with
-    :data:`INCIDENCE` instead of padding them.
+    or None is returned.
 
     Lanes of other dtypes than float32 and float64 are left as they are
     (``symbol``, or None when ``ragged``): MXNet's ``dot`` has no CPU
@@ -95,7 +92,7 @@ def vectorize_lists(symbol, lane_ndims, dtype, training=False, ragged=False,
     if ragged:
         closed = _all_cuts_closed(nodes, graph['heads'], sums) and \
             all(group.ndim for group in sums.values())      # the zero row's rank
-        return _rewrite(graph, sums, dtype, training, ragged=True, incidence=incidence) \
+        return _rewrite(graph, sums, dtype, training, ragged=True) \
             if closed else None
     if not sums:
         return symbol
@@ -116,20 +113,15 @@ before: ~4x the cost of the row's ``Concat`` at SICK's steps of ~170
 lists, and 1.5-2.5% of a SICK minibatch, inference and training, in an
 in-process A/B.)
 
-With ``incidence=True`` a sum over the lanes is instead one ``dot`` with
-:data:`INCIDENCE`, an ``(N, M)`` matrix of ones where list n holds element
-m: one op where the sum takes four (its backward too), for a GEMM of
-N x M x D.  Steps small enough for that GEMM to cost less than the ops it
-replaces use it (see ``INCIDENCE_MAX`` in :mod:`~gluon_dynbatch.execute`).
-There is no zero row, but the ``dot``'s zeros meet every element, so a
-NaN or infinity in one list's element reaches every list (0 x NaN): only
-training uses it (:func:`~.lower.ragged_how`)."""
+Training once summed small steps' lists by one ``dot`` with an ``(N, M)``
+incidence matrix instead (one op and its backward in place of four, 7-13%
+of a training minibatch's op time at SICK minibatch 25), but its zeros
+meet every element, so a NaN or an infinity in one list reached every
+list of the step (0 x inf is NaN), where per-sample execution keeps it in
+its own: a tree that overflowed made every tree's output NaN."""
 PADDED = 'dynbatch_padded'
 """Input of ragged lanes: ``(K, N)`` positions of the elements, M for a
 missing one (see :data:`SEGMENT`)."""
-INCIDENCE = 'dynbatch_incidence'
-"""Input of ragged lanes summed by a ``dot``: ``(N, M)``, 1 where list n
-holds element m, else 0, in the lanes' dtype (see :data:`SEGMENT`)."""
 
 
 def _all_cuts_closed(nodes, heads, sums):
@@ -280,7 +272,7 @@ def _sets_below(groups):
     return out
 
 
-def _rewrite(graph, sums, dtype, training, ragged=False, incidence=False):
+def _rewrite(graph, sums, dtype, training, ragged=False):
     """The graph with one node per needed set, emitted after its last copy,
     and every sum in ``sums`` reading it (ragged: see :data:`SEGMENT`)."""
     nodes = graph['nodes']
@@ -327,9 +319,6 @@ def _rewrite(graph, sums, dtype, training, ragged=False, incidence=False):
     for i, node in enumerate(nodes):
         if i in sums:       # (K,) ones . (K, N, ...) lanes -> (N, ...)
             lanes = vector[id(sums[i])]
-            if incidence:   # (N, M) incidence . (M, ...) elements -> (N, ...)
-                moved[i] = add('dot', {}, [ragged_input(INCIDENCE), lanes], node['name'])[0]
-                continue
             if ragged:      # the M elements and a zero row, laid out (K, N, ...)
                 # a lane's other axes are left to shape inference (-1: unknown,
                 # under legacy and numpy shape semantics alike; 0 is a real

@@ -56,15 +56,15 @@ import re
 import mxnet as mx
 import numpy as np
 
-from .lanes import CUT, INCIDENCE, PADDED, SEGMENT, graph_readers, vectorize_lists
+from .lanes import CUT, PADDED, SEGMENT, graph_readers, vectorize_lists
 from .rules import NOT_FUNCTIONS, draws_random
 from .trace import leaf_count
 from .trace import load_graph as _load
 
 __all__ = ['StepProgram', 'step_program', 'element_major', 'FlushProgram', 'flush_program',
            'share_host_part', 'host_part', 'embedding_reads', 'read_tables', 'HostSplit',
-           'host_split', 'split_host_part', 'hoisted_rest', 'ragged_lists', 'RAGGED',
-           'ragged_how', 'compose_takes', 'tanh_by_sigmoid', 'adds_by_broadcast',
+           'host_split', 'split_host_part', 'hoisted_rest', 'ragged_lists',
+           'compose_takes', 'tanh_by_sigmoid', 'adds_by_broadcast',
            'STATIC_ALLOC_UNDER_AUTOGRAD', 'INVERSE', 'INVERSE_SEGMENT']
 
 
@@ -161,24 +161,6 @@ BUILT = [0]
 will next time (the cost model ignores such flushes)."""
 
 
-RAGGED = ('ragged', 'ragged_dot')
-"""How a step gathers lists that run ragged: their sums over elements by
-padding (``'ragged'``) or by a ``dot`` with an incidence matrix
-(``'ragged_dot'``, see :data:`~.lanes.INCIDENCE`)."""
-
-
-def ragged_how(inputs):
-    """The pattern name of ragged lists whose inputs are ``inputs`` (the
-    step's ragged inputs by name, see :data:`~.lanes.SEGMENT`): the
-    incidence ``dot`` where there is a matrix for it and autograd is
-    recording.  In that ``dot`` a NaN or infinity of one list's element
-    meets the zeros of every other list (0 x NaN is NaN), so it reaches
-    every list of the step, where padding keeps it to its own; inference
-    keeps that isolation, while a training loss over such a step is NaN
-    either way."""
-    return 'ragged_dot' if INCIDENCE in inputs and mx.autograd.is_recording() else 'ragged'
-
-
 def ragged_lists(sig):
     """Whether steps of ``sig`` (a padded signature) can run their lists
     ragged: every element of every list is read only by per-element ops
@@ -211,8 +193,8 @@ def _gathered(sig, pattern):
         how, count = way[:2]
         parts = [mx.sym.var('src%d_%d' % (item, part)) for part in range(count)]
         rows = parts[0] if count == 1 else mx.sym.concat(*parts, dim=0)
-        lanes = how in RAGGED or (how == 'take' and element_major(width))
-        if how == 'take' or how in RAGGED:
+        lanes = how == 'ragged' or (how == 'take' and element_major(width))
+        if how in ('take', 'ragged'):
             rows = mx.sym.take(rows, mx.sym.var('idx%d' % item))
         if fmt == 0:
             replace[next(names)] = rows
@@ -251,10 +233,8 @@ def _build(sig, pattern, training):
     if hoisted:
         symbol = hoisted_rest(symbol, host_split(sig, hoisted).boundary)
     if lane_ndims:
-        ragged = any(way is not None and way[0] in RAGGED for way in pattern)
-        incidence = any(way is not None and way[0] == 'ragged_dot' for way in pattern)
-        vectorized = vectorize_lists(symbol, lane_ndims, sig.key[-2], training, ragged,
-                                     incidence)
+        ragged = any(way is not None and way[0] == 'ragged' for way in pattern)
+        vectorized = vectorize_lists(symbol, lane_ndims, sig.key[-2], training, ragged)
         if vectorized is None:
             raise RuntimeError('gluon_dynbatch: %s cannot run its lists ragged '
                                '(please report this)' % sig.describe())
@@ -271,7 +251,7 @@ def _build(sig, pattern, training):
             feeds.append(('table', params[name[len(TABLE):]]))
         elif name.startswith(HOISTED):
             feeds.append(('hoisted', int(name[len(HOISTED):])))
-        elif name in (SEGMENT, PADDED, INCIDENCE):
+        elif name in (SEGMENT, PADDED):
             feeds.append(('ragged', name))
         elif name.startswith('src'):
             feeds.append(('src', tuple(int(n) for n in name[3:].split('_'))))
@@ -794,14 +774,14 @@ def flush_program(steps, recipes, hoists=()):
         items, values, inverse = hoisted.get(number, ((), None, None))
         pattern = tuple(None if how == 'empty' else ('hoisted', 1) if item in items else
                         ('direct' if how == 'host' or how[1] is None else
-                         ragged_how(how[2]) if len(how) > 2 else 'take', 1)
+                         'ragged' if len(how) > 2 else 'take', 1)
                         for item, how in enumerate(recipe))
         program = step_program(sig, pattern).for_rows(len(step.nodes)).symbol
         wanted = set(program.list_inputs())
         bind = {}
         for how in recipe:
             if how not in ('empty', 'host') and len(how) > 2:   # ragged lists' inputs
-                for name in (SEGMENT, PADDED, INCIDENCE):
+                for name in (SEGMENT, PADDED):
                     if name in wanted or name == SEGMENT and INVERSE_SEGMENT in wanted:
                         bind[name] = mx.sym.var('%s_s%d' % (name, number))
                         spec['%s_s%d' % (name, number)] = ('const', how[2][name])

@@ -78,11 +78,10 @@ RAGGED_STEP = 0.25
 """The extra cost of a ragged step, as a fraction of a step's fixed cost:
 a SICK Tree-LSTM node step reading two earlier steps has 31 ops ragged, 26
 padded in inference (two of the 31 make the zero rows its sums read, see
-:data:`~.lanes.SEGMENT`).  In
-training, summing by the incidence ``dot``, it has 24 against 28, yet
-pricing ragged steps below padded ones there was slower (in one process,
-alternating, SICK minibatch 25: -0.1 ran 0.94-0.97x, 0.6 ran 0.91x): a
-ragged step's host work (its layout, the incidence matrix) costs more."""
+:data:`~.lanes.SEGMENT`).  Pricing ragged steps below padded ones in
+training was slower (in one process, alternating, SICK minibatch 25:
+-0.1 ran 0.94-0.97x, 0.6 ran 0.91x): a ragged step's host work (its
+layout) costs more."""
 
 SETUP = [0]
 """How many times planning did one-time work: a group of signatures met

@@ -8,7 +8,6 @@ from mxnet.gluon import nn
 
 import gluon_dynbatch as dyb
 from gluon_dynbatch.models import ChildSumTreeLSTMCell, Similarity, TreeLSTMNode
-from gluon_dynbatch.lower import RAGGED
 
 import test_accel
 from helpers import (AcrossBatch, InputPlusState, Tree, TwoOutputs, assert_same, follow_engine,
@@ -62,7 +61,7 @@ def test_tree_lstm_random_pairs(strategy, pad_lists, hoist, monkeypatch):
     assert ('hoisted' in ways) == (hoist and strategy != 'per-sample')
     # gathered sources come in powers of two parts (few programs per signature)
     parts = {way[1] for sig in node.signatures() for p in sig.programs for way in p
-             if way and (way[0] == 'take' or way[0] in RAGGED)}
+             if way and way[0] in ('take', 'ragged')}
     assert all(n & (n - 1) == 0 for n in parts)
 
 

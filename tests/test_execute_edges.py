@@ -117,12 +117,14 @@ def test_float16_ids_beyond_2048_distinct_ones_read_their_rows_in_training():
     np.testing.assert_array_equal(got.asnumpy(), want)
 
 
-def test_plan_met_in_training_keeps_a_nan_in_its_tree_in_inference(monkeypatch):
-    """Training sums ragged child lists by an incidence ``dot``, under which
-    a NaN in one list reaches every list; inference keeps padded sums that
-    isolate it.  A cached plan compiled in training was once run as
-    compiled in inference; plans now compile in inference only, so the
-    plan met in training replays there and compiles for inference."""
+@pytest.mark.parametrize('poison', [np.nan, np.inf])
+def test_a_non_finite_tree_stays_in_its_tree(monkeypatch, poison):
+    """A NaN or an infinity in one tree reaches no other tree's outputs,
+    as per sample, in training (ragged child lists were once summed by an
+    incidence ``dot`` there, whose zeros met every element: 0 x inf is
+    NaN, in every tree of the step) and in inference, for the plan met in
+    training, replayed and then compiled (plans compile in inference
+    only)."""
     monkeypatch.setitem(plan.PADDING_COST, 'elem_us', 1e6)      # mixed arities run ragged
     monkeypatch.setitem(plan.PADDING_COST, 'family_step_us', {})
     cell = dyb.DynBatchBlock(ChildSumTreeLSTMCell(4, 3))
@@ -145,22 +147,29 @@ def test_plan_met_in_training_keeps_a_nan_in_its_tree_in_inference(monkeypatch):
 
     cached = dyb.CachedPlan()
     kinds = []
-    for _ in range(3):
+    for number in range(3):
+        xs = fresh()
+        if number:
+            xs[0] = np.full((1, 3), poison, np.float32)      # the first tree's first leaf
+        want = np.concatenate([o.asnumpy() for o in forward(xs)])
         with autograd.record():
             with dyb.batching(cached):
-                outs = forward(fresh())
-            dyb.concat_rows(outs).asnumpy()
+                outs = forward(xs)
+            got = dyb.concat_rows(outs).asnumpy()
         kinds.append(dyb.stats()['last']['strategy'])
+        if number:
+            np.testing.assert_array_equal(np.isfinite(got).all(axis=1), [0, 1, 1, 1, 1])
+            np.testing.assert_allclose(got[1:], want[1:], rtol=1e-5, atol=1e-6)
     assert kinds == ['cached-miss:depth', 'cached', 'cached'], kinds
     xs = fresh()
-    xs[0] = np.full((1, 3), np.nan, np.float32)      # the first tree's first leaf
+    xs[0] = np.full((1, 3), poison, np.float32)
     want = np.concatenate([o.asnumpy() for o in forward(xs)])
     for _ in range(3):
         with dyb.batching(cached):
             outs = forward(xs)
         got = dyb.concat_rows(outs).asnumpy()
         assert dyb.stats()['last']['strategy'] == 'cached-compiled'
-        np.testing.assert_array_equal(np.isnan(got).any(axis=1), [1, 0, 0, 0, 0])
+        np.testing.assert_array_equal(np.isfinite(got).all(axis=1), [0, 1, 1, 1, 1])
         np.testing.assert_allclose(got[1:], want[1:], rtol=1e-5, atol=1e-6)
 
 

@@ -280,26 +280,22 @@ def test_switch_turns_lane_programs_off(monkeypatch):
 # --- ragged lanes: lists of different lengths, no padding elements ---------
 
 def ragged_inputs(lengths, width):
-    """``segment``, ``padded`` and ``incidence`` (see lanes.SEGMENT) of
-    lists of ``lengths`` in a step ``width`` elements wide, as NDArrays.
+    """``segment`` and ``padded`` (see lanes.SEGMENT) of lists of
+    ``lengths`` in a step ``width`` elements wide, as NDArrays.
     A missing element's position is M, the zero row after the M elements."""
     lengths = np.asarray(lengths, dtype=np.int32)
     ends = np.cumsum(lengths)
     lane = np.arange(width)[:, None]
     segment = np.repeat(np.arange(len(lengths)), lengths)
-    incidence = np.zeros((len(lengths), len(segment)), dtype=np.float32)
-    incidence[segment, np.arange(len(segment))] = 1
     return {lanes.SEGMENT: mx.nd.array(segment, dtype='int32'),
             lanes.PADDED: mx.nd.array(np.where(lane < lengths, ends - lengths + lane,
-                                               len(segment)), dtype='int32'),
-            lanes.INCIDENCE: mx.nd.array(incidence)}
+                                               len(segment)), dtype='int32')}
 
 
-def ragged_and_reference(width, program, lengths, seed=0, poison=None, incidence=False):
+def ragged_and_reference(width, program, lengths, seed=0, poison=None):
     """Outputs and input gradients of ``program`` on lists of ``lengths``:
-    once ragged (one call; sums by the incidence ``dot`` with
-    ``incidence``), once per list through the per-element graph of that
-    list's length.  ``poison`` puts that value in every input row of the
+    once ragged (one call), once per list through the per-element graph of
+    that list's length.  ``poison`` puts that value in every input row of the
     first list."""
     rng = np.random.RandomState(seed)
     total, count = sum(lengths), len(lengths)
@@ -313,10 +309,9 @@ def ragged_and_reference(width, program, lengths, seed=0, poison=None, incidence
             values[name][0] = poison
     weights = [rng.uniform(-1, 1, (count, D)) for _ in range(2)]
     ragged = vectorize_lists(build_lane_program(width, program),
-                             {CUT + '0': 2, CUT + '1': 2}, np.float32, ragged=True,
-                             incidence=incidence)
+                             {CUT + '0': 2, CUT + '1': 2}, np.float32, ragged=True)
     assert ragged is not None
-    assert ('_zeros' in ops(ragged)) != incidence and 'SequenceMask' not in ops(ragged)
+    assert '_zeros' in ops(ragged) and 'SequenceMask' not in ops(ragged)
     starts = np.cumsum([0] + list(lengths))
 
     def run(use_ragged):
@@ -374,16 +369,14 @@ def _single(program, feed):
     return [values[-1], values[2]]
 
 
-@given(lane_programs(), st.lists(st.integers(1, 4), min_size=1, max_size=6), st.booleans())
-def test_random_ragged_lane_programs_equal_each_lists_own_graph(drawn, lengths, incidence):
+@given(lane_programs(), st.lists(st.integers(1, 4), min_size=1, max_size=6))
+def test_random_ragged_lane_programs_equal_each_lists_own_graph(drawn, lengths):
     """Ragged lanes give every list what the per-element graph of its own
-    length gives (values and input gradients), their sums padded or by the
-    incidence ``dot``: no padding element is computed, so none has to be
-    neutral."""
+    length gives (values and input gradients): no padding element is
+    computed, so none has to be neutral."""
     width, program = drawn
     width = max(width, max(lengths), 2)
-    (out_r, grad_r), (out_p, grad_p) = ragged_and_reference(width, program, lengths,
-                                                            incidence=incidence)
+    (out_r, grad_r), (out_p, grad_p) = ragged_and_reference(width, program, lengths)
     for got, want in zip(out_r, out_p):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     for name in grad_p:
@@ -393,8 +386,8 @@ def test_random_ragged_lane_programs_equal_each_lists_own_graph(drawn, lengths, 
 
 def test_ragged_lanes_keep_a_lists_nan_to_itself():
     """A short list's missing slots read a constant zero row, not an
-    element: a NaN in the first list reaches no other list (the incidence
-    ``dot`` would spread it, 0 x NaN: inference never uses it)."""
+    element: a NaN in the first list reaches no other list (an incidence
+    ``dot`` would spread it, 0 x NaN)."""
     program = [('fc', 'fc', 0, False), ('pair', 'mul', 1, False)]
     lengths = [2, 1, 3, 1]
     (out, _), _ = ragged_and_reference(3, program, lengths, poison=np.nan)
@@ -446,18 +439,13 @@ def ragged_always(monkeypatch):
     monkeypatch.setitem(plan.PADDING_COST, 'family_step_us', {})
 
 
-@pytest.mark.parametrize('incidence', [False, True])
 @pytest.mark.parametrize('training', [False, True])
 @pytest.mark.parametrize('strategy', ['depth', 'agenda', 'cached'])
-def test_ragged_steps_equal_per_sample(strategy, training, incidence, ragged_always,
-                                       monkeypatch):
+def test_ragged_steps_equal_per_sample(strategy, training, ragged_always):
     """Node steps over children lists of every length run ragged, in
     inference and training, and for a cached plan on its miss, its first
     hit (recipes learned) and compiled; values and gradients equal
-    per-sample execution.  With ``incidence`` (every step small enough)
-    training sums the lists by the incidence ``dot``; inference pads them
-    still."""
-    monkeypatch.setattr(execute, 'INCIDENCE_MAX', 10 ** 9 if incidence else 0)
+    per-sample execution."""
     node, head = make_tree_model(pad_lists=True)
     pairs = random_pairs(np.random.RandomState(9), 8)
     forward = pair_forward(node, head, pairs)
@@ -474,12 +462,8 @@ def test_ragged_steps_equal_per_sample(strategy, training, incidence, ragged_alw
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=param.name)
     programs = [p for sig in node.signatures()
                 for p in (sig.programs if training else sig.inference_programs).items()]
-    dot = training and incidence
-    assert any(way and way[0] == ('ragged_dot' if dot else 'ragged')
-               for pattern, _ in programs for way in pattern)
-    assert not any(way and way[0] == ('ragged' if dot else 'ragged_dot')
-                   for pattern, _ in programs for way in pattern)
-    assert any('_zeros' in ops(program.symbol) for _, program in programs) != dot
+    assert any(way and way[0] == 'ragged' for pattern, _ in programs for way in pattern)
+    assert any('_zeros' in ops(program.symbol) for _, program in programs)
     if strategy == 'cached':    # compiled for inference; replayed in training
         assert runs[-1] == ('cached' if training else 'cached-compiled')
 
@@ -572,7 +556,7 @@ def test_ragged_elements_read_hoisted_values_by_one_take(strategy, training, rag
     node = _tree_model_matches_per_sample(strategy, training, seed=9)
     programs = [program for sig in node.signatures() for pattern, program in
                 (sig.programs if training else sig.inference_programs).items()
-                if any(way and way[0] in lower.RAGGED for way in pattern)]
+                if any(way and way[0] == 'ragged' for way in pattern)]
     assert programs and all(lower.INVERSE_SEGMENT in p.symbol.list_inputs() for p in programs)
     for program in programs:
         nodes = json.loads(program.symbol.tojson())['nodes']
@@ -641,11 +625,9 @@ def test_steps_of_many_calls_compute_tanh_by_sigmoid(strategy, training, monkeyp
     assert any('tanh' in p.symbol.tojson() for p in programs)     # the originals keep it
 
 
-def test_a_plan_learned_in_training_pads_its_lists_in_inference(ragged_always, monkeypatch):
-    """A cached plan's recipes learned while training carry the incidence
-    matrices; replayed in inference the lists are padded (a NaN stays in
-    its own list there), with per-sample values."""
-    monkeypatch.setattr(execute, 'INCIDENCE_MAX', 10 ** 9)
+def test_a_plan_learned_in_training_replays_in_inference(ragged_always):
+    """A cached plan's recipes learned while training (their ragged
+    layouts) replay in inference, with per-sample values."""
     node, head = make_tree_model(pad_lists=True)
     forward = pair_forward(node, head, random_pairs(np.random.RandomState(9), 8))
     params = list(node.collect_params().values()) + list(head.collect_params().values())
@@ -659,4 +641,4 @@ def test_a_plan_learned_in_training_pads_its_lists_in_inference(ragged_always, m
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
     inference = [way[0] for sig in node.signatures() for pattern in sig.inference_programs
                  for way in pattern if way]
-    assert 'ragged' in inference and 'ragged_dot' not in inference
+    assert 'ragged' in inference
