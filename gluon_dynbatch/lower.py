@@ -52,6 +52,7 @@ row layout of every output does not).
 """
 import json
 import re
+import threading
 
 import mxnet as mx
 import numpy as np
@@ -61,11 +62,34 @@ from .rules import NOT_FUNCTIONS, draws_random
 from .trace import leaf_count
 from .trace import load_graph as _load
 
-__all__ = ['StepProgram', 'step_program', 'element_major', 'FlushProgram', 'flush_program',
-           'share_host_part', 'host_part', 'embedding_reads', 'read_tables', 'HostSplit',
-           'host_split', 'split_host_part', 'hoisted_rest', 'ragged_lists',
+__all__ = ['ThreadCachedOp', 'StepProgram', 'step_program', 'element_major', 'FlushProgram',
+           'flush_program', 'share_host_part', 'host_part', 'embedding_reads', 'read_tables',
+           'HostSplit', 'host_split', 'split_host_part', 'hoisted_rest', 'ragged_lists',
            'compose_takes', 'tanh_by_sigmoid', 'adds_by_broadcast',
            'STATIC_ALLOC_UNDER_AUTOGRAD', 'INVERSE', 'INVERSE_SEGMENT']
+
+
+class ThreadCachedOp:
+    """A ``CachedOp`` of ``symbol`` per thread that calls it, made at its
+    first call there (the building thread's at once).  Programs live on
+    signatures, which every thread shares, and MXNet 1.9.1's CachedOp is
+    not safe to call from two threads at once: eight threads making the
+    first calls of one new CachedOp crashed (plain MXNet), and a
+    ``static_alloc`` one keeps its buffers across calls, so two threads
+    would compute in the same memory.  A thread's ops go when it ends."""
+    __slots__ = ('symbol', 'flags', '_local')
+
+    def __init__(self, symbol, flags=()):
+        self.symbol, self.flags = symbol, list(flags)
+        self._local = threading.local()
+        self._local.op = mx.nd.CachedOp(symbol, self.flags)
+
+    def __call__(self, *args):
+        try:
+            op = self._local.op
+        except AttributeError:
+            op = self._local.op = mx.nd.CachedOp(self.symbol, self.flags)
+        return op(*args)
 
 
 class StepProgram:
@@ -92,7 +116,7 @@ class StepProgram:
         if training:
             symbol = adds_by_broadcast(symbol)
         self.symbol = symbol
-        self.cached_op = mx.nd.CachedOp(
+        self.cached_op = ThreadCachedOp(
             symbol, [('static_alloc', True)] if training and STATIC_ALLOC_UNDER_AUTOGRAD else [])
         self.feeds = feeds
         self.training = training
@@ -600,7 +624,7 @@ def host_split(sig, items):
         params = {p.name: p for _, p in sig.param_slots}
         found = sig.host_splits[items] = split_host_part(sig.symbol, names, set(params))
         if found is not None:
-            found.cached_op = mx.nd.CachedOp(found.symbol)
+            found.cached_op = ThreadCachedOp(found.symbol)
             found.feeds = [('host', names.index(name)) if name in names else
                            ('param', params[name]) for name in found.symbol.list_inputs()]
             # the same parameters by identity: two blocks may name theirs alike
@@ -720,7 +744,7 @@ class FlushProgram:
         # (static_shape; ~10% faster at SICK minibatch 25).  Outputs are
         # still fresh arrays on every call (tests/test_cost.py checks it).
         flags = [('static_alloc', True)] + ([] if hoists else [('static_shape', True)])
-        self.cached_op = mx.nd.CachedOp(symbol, flags)
+        self.cached_op = ThreadCachedOp(symbol, flags)
         self.feeds = feeds
         self.out_counts = out_counts
         self.hoists = hoists

@@ -576,6 +576,78 @@ def test_threads_record_and_run_their_own_scopes():
             np.testing.assert_allclose(out, enc(tree)[0].asnumpy(), rtol=1e-5, atol=1e-6)
 
 
+def test_each_thread_calls_its_own_cached_op():
+    """A program's CachedOp is made per thread (MXNet's is not safe to call
+    from two threads at once), and a thread's own is reused."""
+    import threading
+    from gluon_dynbatch.lower import ThreadCachedOp
+    x = mx.sym.var('x')
+    program = ThreadCachedOp(mx.sym.tanh(x) * 2)
+    ops = []
+
+    def call():
+        out = program(mx.nd.ones((1, 3)))
+        ops.append(program._local.op)   # pylint: disable=protected-access
+        np.testing.assert_allclose(out.asnumpy(), 2 * np.tanh(1), rtol=1e-6)
+    call()
+    call()
+    thread = threading.Thread(target=call)
+    thread.start()
+    thread.join()
+    assert ops[0] is ops[1] and ops[2] is not ops[0]
+
+
+class FiveDense(gluon.HybridBlock):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        with self.name_scope():
+            self.dense = nn.Dense(16, in_units=16)
+
+    def hybrid_forward(self, F, x):
+        for _ in range(5):
+            x = F.tanh(self.dense(x))
+        return x
+
+
+@pytest.mark.parametrize('strategy', ['depth', 'cached'])
+def test_threads_run_new_programs_and_compiled_plans_at_once(strategy):
+    """Eight threads make the first calls of a new block's programs at once
+    (they shared one CachedOp: MXNet raised 'Graph attr dependency shape is
+    required by pass MXPlanMemory' or crashed, in about half of 150 such
+    rounds, found by a review), and with cached plans run compiled plans,
+    which keep their buffers between calls, at once; every result is the
+    per-sample one."""
+    import threading
+    x = mx.nd.array(np.random.RandomState(0).uniform(-1, 1, (24, 16)))
+    errors = []
+    for number in range(40):
+        block = dyb.DynBatchBlock(FiveDense())
+        block.initialize()
+        want = block.block(x).asnumpy()
+        start = threading.Barrier(8)
+
+        def run(seed):
+            rng = np.random.RandomState(seed)
+            chosen = dyb.CachedPlan() if strategy == 'cached' else strategy
+            try:
+                start.wait(30)
+                for _ in range(4):
+                    rows = rng.randint(1, 25) if strategy == 'depth' else 24
+                    with dyb.batching(chosen):
+                        outs = [block(x[i:i + 1]) for i in range(rows)]
+                    got = dyb.concat_rows(outs).asnumpy()
+                    if not np.allclose(got, want[:rows], rtol=1e-5, atol=1e-5):
+                        errors.append('wrong values')
+            except Exception as err:  # pylint: disable=broad-except
+                errors.append(repr(err))
+        threads = [threading.Thread(target=run, args=(number * 8 + i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors, errors[:3]
+
+
 @pytest.mark.parametrize('accelerated', [True, False])
 def test_error_value_pending_in_another_threads_scope(accelerated):
     """A value that another thread's open scope has not run yet cannot be
