@@ -395,9 +395,11 @@ def batching(strategy='auto', flush_every='auto', merge_repeats=True):
         flush_every = int(flush_every)      # numpy integers too; the C recorder reads an int
     strategy.prepare()
     scope = BatchingScope(strategy, flush_every, follow_engine, bool(merge_repeats))
-    _LOCAL.scope = scope
-    _pause_collector()
     try:
+        # inside the try: an interrupt (Ctrl-C) landing between these lines
+        # must not leave the scope installed for good
+        _LOCAL.scope = scope
+        _pause_collector()
         yield scope
     except BaseException:
         scope.abandon()
@@ -428,6 +430,8 @@ def _pause_collector():
 
 def _resume_collector():
     with _COLLECTOR_LOCK:
+        if _COLLECTOR['scopes'] == 0:   # interrupted before it paused
+            return
         _COLLECTOR['scopes'] -= 1
         if _COLLECTOR['scopes'] == 0 and _COLLECTOR['was_enabled']:
             gc.enable()
@@ -440,8 +444,8 @@ def private_scope(strategy):
     outer = current_scope()
     scope = BatchingScope(STRATEGIES[strategy] if isinstance(strategy, str) else strategy,
                           merge_repeats=False)     # a node per call: probes count them
-    _LOCAL.scope = scope
     try:
+        _LOCAL.scope = scope
         yield scope
     finally:
         scope.abandon()

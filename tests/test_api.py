@@ -648,6 +648,45 @@ def test_threads_run_new_programs_and_compiled_plans_at_once(strategy):
         assert not errors, errors[:3]
 
 
+@pytest.mark.parametrize('line', ['_LOCAL.scope = scope', '_pause_collector()'])
+def test_an_interrupt_entering_a_scope_leaves_no_scope_open(line):
+    """A KeyboardInterrupt landing while ``batching()`` installs its scope
+    (injected here by a trace function at that line) leaves no scope
+    installed and the collector as it was: the thread's next scope opens,
+    and a call outside any scope runs at once (the scope stayed installed
+    for good, found by a review)."""
+    import gc
+    from gluon_dynbatch import block as block_module
+    lines = [number for number, text in enumerate(open(block_module.__file__), 1)
+             if text.strip() == line]
+    was_enabled = gc.isenabled()
+
+    def tracer(frame, event, arg):
+        code = frame.f_code
+        if code.co_name != 'batching' or code.co_filename != block_module.__file__:
+            return None
+
+        def local(frame, event, arg):
+            if event == 'line' and frame.f_lineno in lines:
+                sys.settrace(None)
+                raise KeyboardInterrupt
+            return local
+        return local
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with dyb.batching('depth'):
+                pass
+    finally:
+        sys.settrace(None)
+    assert dyb.current_scope() is None and gc.isenabled() == was_enabled
+    block = dense()
+    assert isinstance(block(mx.nd.ones((1, 3))), mx.nd.NDArray)
+    with dyb.batching('depth'):
+        value = block(mx.nd.ones((1, 3)))
+    assert value.shape == (1, 3)
+
+
 @pytest.mark.parametrize('accelerated', [True, False])
 def test_error_value_pending_in_another_threads_scope(accelerated):
     """A value that another thread's open scope has not run yet cannot be
