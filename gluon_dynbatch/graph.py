@@ -61,8 +61,10 @@ class LazyValue:
     Its ``shape`` (per sample, leading axis 1), ``dtype`` and ``context`` are
     known at once (they are its signature's).  Reading ``.data`` or
     ``.asnumpy()`` inside a scope runs the pending calls first (batched) and
-    recording then goes on.  Only the node and the output index are stored:
-    one is made per output of every recorded call.
+    recording then goes on.  It is no NDArray: arithmetic, comparisons,
+    ``bool()`` and indexing raise a TypeError that says how to get one.
+    Only the node and the output index are stored: one is made per output
+    of every recorded call.
     """
     __slots__ = ('_node', '_index', '_data')
 
@@ -147,6 +149,11 @@ class LazyValue:
     __truediv__ = __rtruediv__ = __pow__ = __rpow__ = __neg__ = __abs__ = _not_an_ndarray
     __matmul__ = __rmatmul__ = __getitem__ = __lt__ = __le__ = __gt__ = __ge__ = \
         _not_an_ndarray
+    # per-sample code reads the NDArray's value here (``if gate(x):``,
+    # ``h == 0``), which a lazy value would answer by identity instead
+    __bool__ = __len__ = __float__ = __int__ = __index__ = __eq__ = __ne__ = \
+        _not_an_ndarray
+    __hash__ = object.__hash__      # (values are dict keys and set members by identity)
 
     def __repr__(self):
         state = ('pending', 'ready', 'failed')[self._node.state]

@@ -576,6 +576,45 @@ def test_threads_record_and_run_their_own_scopes():
             np.testing.assert_allclose(out, enc(tree)[0].asnumpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize('line', ['_LOCAL.scope = scope', '_pause_collector()'])
+def test_an_interrupt_entering_a_scope_leaves_no_scope_open(line):
+    """A KeyboardInterrupt landing while ``batching()`` installs its scope
+    (injected here by a trace function at that line) leaves no scope
+    installed and the collector as it was: the thread's next scope opens,
+    and a call outside any scope runs at once (the scope stayed installed
+    for good, found by a review)."""
+    import gc
+    from gluon_dynbatch import block as block_module
+    lines = [number for number, text in enumerate(open(block_module.__file__), 1)
+             if text.strip() == line]
+    was_enabled = gc.isenabled()
+
+    def tracer(frame, event, arg):
+        code = frame.f_code
+        if code.co_name != 'batching' or code.co_filename != block_module.__file__:
+            return None
+
+        def local(frame, event, arg):
+            if event == 'line' and frame.f_lineno in lines:
+                sys.settrace(None)
+                raise KeyboardInterrupt
+            return local
+        return local
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with dyb.batching('depth'):
+                pass
+    finally:
+        sys.settrace(None)
+    assert dyb.current_scope() is None and gc.isenabled() == was_enabled
+    block = dense()
+    assert isinstance(block(mx.nd.ones((1, 3))), mx.nd.NDArray)
+    with dyb.batching('depth'):
+        value = block(mx.nd.ones((1, 3)))
+    assert value.shape == (1, 3)
+
+
 def test_each_thread_calls_its_own_cached_op():
     """A program's CachedOp is made per thread (MXNet's is not safe to call
     from two threads at once), and a thread's own is reused."""
@@ -646,45 +685,6 @@ def test_threads_run_new_programs_and_compiled_plans_at_once(strategy):
         for thread in threads:
             thread.join()
         assert not errors, errors[:3]
-
-
-@pytest.mark.parametrize('line', ['_LOCAL.scope = scope', '_pause_collector()'])
-def test_an_interrupt_entering_a_scope_leaves_no_scope_open(line):
-    """A KeyboardInterrupt landing while ``batching()`` installs its scope
-    (injected here by a trace function at that line) leaves no scope
-    installed and the collector as it was: the thread's next scope opens,
-    and a call outside any scope runs at once (the scope stayed installed
-    for good, found by a review)."""
-    import gc
-    from gluon_dynbatch import block as block_module
-    lines = [number for number, text in enumerate(open(block_module.__file__), 1)
-             if text.strip() == line]
-    was_enabled = gc.isenabled()
-
-    def tracer(frame, event, arg):
-        code = frame.f_code
-        if code.co_name != 'batching' or code.co_filename != block_module.__file__:
-            return None
-
-        def local(frame, event, arg):
-            if event == 'line' and frame.f_lineno in lines:
-                sys.settrace(None)
-                raise KeyboardInterrupt
-            return local
-        return local
-    sys.settrace(tracer)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            with dyb.batching('depth'):
-                pass
-    finally:
-        sys.settrace(None)
-    assert dyb.current_scope() is None and gc.isenabled() == was_enabled
-    block = dense()
-    assert isinstance(block(mx.nd.ones((1, 3))), mx.nd.NDArray)
-    with dyb.batching('depth'):
-        value = block(mx.nd.ones((1, 3)))
-    assert value.shape == (1, 3)
 
 
 @pytest.mark.parametrize('accelerated', [True, False])
@@ -959,7 +959,8 @@ def test_values_read_after_record_keep_their_gradient(read):
 def test_a_lazy_value_in_ndarray_code_says_how_to_get_an_ndarray():
     """``v + 1``, ``v.sum()``, ``v[0]`` and ``np.asarray(v)`` on a lazy
     value raised bare TypeErrors / AttributeErrors or made a 0-d object
-    array; they now point to ``.data`` and ``concat_rows``.  Protocol
+    array, and ``bool(v)`` and ``v == 0`` answered for the object; they
+    now point to ``.data`` and ``concat_rows``.  Protocol
     probes (copy, pickle, numpy's) still see plain missing attributes."""
     import copy
     block = dyb.DynBatchBlock(nn.Dense(4, in_units=3))
@@ -967,7 +968,11 @@ def test_a_lazy_value_in_ndarray_code_says_how_to_get_an_ndarray():
     with dyb.batching():
         value = block(mx.nd.ones((1, 3)))
         for attempt in (lambda: value + 1, lambda: 2 * value, lambda: -value,
-                        lambda: value[0], lambda: np.asarray(value)):
+                        lambda: value[0], lambda: np.asarray(value),
+                        # read the value per sample; answered by identity before
+                        # (found by a review)
+                        lambda: bool(value), lambda: value == 0, lambda: value != 0,
+                        lambda: len(value), lambda: float(value)):
             with pytest.raises(TypeError, match=r'dense\d+.*value\.data.*concat_rows'):
                 attempt()
         with pytest.raises(AttributeError, match=r"no attribute 'sum'.*value\.data"):
@@ -975,4 +980,5 @@ def test_a_lazy_value_in_ndarray_code_says_how_to_get_an_ndarray():
         assert not hasattr(value, '__array_interface__')
         assert copy.copy(value)._node is value._node
         assert not value.ready
+        assert {value: 1}[value] == 1 and value in {value}     # keys by identity
     np.testing.assert_allclose(value.asnumpy(), block(mx.nd.ones((1, 3))).asnumpy(), rtol=1e-6)
