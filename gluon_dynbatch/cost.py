@@ -30,8 +30,8 @@ import mxnet as mx
 
 from .execute import run_plan
 from .lower import BUILT
-from .plan import (PADDING_COST, SETUP, STRATEGIES, Agenda, ByDepth, CachedPlan, PerSample,
-                   Strategy, summarize)
+from .plan import (PADDING_COST, PLANNING, SETUP, STRATEGIES, Agenda, ByDepth, CachedPlan,
+                   PerSample, Strategy, summarize)
 
 __all__ = ['CostModel', 'Auto', 'default_cost_model', 'ANALYSE_US']
 
@@ -367,7 +367,21 @@ class Auto(Strategy):
     def prepare(self):
         self.model  # calibrate now, outside any timed flush
 
+    @property
+    def last(self):
+        """What this thread's last :meth:`plan` chose and predicted (for
+        :meth:`observe` and ``stats()``)."""
+        return getattr(self._thread_state(), 'last', {})
+
+    @last.setter
+    def last(self, value):
+        self._thread_state().last = value
+
     def plan(self, nodes, summary=None):
+        with PLANNING:
+            return self._plan(nodes, summary)
+
+    def _plan(self, nodes, summary):
         self.last_compile_s = 0.0
         if len(nodes) < self.small:
             # Deciding costs more than any choice could save on a graph this
@@ -616,6 +630,10 @@ class Auto(Strategy):
         self._ratios[kind] = old + 0.3 * (ratio - old)
 
     def observe(self, plan, step_seconds, analyse_s, nodes):
+        with PLANNING:
+            self._observe(plan, step_seconds, analyse_s, nodes)
+
+    def _observe(self, plan, step_seconds, analyse_s, nodes):
         timed = step_seconds is not None
         if timed and plan.program is None:      # a compiled plan has no per-step times
             self.model.observe_steps(plan, step_seconds)

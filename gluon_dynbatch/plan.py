@@ -19,6 +19,7 @@ Calls whose signature is not batch-safe always run one per step.  Calls are
 grouped by their signature's ``group_key``: the signature itself, or its
 family when the block allows zero-padded lists (``pad_lists``).
 """
+import threading
 import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
@@ -177,12 +178,38 @@ def _split_buckets(widths, counts, step_us=None):
     return buckets[::-1], best[n]
 
 
+PLANNING = threading.RLock()
+"""Held while a strategy that keeps state across flushes (:class:`CachedPlan`,
+:class:`~gluon_dynbatch.cost.Auto`) plans or learns: the instances of
+:data:`STRATEGIES` serve the scopes of every thread (two threads once
+raced on the cache of compiled plans)."""
+
+
 class Strategy:
     """Interface: ``plan(nodes, summary=None) -> Plan`` for nodes in recording
     order (``summary``: see :func:`summarize`), and
-    ``observe(...)``, told what the plan then cost."""
+    ``observe(...)``, told what the plan then cost.  What a strategy says
+    of its last plan (``last_compile_s``, ``Auto.last``) is kept per
+    thread."""
     name = 'strategy'
-    last_compile_s = 0.0   # of the last plan(): compiling a whole plan (cached plans)
+
+    def _thread_state(self):
+        """This thread's record of the strategy's last plan."""
+        state = self.__dict__.get('_per_thread')
+        if state is None:
+            with PLANNING:
+                state = self.__dict__.setdefault('_per_thread', threading.local())
+        return state
+
+    @property
+    def last_compile_s(self):
+        """Seconds this thread's last :meth:`plan` spent compiling a whole
+        plan (cached plans), part of its analysis time."""
+        return getattr(self._thread_state(), 'compile_s', 0.0)
+
+    @last_compile_s.setter
+    def last_compile_s(self, seconds):
+        self._thread_state().compile_s = seconds
 
     def plan(self, nodes, summary=None):
         raise NotImplementedError
@@ -401,10 +428,11 @@ class CachedPlan(Strategy):
     from a recipe (earlier steps' outputs and a gather index already on the
     device) instead of per row.  On a miss, plan with ``fallback`` (a
     :class:`Strategy`, or ``'per-sample'``, ``'depth'`` or ``'agenda'``;
-    by default a new :class:`ByDepth`) and remember the result (at most ``capacity`` structures and ``max_calls``
-    calls over all of them, the oldest dropped first: a stored plan keeps
-    ~60 bytes of Python per call, and with entries alone as the bound a
-    cache of minibatches of 1,024 pairs could grow to ~4.6 GB).
+    by default a new :class:`ByDepth`) and remember the result (at most
+    ``capacity`` structures and ``max_calls`` calls over all of them, the
+    oldest dropped first: a stored plan keeps ~60 bytes of Python per call,
+    and with entries alone as the bound a cache of minibatches of 1,024
+    pairs could grow to ~4.6 GB).
 
     The first run of a stored plan (its first hit) learns its recipes; a
     miss runs like the fallback's plan.  A structure that has come back
@@ -448,6 +476,10 @@ class CachedPlan(Strategy):
         return key, self.cache.get(key)
 
     def plan(self, nodes, summary=None, key=None):
+        with PLANNING:
+            return self._plan(nodes, summary, key)
+
+    def _plan(self, nodes, summary, key):
         self.last_compile_s = 0.0
         if key is None:
             key, entry = self.lookup(nodes, summary)

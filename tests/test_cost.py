@@ -820,3 +820,36 @@ def test_cached_plans_are_bounded_by_calls_as_well_as_entries():
                 value = block(value)
     assert cached.calls == sum(entry.calls for entry in cached.cache.values()) <= 100
     assert sorted(entry.calls for entry in cached.cache.values()) == [30, 60]
+
+
+def test_a_strategy_keeps_what_it_says_of_its_last_plan_per_thread():
+    """The instances of STRATEGIES serve every thread's scopes: what one
+    says of its last plan (Auto.last, which its observe() learns from, and
+    last_compile_s) is the calling thread's, not another thread's flush
+    (found by a review), and planning holds plan.PLANNING."""
+    import threading
+    from gluon_dynbatch import plan as plan_module
+    auto = dyb.Auto()
+    auto.last = {'choice': 'agenda'}
+    auto.last_compile_s = 0.5
+    seen = []
+
+    def other():
+        seen.append((dict(auto.last), auto.last_compile_s))
+        auto.last = {'choice': 'depth'}
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert seen == [({}, 0.0)]
+    assert auto.last == {'choice': 'agenda'} and auto.last_compile_s == 0.5
+    held = []
+
+    class Watching(dyb.ByDepth):
+        def plan(self, nodes, summary=None):
+            held.append(plan_module.PLANNING._is_owned())  # pylint: disable=protected-access
+            return super().plan(nodes, summary)
+    block = dyb.DynBatchBlock(nn.Dense(2, in_units=2))
+    block.initialize()
+    with dyb.batching(dyb.CachedPlan(fallback=Watching())):
+        block(mx.nd.ones((1, 2)))
+    assert held == [True]
