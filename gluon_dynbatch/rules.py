@@ -270,8 +270,11 @@ def _layer_norm(op):
 register_batching_rule('concat', 'Concat')(_axis_rule('dim', 1, need_all_batched=True))
 register_batching_rule('stack')(_axis_rule('axis', 0, need_all_batched=True, added=1))
 register_batching_rule('expand_dims')(_axis_rule('axis', None, added=1))
-register_batching_rule('slice_axis', 'SliceChannel', 'split', 'repeat',
-                       'argmax', 'argmin')(_axis_rule('axis', None))
+register_batching_rule('slice_axis', 'repeat', 'argmax', 'argmin')(_axis_rule('axis', None))
+# SliceChannel (split) cuts along axis 1 unless told otherwise: Gluon's
+# LSTMCell and GRUCell slice their gates so, and ran per sample while a
+# missing axis was taken for every axis
+register_batching_rule('SliceChannel', 'split')(_axis_rule('axis', 1))
 register_batching_rule('softmax', 'log_softmax')(_softmax)
 register_batching_rule('sum', 'mean', 'max', 'min', 'prod', 'nansum', 'nanprod')(_reduction)
 register_batching_rule('norm', 'squeeze')(_axis_rule('axis', None))

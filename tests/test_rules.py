@@ -273,3 +273,31 @@ def test_softmax_with_a_shared_length_runs_per_sample(per_sample):
     assert batch_safe == per_sample, reason
     if not per_sample:
         assert 'softmax' in reason, reason
+
+
+@pytest.mark.parametrize('strategy', ['depth', 'agenda', 'auto'])
+@pytest.mark.parametrize('cell_type', ['LSTMCell', 'GRUCell', 'RNNCell'])
+def test_gluons_own_rnn_cells_batch(cell_type, strategy):
+    """Gluon's LSTMCell and GRUCell cut their gates with ``SliceChannel``,
+    whose axis is 1 unless given: taken for every axis, they ran per
+    sample (found by a review).  Sequences of lengths 1-6 through each
+    cell: the steps batch, and values and gradients (inputs' too) equal
+    per-sample execution."""
+    cell = dyb.DynBatchBlock(getattr(gluon.rnn, cell_type)(8, input_size=4))
+    cell.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(2)
+    seqs = [[mx.nd.array(rng.uniform(-1, 1, (1, 4))) for _ in range(rng.randint(1, 7))]
+            for _ in range(6)]
+
+    def forward():
+        outs = []
+        for seq in seqs:
+            states = cell.block.begin_state(batch_size=1)
+            for x in seq:
+                out, states = cell(x, states)
+            outs.append(out)
+        return outs
+    assert_same(run_both(forward, [cell], [x for seq in seqs for x in seq], strategy))
+    assert all(sig.batch_safe for sig in cell.signatures()), \
+        [sig.reason for sig in cell.signatures()]
+    assert dyb.stats()['last']['steps'] <= max(len(seq) for seq in seqs)
