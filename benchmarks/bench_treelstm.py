@@ -430,7 +430,6 @@ class DynBatchForm:
                           [h for h, _ in states], [c for _, c in states])
 
     def __call__(self, pairs, deadline=None):
-        import mxnet as mx
         with self.dyb.batching(self.strategy):
             preds = [self.dhead(self.encode(a_tree, a_ids)[0], self.encode(b_tree, b_ids)[0])
                      for a_ids, a_tree, b_ids, b_tree in pairs]
@@ -1109,7 +1108,6 @@ def main(argv=None):
         settings = [parse_setting(name) for name in args.settings]
 
     import mxnet as mx  # pylint: disable=import-outside-toplevel
-    import numpy as np  # pylint: disable=import-outside-toplevel
     import gluon_dynbatch as dyb  # pylint: disable=import-outside-toplevel
 
     config = runtime_config(args, mx)

@@ -945,7 +945,7 @@ def plot(results, path, title):
                 xs.append(j + (i - len(names) / 2 + 0.5) * width)
                 ys.append(cell['total_ms'] / best)
                 labels.append(cell['total_ms'])
-        bars = ax.bar(xs, ys, width, color=COLORS[n], label=n,
+        ax.bar(xs, ys, width, color=COLORS[n], label=n,
                       edgecolor='k' if n == 'auto' else None)
         for x, y, ms in zip(xs, ys, labels):
             ax.text(x, min(y, 3.9) + 0.03, '%.0f' % ms if ms >= 10 else '%.1f' % ms,

@@ -15,7 +15,7 @@ from mxnet import gluon
 
 import gluon_dynbatch as dyb
 from gluon_dynbatch import accel
-from gluon_dynbatch.block import BatchingScope, _signature_key, private_scope
+from gluon_dynbatch.block import _signature_key, private_scope
 from gluon_dynbatch.execute import ZeroRow, collect, host_array, run_plan
 from gluon_dynbatch.graph import LazyValue
 from gluon_dynbatch.models import ChildSumTreeLSTMCell
@@ -350,7 +350,7 @@ def test_padded_list_gathers_match_python():
 def test_compact_list_gathers_match_python(seed, monkeypatch):
     """Tree-LSTM steps that may run ragged (padding priced out) gather their
     lists' elements only, in C as in Python."""
-    from gluon_dynbatch import execute, plan
+    from gluon_dynbatch import plan
     from test_equivalence import make_tree_model, pair_forward, random_pairs
     monkeypatch.setitem(plan.PADDING_COST, 'elem_us', 1e6)
     monkeypatch.setitem(plan.PADDING_COST, 'family_step_us', {})

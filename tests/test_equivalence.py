@@ -10,7 +10,7 @@ import gluon_dynbatch as dyb
 from gluon_dynbatch.models import ChildSumTreeLSTMCell, Similarity, TreeLSTMNode
 
 import test_accel
-from helpers import (AcrossBatch, InputPlusState, Tree, TwoOutputs, assert_same, follow_engine,
+from helpers import (AcrossBatch, InputPlusState, TwoOutputs, assert_same, follow_engine,
                      random_tree, run_both, tree_from_parents)
 
 STRATEGIES = ['depth', 'agenda', 'per-sample', 'cached', 'auto']
