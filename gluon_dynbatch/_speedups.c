@@ -580,11 +580,15 @@ static int call_words(CallWords *cw, PyObject *const *args, Py_ssize_t nargs,
         int rc;
         if (PyList_CheckExact(arg) || PyTuple_CheckExact(arg)) {
             Py_ssize_t len = PySequence_Fast_GET_SIZE(arg);
-            PyObject **elems = PySequence_Fast_ITEMS(arg);
             if (!push_call_word(cw, LIST_WORD - len)) return 0;
-            for (Py_ssize_t j = 0; j < len; j++)
-                if ((rc = leaf_words(cw, elems[j], depth, marks, n_marks, scope)) != 1)
+            for (Py_ssize_t j = 0; j < len; j++) {
+                /* leaf_words may allocate, and a collection run Python code
+                 * that changes the list: re-read it, give up if resized */
+                if (PySequence_Fast_GET_SIZE(arg) != len) return 0;
+                if ((rc = leaf_words(cw, PySequence_Fast_ITEMS(arg)[j], depth, marks, n_marks,
+                                     scope)) != 1)
                     return rc;
+            }
         } else if ((rc = leaf_words(cw, arg, depth, marks, n_marks, scope)) != 1) {
             return rc;
         }
@@ -593,7 +597,12 @@ static int call_words(CallWords *cw, PyObject *const *args, Py_ssize_t nargs,
         PyObject *ctx = default_context();
         PyObject *ctx_key = ctx ? context_key(ctx) : NULL;
         Py_XDECREF(ctx);
-        if (ctx_key == NULL) { PyErr_Clear(); return 0; }
+        if (ctx_key == NULL) {
+            if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_Exception))
+                return -1;              /* an interrupt: now */
+            PyErr_Clear();
+            return 0;
+        }
         int ok = push_call_word(cw, CONTEXT_WORD)
             && push_call_word(cw, PyLong_AsLongLong(PyTuple_GET_ITEM(ctx_key, 0)))
             && push_call_word(cw, PyLong_AsLongLong(PyTuple_GET_ITEM(ctx_key, 1)));
@@ -823,11 +832,11 @@ static PyObject *repeat_key(long sig_id, PyObject *const *leaves, Py_ssize_t n)
 
 /* The lazy results of ``node``, nested as ``info``'s outputs
  * (graph.lazy_results). */
-static PyObject *lazy_results(PyObject *node, SigInfo *info)
+static PyObject *lazy_results(PyObject *node, int results)
 {
-    if (info->results == RESULTS_ONE)
+    if (results == RESULTS_ONE)
         return new_lazy(node, int_zero);
-    if (info->results == RESULTS_PAIR) {
+    if (results == RESULTS_PAIR) {
         PyObject *first = new_lazy(node, int_zero);
         PyObject *second = first ? new_lazy(node, int_one) : NULL;
         PyObject *result = second ? PyTuple_Pack(2, first, second) : NULL;
@@ -965,7 +974,7 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
                 ctx = Py_NewRef(leaf_ctx);  /* owned: done: drops it on every exit */
             else {
                 int differ = PyObject_RichCompareBool(leaf_ctx, ctx, Py_NE);
-                if (differ) { Py_DECREF(shape); PyErr_Clear(); BAIL(fallback); }
+                if (differ) { Py_DECREF(shape); BAIL(fallback); }
             }
         }
         if (leaf_dtype != dtype) {
@@ -1008,9 +1017,14 @@ have_signature:
 
     SigInfo *info = sig_info(sig);
     if (info == NULL) BAIL(error);
+    /* copied now: any allocation below may start a collection whose
+     * finalizers (or another thread) replace this sig_cache entry */
+    const long sig_id = info->sig_id;
+    const int results_kind = info->results, repeatable = info->repeatable;
+    info = NULL;
     /* a repeat of an earlier call (BatchingScope.record): its results */
-    if (host_only && info->repeatable && PyDict_CheckExact(SLOT(scope, sc_repeats))) {
-        repeat = repeat_key(info->sig_id, leaf_items, leaf_count);
+    if (host_only && repeatable && PyDict_CheckExact(SLOT(scope, sc_repeats))) {
+        repeat = repeat_key(sig_id, leaf_items, leaf_count);
         if (repeat == NULL && PyErr_Occurred()) BAIL(error);
         PyObject *first = repeat ? PyDict_GetItemWithError(SLOT(scope, sc_repeats), repeat)
                                  : NULL;
@@ -1023,7 +1037,8 @@ have_signature:
             PyObject *next = PyLong_FromLong(repeated + 1);
             if (next == NULL) BAIL(error);
             set_slot(scope, sc_repeated, next);
-            result = first == first_node ? lazy_results(first_node, info) : Py_NewRef(first);
+            result = first == first_node ? lazy_results(first_node, results_kind)
+                                         : Py_NewRef(first);
             if (result == NULL) BAIL(error);
             ((TapeObject *)tape)->ticks += ticks_since(start);
             goto done;
@@ -1060,10 +1075,9 @@ have_signature:
     if (PyList_Append(pending, node)) BAIL(error);
     /* read before lazy_results: for other nestings it runs Python code,
      * during which another thread may replace this sig_cache entry */
-    int results_kind = info->results;
-    push_node(&((TapeObject *)tape)->words, info->sig_id, leaves);
+    push_node(&((TapeObject *)tape)->words, sig_id, leaves);
     ((TapeObject *)tape)->nodes++;
-    result = lazy_results(node, info);
+    result = lazy_results(node, results_kind);
     if (result == NULL) BAIL(error);
     /* a later equal call gets these very results when they are lazy
      * values (immutable), else new ones of this node */
@@ -1097,7 +1111,8 @@ fallback:
     if (!PyErr_Occurred()) {
         result = Py_None;
         Py_INCREF(result);
-    } else if (PyErr_ExceptionMatches(PyExc_MemoryError)) {
+    } else if (PyErr_ExceptionMatches(PyExc_MemoryError)
+               || !PyErr_ExceptionMatches(PyExc_Exception)) {   /* an interrupt: now */
         result = NULL;
     } else {                    /* let the Python version meet (and report) it */
         PyErr_Clear();
@@ -2089,11 +2104,12 @@ static PyObject *depth_groups(PyObject *self, PyObject *nodes)
         }
         DepthSig *group = &table[slot];
         if (group->sig == NULL) {
+            PyObject *family_obj = info->family;    /* before PyList_New (a collection) */
             if ((group->members = PyList_New(0)) == NULL) goto error;
             group->sig = sig;
             group->depth = depth;
             group->depth_obj = depth_obj;
-            group->family = info->family;
+            group->family = family_obj;
             order[n_groups++] = slot;
         }
         if (PyList_Append(group->members, node)) goto error;

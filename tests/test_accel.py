@@ -606,6 +606,86 @@ def test_rejected_calls_leave_the_context_they_read_alone(first):
     assert sys.getrefcount(ctx) == before
 
 
+class PairOut(gluon.HybridBlock):
+    def hybrid_forward(self, F, x):
+        return x * 2, x + 1
+
+
+def test_a_collection_replacing_the_signature_cache_entry_mid_call():
+    """The C recorder kept a pointer into its signature cache across
+    allocations; a collection started by one may run Python code (here a gc
+    callback) that reads another signature into that cache entry, and the
+    call then returned the other signature's nesting (a pair for a
+    one-output Dense) and wrote its id on the tape, whose cached plan
+    could then run (found by a review).  Now what the call needs is copied
+    out first."""
+    import gc
+    if not accel.record:
+        pytest.skip('no C extension')
+    from gluon_dynbatch import _speedups
+    x = np.ones((1, 3), np.float32)
+    one = dyb.DynBatchBlock(gluon.nn.Dense(3, flatten=False))
+    one.initialize()
+    pairs = [dyb.DynBatchBlock(PairOut()) for _ in range(200)]
+    with dyb.batching('depth'):
+        first = one(x)
+        nodes = [pair(x)[0]._node for pair in pairs]
+    mine = first._node.sig
+
+    def slot(sig):
+        return (id(sig) >> 4) % 64     # _speedups.c: SIG_CACHE
+    other = next((node for node in nodes if slot(node.sig) == slot(mine)), None)
+    if other is None:
+        pytest.skip('no signature shares the cache entry this time')
+
+    def callback(phase, info):
+        if phase == 'start':
+            _speedups.count_groups([other])
+    was_enabled = gc.isenabled()
+    for threshold in range(1, 5):
+        with dyb.batching('depth', merge_repeats=False) as scope:
+            one(x)
+            scope.tape.take()
+            gc.callbacks.append(callback)
+            gc.set_threshold(threshold)
+            gc.enable()
+            try:
+                gc.collect()
+                value = one(x)
+            finally:
+                gc.disable()
+                gc.callbacks.remove(callback)
+                gc.set_threshold(700)
+            words = np.frombuffer(scope.tape.take()[0], np.int32)
+            scope.pending.clear()
+        assert isinstance(value, dyb.LazyValue), type(value)
+        assert words[0] == mine.sig_id, (words, mine.sig_id, other.sig.sig_id)
+    if was_enabled:
+        gc.enable()
+
+
+def test_an_interrupt_inside_the_c_recorder_reaches_the_caller(monkeypatch):
+    """A KeyboardInterrupt raised by Python code the C recorder runs (here
+    ``Context.__ne__``, called for two NDArray leaves) was cleared, and the
+    call recorded anyway (found by a review); it now propagates, as in the
+    pure-Python path."""
+    if not accel.record:
+        pytest.skip('no C extension')
+    add = dyb.DynBatchBlock(AddTwo())
+    a, b = mx.nd.ones((1, 3)), mx.nd.ones((1, 3))
+    real = mx.Context.__ne__
+
+    def interrupted(self, other):
+        mx.Context.__ne__ = real         # the signal arrives once
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        with dyb.batching('depth'):
+            add(a, b)
+            add(a, b)
+            monkeypatch.setattr(mx.Context, '__ne__', interrupted)
+            add(a, b)
+
+
 @pytest.mark.parametrize('strategy', ['depth', 'cached', 'auto'])
 def test_pure_python_path_equals_per_sample(pure_python, strategy):
     blocks = Blocks()
