@@ -19,12 +19,14 @@ setup(
     # CPU kernel (gluon_dynbatch/optim.py).  Optional: without a compiler the
     # install goes on and everything runs in pure Python and MXNet ops.
     ext_modules=[Extension('gluon_dynbatch._speedups', ['gluon_dynbatch/_speedups.c'],
+                           depends=['gluon_dynbatch/_pycompat.h'],
                            extra_compile_args=['-O2'], optional=True),
                  # -fno-math-errno lets the square roots vectorise; the
                  # arithmetic stays IEEE float32 (no -ffast-math); -fexceptions
                  # lets an MXNet error raised in a C++ function it calls
                  # unwind through it to the engine, which reports it
                  Extension('gluon_dynbatch._adagrad', ['gluon_dynbatch/_adagrad.c'],
+                           depends=['gluon_dynbatch/_pycompat.h'],
                            extra_compile_args=['-O3', '-fno-math-errno', '-ffp-contract=off',
                                                '-fexceptions'],
                            optional=True)],

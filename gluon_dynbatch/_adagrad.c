@@ -55,6 +55,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include "_pycompat.h"
 #include <stdint.h>
 #include <stdlib.h>
 

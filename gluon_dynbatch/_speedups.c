@@ -33,6 +33,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include "_pycompat.h"
 #include <structmember.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -122,6 +123,10 @@ static PyObject *configure(PyObject *self, PyObject *args)
 
 static inline long small_int(PyObject *value)
 {
+    if (value != NULL && !PyLong_Check(value)) {   /* before 3.10 a float's int() was taken */
+        PyErr_SetString(PyExc_TypeError, "an int was expected");
+        return -1;
+    }
     return value == NULL ? -1 : PyLong_AsLong(value);
 }
 
