@@ -208,8 +208,8 @@ def test_script_missing_data_fails_clearly(tmp_path):
 
 def test_script_malformed_data_and_bad_paths_fail_clearly(sick_dir, tmp_path):
     """A score outside [1, 5] (it trained on a wrong target before), a
-    missing embeddings file and an output folder that cannot be made end
-    the script with a message (exit 2), not a traceback."""
+    missing or malformed embeddings file and an output folder that cannot
+    be made end the script with a message (exit 2), not a traceback."""
     import shutil
     data = tmp_path / 'sick'
     for split in ('train', 'dev', 'test'):
@@ -219,11 +219,15 @@ def test_script_malformed_data_and_bad_paths_fail_clearly(sick_dir, tmp_path):
     sim.write_text('\n'.join(['0.5'] + lines[1:]))
     blocked = tmp_path / 'file'
     blocked.write_text('not a folder')
+    bad_vectors = tmp_path / 'bad.txt'      # (a traceback before, found by a review)
+    bad_vectors.write_text('the 1 2 3\nA 4 5\n')
     out = tmp_path / 'out'
     for argv, message in (
             (['--data', data, '--out', out], r'sim\.txt line 1: bad score'),
             (['--data', sick_dir, '--out', out, '--embeddings', tmp_path / 'no.txt'],
              'no.txt: no such file'),
+            (['--data', sick_dir, '--out', out, '--train-limit', '20', '--embeddings',
+              bad_vectors], 'bad.txt line 2'),
             (['--data', sick_dir, '--out', blocked / 'out'], 'cannot create the output folder')):
         proc = _run_script(*argv, timeout=120)
         assert proc.returncode == 2, proc.stderr

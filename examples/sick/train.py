@@ -180,17 +180,24 @@ class Model:
         self.head.load_parameters(prefix + 'head.params')
 
 
-def build_model(vocab, args, ctx=None):
+def read_embeddings(vocab, args):
+    """``(matrix, tokens found)``: the ``--embeddings`` file's vectors for
+    ``vocab`` (random for the rest, seeded), or all random without one."""
+    return make_embedding_matrix(vocab, dim=args.embed_size, path=args.embeddings,
+                                 seed=args.seed)
+
+
+def build_model(vocab, args, ctx=None, embeddings=None):
     """Seeded model: identical weights for every call with the same args.
 
-    Returns the model and the number of vocabulary tokens found in the
-    ``--embeddings`` file (0 without one).
+    ``embeddings``: :func:`read_embeddings`'s result, read here when not
+    given.  Returns the model and the number of vocabulary tokens found in
+    the ``--embeddings`` file (0 without one).
     """
     ctx = ctx or mx.cpu()
+    matrix, n_found = embeddings or read_embeddings(vocab, args)
     mx.random.seed(args.seed)
     np.random.seed(args.seed)
-    matrix, n_found = make_embedding_matrix(vocab, dim=args.embed_size,
-                                            path=args.embeddings, seed=args.seed)
     node = dyb.DynBatchBlock(TreeLSTMNode(len(vocab), matrix.shape[1], args.hidden_size,
                                           sparse_grad=True))  # see TreeLSTMNode
     head = dyb.DynBatchBlock(Similarity(args.sim_hidden_size, NUM_CLASSES,
@@ -320,11 +327,11 @@ def epoch_orders(n, epochs, seed):
     return [rng.permutation(n) for _ in range(epochs)]
 
 
-def run(mode, args, data, vocab, out_dir, log=print):
+def run(mode, args, data, vocab, out_dir, log=print, embeddings=None):
     """Train ``mode`` for ``args.epochs`` from the seed, keep the best dev
     checkpoint, reload it and evaluate on test.  Returns a results dict."""
     progress = not args.no_progress
-    model, n_found = build_model(vocab, args)
+    model, n_found = build_model(vocab, args, embeddings=embeddings)
     trainer = make_trainer(model, args)
     ckpt = os.path.join(out_dir, '%s-' % mode)
     train, dev, test = data['train'], data['dev'], data['test']
@@ -510,6 +517,11 @@ def main(args):
     except (OSError, ValueError) as err:     # malformed data files: the error names them
         print('error: %s' % err, file=sys.stderr)
         return 2
+    try:        # once for every mode (a GloVe file is GBs), its errors as the data's
+        embeddings = read_embeddings(vocab, args)
+    except (OSError, ValueError) as err:
+        print('error: %s' % err, file=sys.stderr)
+        return 2
     settings = dict(vars(args), data=str(data_dir), out=out_dir, modes=modes,
                     n_train=len(data['train']), n_dev=len(data['dev']),
                     n_test=len(data['test']), vocab_size=len(vocab))
@@ -532,7 +544,7 @@ def main(args):
 
     runs = []
     for mode in modes:
-        runs.append(run(mode, args, data, vocab, out_dir))
+        runs.append(run(mode, args, data, vocab, out_dir, embeddings=embeddings))
         sys.stdout.flush()
 
     results = {'settings': settings, 'env': env, 'versions': versions(),
