@@ -154,8 +154,8 @@ class FusedAdaGrad(mx.optimizer.AdaGrad):
     ``'fusedadagrad'``.  Weights that are not dense float32 take AdaGrad's
     own path."""
 
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
+    def __init__(self, eps=1e-7, **kwargs):     # AdaGrad's signature: eps may come first
+        super().__init__(eps=eps, **kwargs)
         # MXNet's Updater then hands over a Trainer step's updates in one
         # call, and the kernel waits for the backward pass once for all
         self.aggregate_num = sys.maxsize

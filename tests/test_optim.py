@@ -403,3 +403,11 @@ def test_an_op_that_failed_before_the_step_is_reported(way):
     with pytest.raises(mx.base.MXNetError, match='out of bound'):
         trainer.step(2)
         net.weight.data().asnumpy()
+
+
+def test_takes_adagrads_arguments_as_adagrad_does():
+    """``eps`` may come first, as in ``mx.optimizer.AdaGrad(eps)`` (a
+    TypeError before, found by a review)."""
+    opt = optim.FusedAdaGrad(1e-6, learning_rate=0.1)
+    assert opt.float_stable_eps == 1e-6 and opt.lr == 0.1
+    assert optim.FusedAdaGrad().float_stable_eps == mx.optimizer.AdaGrad().float_stable_eps
