@@ -141,7 +141,7 @@ def trace_signature(sig_id, block, fmt, shapes, dtypes):
     # op of the graph, and a program built on it would lose it: copy it
     out_leaves = [mx.sym.identity(leaf) if leaf.get_children() is None else leaf
                   for leaf in out_leaves]
-    symbol = out_leaves[0] if len(out_leaves) == 1 else mx.sym.Group(out_leaves)
+    symbol = unique_op_names(out_leaves[0] if len(out_leaves) == 1 else mx.sym.Group(out_leaves))
 
     # an argument the block ignores is no input of its graph (its rows are
     # still gathered, and nothing reads them)
@@ -246,6 +246,36 @@ def prelu_by_ops(symbol, known):
         scaled = add(name + '_scaled', 'broadcast_mul', [alpha, negative])
         moved[old] = add(name, 'broadcast_add', [positive, scaled])[0]
     return load_graph(graph, out, [[moved[e[0]], e[1], 0] for e in graph['heads']])
+
+
+def unique_op_names(symbol):
+    """``symbol`` with a name of its own for every op.  Gluon names a child
+    block's ops by the child (``<prefix>fwd``), so a block calling one child
+    twice has ops named alike, and the passes that find an op or its shape
+    by name took one for the other: the batch-safety check judged the
+    first call's ``sum`` by the second's input shape (wrong values, as
+    batch-safe), and the host-part split failed to find an op once.  A
+    repeated name gets ``_dup<k>``; inputs keep theirs (they are bound by
+    name)."""
+    graph = json.loads(symbol.tojson())
+    nodes = graph['nodes']
+    seen, taken = {}, {node['name'] for node in nodes}
+    renamed = False
+    for node in nodes:
+        if node['op'] == 'null':
+            continue
+        name = node['name']
+        if name in seen:
+            count = seen[name]
+            while '%s_dup%d' % (name, count) in taken:
+                count += 1
+            seen[name] = count + 1
+            node['name'] = '%s_dup%d' % (name, count)
+            taken.add(node['name'])
+            renamed = True
+        else:
+            seen[name] = 1
+    return load_graph(graph, nodes, graph['heads']) if renamed else symbol
 
 
 def load_graph(graph, nodes, heads):

@@ -301,3 +301,38 @@ def test_gluons_own_rnn_cells_batch(cell_type, strategy):
     assert all(sig.batch_safe for sig in cell.signatures()), \
         [sig.reason for sig in cell.signatures()]
     assert dyb.stats()['last']['steps'] <= max(len(seq) for seq in seqs)
+
+
+class Relu(gluon.HybridBlock):
+    def hybrid_forward(self, F, x):
+        return F.relu(x)
+
+
+class SameChildTwice(gluon.HybridBlock):
+    """Calls one child block twice: Gluon names both calls' ops alike.  The
+    first ``sum`` (on a ``(1, 4)`` input) acts on the batch axis."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.act = Relu()
+
+    def hybrid_forward(self, F, x, y):
+        rows = F.sum(self.act(x), axis=-2, keepdims=True)
+        return F.broadcast_add(x, rows) + F.sum(self.act(y), axis=-2)
+
+
+def test_a_child_called_twice_is_judged_by_each_calls_shapes():
+    """The batch-safety check found an op's input shape by the op's name;
+    a child block called twice has its ops named alike, so the first
+    call's ``sum`` was judged by the second's ``(1, 3, 4)`` input, the
+    block taken for batch-safe and its batched values wrong (found by a
+    fuzzer).  Ops now get names of their own when traced."""
+    block = dyb.DynBatchBlock(SameChildTwice())
+    block.initialize()
+    rng = np.random.RandomState(0)
+    calls = [(mx.nd.array(rng.rand(1, 4)), mx.nd.array(rng.rand(1, 3, 4))) for _ in range(5)]
+    assert_same(run_both(lambda: [block(x, y) for x, y in calls], [block],
+                         [a for call in calls for a in call], 'depth'))
+    batch_safe, reason = _verdict(block)
+    assert not batch_safe and 'sum acts on the batch axis' in reason, reason
