@@ -461,7 +461,11 @@ def concat_rows(values):
     batched step, e.g. one loss head per sample) instead of N row slices and
     a concat: at minibatch 256 those slices cost more than some whole steps.
     Pending values are computed first; the result is differentiable under
-    ``autograd.record()``.  Treat it as read-only: when the values are all
+    ``autograd.record()``.  Like ``.data``, it stays in the values' autograd
+    graph wherever it is read (per sample the values are the recorded
+    arrays themselves), under ``autograd.pause()`` too, where a ``concat``
+    would leave the graph: call ``.detach()`` on it there.  Treat it as
+    read-only: when the values are all
     the rows of one step it *is* that step's output, which their ``.data``
     reads (copy it before writing into it in place).
     """
