@@ -630,7 +630,11 @@ def check_padding_is_neutral(dblock, sig, padded):
     with zeros to ``padded``, for each range of
     :data:`PADDING_CHECK_RANGES`: once as it is, and once as the traced
     symbols (what batched steps run) with random values for every
-    parameter; raise unless the outputs agree.  The parameters as they
+    parameter; raise unless the outputs agree, and, for the symbols, the
+    gradients of the parameters and of the real list elements for one
+    random head gradient (a zero row may leave the values alone and still
+    make a gradient NaN: the norm of a child's ``W h`` is 0 there, its
+    gradient 0/0).  The parameters as they
     stand can hide a block that padding changes: Gluon starts biases at
     zero, and ``tanh(W 0 + b)`` is zero only while ``b`` is (its gradient,
     and after a step its output, would differ, silently).  The block's own
@@ -675,6 +679,28 @@ def check_padding_is_neutral(dblock, sig, padded):
                         '%s). Pass pad_lists=False to DynBatchBlock (calls of different list '
                         'lengths then run as separate groups).' % (
                             dblock.block.name, sig.fmt, padded.fmt, low, high, parameters))
+        # the other arguments zero here: they may be ids, which a gradient
+        # lookup checks (the values above are clipped)
+        elements = _list_elements(sig.fmt, leaves)
+        leaves = [leaf if any(leaf is e for e in elements) else leaf.zeros_like()
+                  for leaf in leaves]
+        longer = pad_leaves(sig.fmt, leaves, padded.fmt,
+                            lambda item: zeros(padded.item_shape(item)))
+        try:
+            short_grads = _symbol_gradients(short_op, sig, leaves, elements, params, rng)
+        except mx.base.MXNetError:      # an element read where it takes no gradient (an id)
+            elements = []
+            short_grads = _symbol_gradients(short_op, sig, leaves, elements, params, rng)
+        long_grads = _symbol_gradients(long_op, padded, longer, elements, params, rng)
+        for (what, a), (_, b) in zip(short_grads, long_grads):
+            atol = 1e-5 * np.nanmax(np.abs(a), initial=0.1)
+            if not np.allclose(a, b, rtol=1e-5, atol=atol, equal_nan=True):
+                raise InputError(
+                    'block %s declares pad_lists, but padding its list arguments with zeros '
+                    'from %s to %s changes the gradient of %s (inputs drawn from [%g, %g], '
+                    'random parameters), though not its output. Pass pad_lists=False to '
+                    'DynBatchBlock (calls of different list lengths then run as separate '
+                    'groups).' % (dblock.block.name, sig.fmt, padded.fmt, what, low, high))
 
 
 def _random_parameters(sig, padded, dtype, rng):
@@ -693,6 +719,47 @@ def _random_parameters(sig, padded, dtype, rng):
                 values[name] = mx.nd.array(rng.uniform(-0.5, 0.5, shape), ctx=sig.ctx,
                                            dtype=dtype)
     return values
+
+
+def _list_elements(fmt, leaves):
+    """The leaves of ``leaves`` (flat, nested as ``fmt``) that are
+    elements of list arguments."""
+    elements, start = [], 0
+    for item in fmt:
+        width = leaf_count(item)
+        if item != 0:
+            elements.extend(leaves[start:start + width])
+        start += width
+    return elements
+
+
+def _symbol_gradients(op, sig, leaves, real, params, rng):
+    """``[(name, gradient as numpy)]`` of ``op`` (see :func:`_run_symbol`)
+    on ``leaves`` for the parameters and the leaves in ``real`` (by
+    identity, in order), under a head gradient drawn from ``rng``'s state
+    as it is now (so that two calls with outputs of equal shapes use the
+    same one; ``rng`` is left as it was)."""
+    state = rng.get_state()
+    copies = [leaf.copy() for leaf in leaves]
+    kept = [copy for copy, leaf in zip(copies, leaves) if any(leaf is r for r in real)]
+    arguments = set(sig.symbol.list_arguments())
+    values = {name: value.copy() for name, value in params.items()}
+    stypes = {param.name: getattr(param, '_grad_stype', 'default') for _, param in sig.param_slots}
+    for value in kept:
+        value.attach_grad()
+    for name in values:
+        if name in arguments:       # (an Embedding with sparse_grad takes a row-sparse one)
+            values[name].attach_grad(stype=stypes.get(name, 'default'))
+    with mx.autograd.record():
+        outputs = _run_symbol(op, sig, copies, values)
+    heads = [mx.nd.array(rng.uniform(-1, 1, out.shape), ctx=out.context, dtype=out.dtype)
+             for out in outputs]
+    rng.set_state(state)
+    mx.autograd.backward(outputs, heads)
+    grads = [('list element %d' % i, value.grad.asnumpy()) for i, value in enumerate(kept)]
+    grads += [(name, values[name].grad.asnumpy()) for name in sorted(values)
+              if name in arguments]
+    return grads
 
 
 def _run_symbol(op, sig, leaves, params):

@@ -199,6 +199,37 @@ def test_wrong_pad_lists_claim_hidden_by_initial_parameters_is_caught():
         np.testing.assert_array_equal(p.data().asnumpy(), before[name])
 
 
+class NormOfChildren(gluon.HybridBlock):
+    """``x + sum_k |W h_k|``: a zero child adds nothing (|W 0| = 0), but
+    the norm's gradient at 0 is 0/0."""
+    dynbatch_pad_lists = True
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.w = gluon.nn.Dense(4, in_units=4, use_bias=False)
+
+    def hybrid_forward(self, F, x, hs):
+        for h in hs:
+            x = F.broadcast_add(x, F.sqrt(F.sum(F.square(self.w(h)), axis=1, keepdims=True)))
+        return x
+
+
+def test_pad_lists_claim_that_changes_only_gradients_is_caught():
+    """Padding leaves the outputs alone but makes the weight's gradient NaN
+    (batched training got NaN gradients, silently, found by a fuzzer): the
+    check also compares the traced symbols' gradients."""
+    block = dyb.DynBatchBlock(NormOfChildren())
+    block.initialize()
+    xs = [mx.nd.array(np.random.RandomState(i).rand(1, 4)) for i in range(4)]
+    with pytest.raises(dyb.InputError, match=r'declares pad_lists.*changes the gradient of '
+                                             r'normofchildren\d+_dense\d+_weight'):
+        with autograd.record():
+            with dyb.batching('depth'):
+                block(xs[0], [xs[1]])
+                block(xs[2], [xs[1], xs[3]])
+
+
 class Cell(gluon.HybridBlock):
     def __init__(self, width=4):
         super().__init__()
