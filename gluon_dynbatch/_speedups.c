@@ -64,7 +64,7 @@ static Py_ssize_t n_sig, n_leaves, n_depth, n_scope, n_pos, n_state, n_used, n_a
 static PyObject *s_out_info, *s_batch_safe, *s_group_key, *s_out_fmt,
     *s_signatures, *s_trace, *s_pending, *s_flush_at, *s_pipeline,
     *s_shape, *s_dtype, *s_type, *s_context, *s_device_typeid, *s_device_id, *s_sig_id,
-    *s_arrays, *s_value, *s_tape, *s_repeatable, *s_itemsize, *s_isnative;
+    *s_arrays, *s_value, *s_tape, *s_repeatable, *s_itemsize, *s_isnative, *s_passthrough;
 
 enum { PENDING = 0, DONE = 1, FAILED = 2 };
 
@@ -266,6 +266,13 @@ static SigInfo *sig_info(PyObject *sig)
     int pair = PyObject_RichCompareBool(out_fmt, pair_fmt, Py_EQ);
     info->results = PyLong_CheckExact(out_fmt) && PyLong_AsLong(out_fmt) == 0 ? RESULTS_ONE
         : pair == 1 ? RESULTS_PAIR : RESULTS_OTHER;
+    /* a call returning an argument unchanged returns that argument
+     * (TracedSignature.passthrough): Python builds its results */
+    PyObject *passthrough = PyObject_GetAttr(sig, s_passthrough);
+    if (passthrough != NULL && PyObject_IsTrue(passthrough) == 1)
+        info->results = RESULTS_OTHER;
+    Py_XDECREF(passthrough);
+    PyErr_Clear();
     PyObject *repeatable = PyObject_GetAttr(sig, s_repeatable);
     info->repeatable = repeatable != NULL && PyObject_IsTrue(repeatable) == 1;
     Py_XDECREF(repeatable);
@@ -2624,7 +2631,7 @@ static struct PyModuleDef module = {
 /* Bumped whenever a function's arguments or results change meaning
  * (accel.ABI must match, else the pure-Python path runs): an extension
  * built from older sources would otherwise still load, and fail. */
-#define ABI 6
+#define ABI 7
 
 PyMODINIT_FUNC PyInit__speedups(void)
 {
@@ -2634,6 +2641,7 @@ PyMODINIT_FUNC PyInit__speedups(void)
     INTERN(s_trace, "_trace"); INTERN(s_pending, "pending");
     INTERN(s_flush_at, "flush_at"); INTERN(s_pipeline, "pipeline");
     INTERN(s_tape, "tape"); INTERN(s_repeatable, "repeatable");
+    INTERN(s_passthrough, "passthrough");
     INTERN(s_itemsize, "itemsize"); INTERN(s_isnative, "isnative");
     INTERN(s_shape, "shape"); INTERN(s_dtype, "dtype"); INTERN(s_type, "type");
     INTERN(s_context, "context"); INTERN(s_device_typeid, "device_typeid");

@@ -67,14 +67,16 @@ __all__ = ['record', 'count_groups', 'depth_groups', 'agenda_groups', 'structure
            'gather_index', 'gather_item', 'host_rows', 'host_item', 'finish_nodes', 'wrap_host',
            'push_marker', 'marker_done', 'enable', 'STATUS']
 
-ABI = 6
+ABI = 7
 """The interface of ``_speedups`` this code expects (its ``ABI``; 2:
 ``gather_item`` returns each list's length too; 3: ``gather_item`` gathers
 a ragged step's elements only when asked: ``compact``; 4: ``record``
 defers a call made under another autograd state than the scope's pending
 calls, ``BatchingScope.mode``; 5: ``record`` answers a repeated call from
 ``BatchingScope.repeats``; 6: which holds the first call's results when
-they are lazy values, :func:`~.graph.shared_results`).  An extension
+they are lazy values, :func:`~.graph.shared_results`; 7: a call that
+returns an argument unchanged has Python build its results,
+``TracedSignature.passthrough``).  An extension
 built from older sources still has every function, so its names alone
 cannot tell."""
 

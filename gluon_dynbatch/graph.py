@@ -167,12 +167,24 @@ def lazy_results(node):
     """What a recorded call returns: the lazy values of ``node``, nested as
     its signature's outputs (the C recorder builds one output and pairs
     itself, and calls this for the rest)."""
-    out_fmt = node.sig.out_fmt
+    sig = node.sig
+    out_fmt = sig.out_fmt
+    if not sig.passthrough:
+        if out_fmt == 0:
+            return LazyValue(node, 0)
+        if out_fmt == _PAIR:
+            return (LazyValue(node, 0), LazyValue(node, 1))
+    outputs = [LazyValue(node, i) for i in range(len(sig.out_shapes))]
+    # an argument returned unchanged is that argument, as per sample: a
+    # copy made by the step would be out of the autograd graph when the
+    # step ran unrecorded (an inference scope, autograd.pause()), and the
+    # argument's gradient lost (found by a fuzzer)
+    for number, leaf in sig.passthrough.items():
+        arg = node.leaves[leaf]
+        if type(arg) is LazyValue or isinstance(arg, mx.nd.NDArray):
+            outputs[number] = arg
     if out_fmt == 0:
-        return LazyValue(node, 0)
-    if out_fmt == _PAIR:
-        return (LazyValue(node, 0), LazyValue(node, 1))
-    outputs = [LazyValue(node, i) for i in range(len(node.sig.out_shapes))]
+        return outputs[0]
     return tuple(regroup(out_fmt, outputs)[0])
 
 
@@ -183,7 +195,7 @@ def shared_results(node, result):
     very same objects, and nothing is allocated for it), else its node (a
     nesting with lists, which the user could change, is made anew)."""
     out_fmt = node.sig.out_fmt
-    return result if out_fmt == 0 or out_fmt == _PAIR else node
+    return result if (out_fmt == 0 or out_fmt == _PAIR) and not node.sig.passthrough else node
 
 
 def repeat_node(first):

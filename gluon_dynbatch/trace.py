@@ -74,7 +74,7 @@ class TracedSignature:
     whether calls may be merged (with the reason when not)."""
 
     def __init__(self, sig_id, block, symbol, data_names, out_fmt, out_shapes, out_dtypes,
-                 batch_safe, reason, repeatable=False):
+                 batch_safe, reason, repeatable=False, passthrough=None):
         self.sig_id = sig_id
         self.block = block
         self.symbol = symbol
@@ -87,6 +87,10 @@ class TracedSignature:
         # calls with equal host arguments may share one node (see
         # BatchingScope.record): batch-safe and a function of its inputs
         self.repeatable = repeatable
+        # output -> flat argument it returns unchanged (``return x``): the
+        # call returns that argument itself when it is an NDArray or a lazy
+        # value, as per sample (see graph.lazy_results)
+        self.passthrough = passthrough or {}
         self.input_names = symbol.list_inputs()
         params = block.collect_params()
         by_name = {p.name: p for p in params.values()}
@@ -139,6 +143,9 @@ def trace_signature(sig_id, block, fmt, shapes, dtypes):
         out_fmt = 0
     # an output that is an argument itself (``return x`` for a leaf) is no
     # op of the graph, and a program built on it would lose it: copy it
+    # (the call returns the argument itself, see TracedSignature.passthrough)
+    passthrough = {number: data_names.index(leaf.name) for number, leaf in enumerate(out_leaves)
+                   if leaf.get_children() is None and leaf.name in data_names}
     out_leaves = [mx.sym.identity(leaf) if leaf.get_children() is None else leaf
                   for leaf in out_leaves]
     symbol = unique_op_names(out_leaves[0] if len(out_leaves) == 1 else mx.sym.Group(out_leaves))
@@ -167,7 +174,7 @@ def trace_signature(sig_id, block, fmt, shapes, dtypes):
     batch_safe, reason = check_batch_safe(symbol, set(data_names), known)
     return TracedSignature(sig_id, block, symbol, data_names, out_fmt, out_shapes,
                            out_dtypes, batch_safe, reason,
-                           batch_safe and is_function_of_inputs(symbol))
+                           batch_safe and is_function_of_inputs(symbol), passthrough)
 
 
 def is_function_of_inputs(symbol):

@@ -982,3 +982,47 @@ def test_a_lazy_value_in_ndarray_code_says_how_to_get_an_ndarray():
         assert not value.ready
         assert {value: 1}[value] == 1 and value in {value}     # keys by identity
     np.testing.assert_allclose(value.asnumpy(), block(mx.nd.ones((1, 3))).asnumpy(), rtol=1e-6)
+
+
+class ReturnsItsState(gluon.HybridBlock):
+    """``(tanh(host + W h), h)``: the second output is the argument itself."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.w = nn.Dense(4, in_units=4, use_bias=False)
+
+    def hybrid_forward(self, F, host, h):
+        return F.tanh(host + self.w(h)), h
+
+
+@pytest.mark.parametrize('accelerated', [True, False])
+@pytest.mark.parametrize('how', ['inference scope', 'paused'])
+def test_an_argument_returned_unchanged_is_that_argument(accelerated, how):
+    """Per sample ``return h`` gives ``h`` itself; batched it was a copy made
+    by the step, out of the autograd graph when the step ran unrecorded,
+    so the argument lost the gradient through it (found by a fuzzer).  The
+    call now returns the argument itself (an NDArray, or a lazy value)."""
+    from gluon_dynbatch import accel
+    block = dyb.DynBatchBlock(ReturnsItsState())
+    block.initialize()
+    x = mx.nd.ones((1, 4))
+    x.attach_grad()
+    accel.enable(accelerated)
+    try:
+        paused = how == 'paused'
+        with autograd.record() if paused else contextlib.nullcontext():
+            with autograd.pause() if paused else contextlib.nullcontext():
+                with dyb.batching('depth'):
+                    out, same = block(np.ones((1, 4), np.float32), x)
+                    inner, again = block(np.ones((1, 4), np.float32), out)
+            assert same is x and again is out
+            loss = (same * 3 + x).sum() if paused else None
+        if how == 'inference scope':
+            with autograd.record():
+                loss = (same * 3 + x).sum()
+        loss.backward()
+        np.testing.assert_allclose(x.grad.asnumpy(), 4)
+        np.testing.assert_allclose(again.asnumpy(), out.asnumpy())
+    finally:
+        accel.enable(True)
