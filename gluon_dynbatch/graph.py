@@ -165,8 +165,9 @@ _PAIR = (0, 0)
 
 def lazy_results(node):
     """What a recorded call returns: the lazy values of ``node``, nested as
-    its signature's outputs (the C recorder builds one output and pairs
-    itself, and calls this for the rest)."""
+    its signature's outputs, except that an output returning an NDArray or
+    lazy-value argument unchanged is that argument (the C recorder builds
+    one output and pairs itself, and calls this for the rest)."""
     sig = node.sig
     out_fmt = sig.out_fmt
     if not sig.passthrough:
