@@ -411,11 +411,15 @@ def test_float16_lists_run_without_dot(strategy, training):
     """The lane pass sums lists by ``dot``, which MXNet's CPU has for
     float32 and float64 only: float16 lists keep the block's own ops
     (they raised under every strategy, per-sample too, found by a
-    review), with per-sample values."""
+    review), with per-sample values and, in training, the inputs'
+    gradients."""
     block = dyb.DynBatchBlock(SumKids())
     rng = np.random.RandomState(0)
     xs = [mx.nd.array(rng.uniform(-1, 1, (1, 4)), dtype='float16') for _ in range(12)]
+    for x in xs:
+        x.attach_grad()
     arities = [0, 1, 3, 2, 0, 1]
+    weights = mx.nd.array(rng.uniform(-1, 1, (len(arities), 4)), dtype='float16')
 
     def forward():
         outs, k = [], 0
@@ -424,14 +428,23 @@ def test_float16_lists_run_without_dot(strategy, training):
             k += 1 + arity
         return outs
 
-    want = np.concatenate([o.asnumpy() for o in forward()])
+    def run(chosen):
+        with autograd.record() if training else contextlib.nullcontext():
+            with dyb.batching(chosen) if chosen else contextlib.nullcontext():
+                outs = forward()
+            rows = dyb.concat_rows(outs) if chosen else mx.nd.concat(*outs, dim=0)
+            loss = (rows * weights).sum()
+        if training:
+            loss.backward()
+        return rows.asnumpy(), [x.grad.asnumpy().copy() for x in xs] if training else []
+
+    want, want_grads = run(None)
     chosen = dyb.CachedPlan() if strategy == 'cached' else strategy
     for _ in range(3 if strategy == 'cached' else 1):
-        with autograd.record() if training else contextlib.nullcontext():
-            with dyb.batching(chosen):
-                outs = forward()
-            got = dyb.concat_rows(outs).asnumpy()
+        got, got_grads = run(chosen)
         np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
+        for got_grad, want_grad in zip(got_grads, want_grads):
+            np.testing.assert_allclose(got_grad, want_grad, rtol=2e-3, atol=2e-3)
 
 
 @pytest.mark.parametrize('strategy', ['per-sample', 'depth'])
