@@ -18,6 +18,12 @@ with this tree's ``'fusedadagrad'`` for both sides: changes to the
 optimizer itself are not compared.  Output: per setting, ms per minibatch
 for each side (median over repeats) and the speed-up, and the record and
 analysis times a minibatch of each side (``stats()``, medians).
+
+The setting ``record <minibatch size>`` times recording alone: each side
+runs the user's loop in a scope and drops what it recorded (no analysis,
+no run), so a change of a few percent to the recorder shows, which the
+whole step's noise hides.  Both sides run the same user loop, so the
+difference of their times is the difference of their recorders.
 """
 import argparse
 import atexit
@@ -37,7 +43,7 @@ def parse_args(argv=None):
     p.add_argument('--rev', required=True, help='git revision to compare against')
     p.add_argument('--settings', nargs='+', default=['infer 25', 'infer 256', 'train 25',
                                                      'train 256'],
-                   help="'<infer|train> <minibatch size>' pairs")
+                   help="'<infer|train|record> <minibatch size>' pairs")
     p.add_argument('--strategy', default='auto')
     p.add_argument('--engine', default='NaiveEngine',
                    choices=['NaiveEngine', 'ThreadedEnginePerDevice', 'ThreadedEngine'],
@@ -111,6 +117,9 @@ def main(argv=None):
     for setting in args.settings:
         mode, batch = setting.split()
         batch = int(batch)
+        if mode == 'record':
+            record_only(sides, items, batch, args.repeats, np)
+            continue
         count = max(4, args.pairs // batch)
         offset = 0
         times = {name: [] for name in sides}
@@ -138,6 +147,36 @@ def main(argv=None):
         (old_rec, old_an), (new_rec, new_an) = (np.median(split[n], axis=0) for n in sides)
         print('%-10s record + analysis: revision %.2f + %.2f ms, working tree %.2f + %.2f ms'
               % ('', old_rec, old_an, new_rec, new_an), flush=True)
+
+
+def record_only(sides, items, batch, repeats, np):
+    """Time each side's recording of the same minibatches, interleaved:
+    the user's loop in a scope whose calls are then dropped."""
+    def record(form, pairs):
+        with form.dyb.batching(form.strategy) as scope:
+            [form.dhead(form.encode(a, ai)[0], form.encode(b, bi)[0])
+             for ai, a, bi, b in pairs]
+            scope.abandon()
+
+    count = max(20, 6000 // batch)
+    times = {name: [] for name in sides}
+    for rep in range(repeats):
+        start = (rep * batch) % (len(items) - batch)
+        pairs = items[start:start + batch]
+        for form in sides.values():             # warm: signatures traced
+            record(form, pairs)
+        order = list(sides) if rep % 2 else list(sides)[::-1]
+        for name in order:
+            tic = time.perf_counter()
+            for _ in range(count):
+                record(sides[name], pairs)
+            times[name].append((time.perf_counter() - tic) / count)
+    old_ms, new_ms = (1e3 * float(np.median(times[n])) for n in sides)
+    # repeat by repeat: the machine's drift cancels in each pair
+    diff = 1e3 * float(np.median(np.subtract(*(times[n] for n in list(sides)[::-1]))))
+    print('%-10s revision %8.3f ms  working tree %8.3f ms  (the user\'s loop with recording; '
+          'median difference %+.3f ms)' % ('record %d' % batch, old_ms, new_ms, diff),
+          flush=True)
 
 
 if __name__ == '__main__':
