@@ -19,6 +19,10 @@ static inline PyObject *PyObject_CallMethodNoArgs(PyObject *obj, PyObject *name)
 {
     return PyObject_CallMethodObjArgs(obj, name, NULL);
 }
+static inline uint64_t PyThreadState_GetID(PyThreadState *tstate)
+{
+    return tstate->id;
+}
 #endif
 
 #if PY_VERSION_HEX < 0x030A0000

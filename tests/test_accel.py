@@ -7,6 +7,7 @@ import gc
 import os
 import shutil
 import sys
+import threading
 
 import mxnet as mx
 import numpy as np
@@ -553,6 +554,51 @@ def test_each_call_gets_the_signature_its_key_names():
         assert node.sig is block._signatures[key]
         sigs.add(node.sig)
     assert len(sigs) == 2 * 2 * 2 * 2 * 3   # blocks, contexts, dtypes, shapes, widths
+
+
+@needs_extension
+def test_each_thread_records_under_its_own_default_context():
+    """The C recorder keeps the last thread's dict of MXNet's default
+    context (a ``threading.local``): two threads taking turns, one inside
+    ``with mx.cpu(1)``, one outside, each record their host-only calls
+    with the signature of their own default context, also after a thread
+    sets the context anew and after a thread that was remembered ends."""
+    block = dyb.DynBatchBlock(AddItems())
+    x = np.ones((1, 3), np.float32)
+    turns = [threading.Event() for _ in range(8)]
+    found = {}
+
+    def worker(name, ctx, mine):
+        with ctx, private_scope('depth') as scope:
+            for turn in mine:
+                turns[turn].wait(10)
+                block(x, [])
+                with mx.cpu(2):
+                    block(x, [])
+                if turn + 1 < len(turns):
+                    turns[turn + 1].set()
+            nodes, _ = scope.take()
+            keys = [_signature_key(block, flatten((x, []), []), [x], scope)[0]]
+            with mx.cpu(2):
+                keys.append(_signature_key(block, flatten((x, []), []), [x], scope)[0])
+        found[name] = [(node.sig, block._signatures[keys[i % 2]]) for i, node in
+                       enumerate(nodes)]
+
+    threads = [threading.Thread(target=worker, args=('zero', mx.cpu(0), [0, 2, 4])),
+               threading.Thread(target=worker, args=('one', mx.cpu(1), [1, 3, 5]))]
+    for thread in threads:
+        thread.start()
+    turns[0].set()
+    for thread in threads:
+        thread.join(30)
+    # a new thread after both ended
+    later = threading.Thread(target=worker, args=('later', mx.cpu(3), [6, 7]))
+    later.start()
+    later.join(30)
+    assert sorted(found) == ['later', 'one', 'zero']
+    for pairs in found.values():
+        assert pairs and all(got is expected for got, expected in pairs)
+    assert len({sig for pairs in found.values() for sig, _ in pairs}) == 4    # cpu 0-3
 
 
 def test_errors_come_from_the_python_version():
