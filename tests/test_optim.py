@@ -1,6 +1,10 @@
 """FusedAdaGrad updates exactly as MXNet's AdaGrad (bit for bit without
 weight decay, to float rounding with it), through a gluon Trainer, with its
 C kernel for dense CPU gradients and without it."""
+import os
+import subprocess
+import sys
+
 import mxnet as mx
 import numpy as np
 import pytest
@@ -103,6 +107,19 @@ def test_every_update_is_the_fused_op(sparse_grad, way, monkeypatch):
         assert storages == ['row_sparse'] * (4 if sparse_grad else 0)
     else:
         assert len(storages) == 4 * 5       # steps x parameters
+
+
+def test_kernel_status_says_which_update_runs_and_why():
+    """``KERNEL_STATUS`` names the C kernel when it is loaded, else MXNet's
+    update and why (here in a process with ``GLUON_DYNBATCH_PURE_PYTHON``
+    set, which turns the kernel off)."""
+    assert (optim.KERNEL_STATUS == 'C kernel') == (KERNEL is not None)
+    env = dict(os.environ, GLUON_DYNBATCH_PURE_PYTHON='1')
+    out = subprocess.run([sys.executable, '-c', 'import gluon_dynbatch.optim as o; '
+                          'print(o.KERNEL is None, o.KERNEL_STATUS)'],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == ("True MXNet's sparse.adagrad_update "
+                           "(GLUON_DYNBATCH_PURE_PYTHON is set)")
 
 
 @needs_kernel
