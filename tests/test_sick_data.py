@@ -206,6 +206,22 @@ def test_load_split_drops_a_byte_order_mark(tmp_path):
         load_split(tmp_path, 'dev')
 
 
+def test_load_split_ignores_blank_lines_at_the_end_of_a_file(tmp_path):
+    """An extra newline (or a few, with spaces or CRs) at the end of some
+    files of a split is not a line: the pairs load as without them.  A
+    blank line inside a file still misaligns it, which the error says."""
+    _write_split(tmp_path, **GOOD)
+    folder = tmp_path / 'dev'
+    (folder / 'sim.txt').write_text('3.5\n4.0\n\n')
+    (folder / 'a.toks').write_text('A dog\nA cat\n \r\n\n')
+    pairs = load_split(tmp_path, 'dev')
+    assert [p.score for p in pairs] == [3.5, 4.0]
+    assert pairs[1].a_tokens == ['A', 'cat']
+    (folder / 'b.toks').write_text('A dog\n\nA cat\n')
+    with pytest.raises(ValueError, match=r'b\.toks has 3 lines but .*sim\.txt has 2'):
+        load_split(tmp_path, 'dev')
+
+
 def test_glove_file_with_a_byte_order_mark(tmp_path):
     path = tmp_path / 'glove.txt'
     path.write_bytes(b'\xef\xbb\xbfdog 1 2 3\ncat 4 5 6\n')

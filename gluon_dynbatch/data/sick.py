@@ -286,7 +286,9 @@ class SickPair:
 
 
 def _read_lines(path: Path) -> List[str]:
-    """Lines of a UTF-8 text file without newline characters.
+    """Lines of a UTF-8 text file without newline characters, and without
+    the blank lines that end it (an editor's extra newline; no SICK line is
+    blank, and the files of a split must still align).
 
     Splits on ``'\\n'`` only (not ``str.splitlines``) so unusual Unicode
     separators inside a sentence cannot shift the line alignment.
@@ -297,10 +299,10 @@ def _read_lines(path: Path) -> List[str]:
     except UnicodeDecodeError as err:       # (err.start counts from after the mark)
         raise ValueError('{} line {}: not UTF-8 text ({})'.format(
             path, err.object.count(b'\n', 0, err.start) + 1, err.reason)) from None
-    lines = text.split('\n')
-    if lines and lines[-1] == '':
+    lines = [line.rstrip('\r') for line in text.split('\n')]
+    while lines and not lines[-1].strip():
         lines.pop()
-    return [line.rstrip('\r') for line in lines]
+    return lines
 
 
 def _read_split_files(split_dir: Path) -> dict:
