@@ -103,6 +103,8 @@ def _load():
         if hasattr(_speedups, 'set_autograd_state'):     # else out of date: see below
             _speedups.set_autograd_state(_c_function('MXAutogradIsRecording'),
                                          _c_function('MXAutogradIsTraining'))
+        if hasattr(_speedups, 'set_autograd_flags'):
+            _speedups.set_autograd_flags(*_autograd_setters())
     except (ImportError, TypeError) as err:
         return 'pure Python (C extension unavailable: %s)' % err
     missing = [name for name in FUNCTIONS + ('call_method',) if not hasattr(_speedups, name)]
@@ -134,6 +136,17 @@ def _from_dlpack():
     """The address of MXNet's ``MXNDArrayFromDLPackEx`` (for
     :func:`wrap_host`), or None where this MXNet lacks it."""
     return _c_function('MXNDArrayFromDLPackEx')
+
+
+def _autograd_setters():
+    """``_speedups.set_autograd_flags``'s arguments: the path of the MXNet
+    library Python loaded, where the recorder finds MXNet's autograd flags
+    to read them in place, and the addresses of the C functions that set
+    them, with which it checks that it reads them right."""
+    from mxnet.base import _LIB  # pylint: disable=import-outside-toplevel
+    path = getattr(_LIB, '_name', None)
+    return (path if isinstance(path, str) else None,
+            _c_function('MXAutogradSetIsRecording'), _c_function('MXAutogradSetIsTraining'))
 
 
 def _c_function(name):

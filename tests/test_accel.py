@@ -601,6 +601,55 @@ def test_each_thread_records_under_its_own_default_context():
     assert len({sig for pairs in found.values() for sig, _ in pairs}) == 4    # cpu 0-3
 
 
+@needs_extension
+def test_the_recorder_reads_each_threads_autograd_state_as_mxnet_does():
+    """The C recorder reads MXNet's thread-local autograd flags in place
+    (on Linux, where libmxnet exports them); what it reads equals
+    ``autograd.is_recording()`` / ``is_training()`` in every state, nested
+    scopes included, in this thread and in a new one, which starts from
+    MXNet's defaults whatever this thread's state; looking them up leaves
+    the state as it was."""
+    from gluon_dynbatch import _speedups
+    from mxnet import autograd
+
+    def expected():
+        return (autograd.is_recording(), autograd.is_training())
+
+    def check():
+        flags = _speedups.autograd_flags()
+        assert flags is not None and flags[:2] == expected()
+        if sys.platform.startswith('linux'):
+            assert flags[2], 'MXNet\'s flags are not read in place'
+
+    def every_state():
+        check()
+        for recording in (True, False):
+            for training in (True, False):
+                with autograd.record(train_mode=training) if recording else \
+                        (autograd.train_mode() if training else autograd.predict_mode()):
+                    check()
+                    with autograd.pause():
+                        check()
+                    check()
+        check()
+
+    every_state()
+    seen = []
+    with autograd.record():
+        state = expected()
+        worker = threading.Thread(target=lambda: (seen.append(expected()), every_state(),
+                                                  seen.append(_speedups.autograd_flags())))
+        worker.start()
+        worker.join(30)
+        assert expected() == state == (True, True)
+    assert seen[0] == (False, False) and seen[1][:2] == (False, False)
+    # looked up again (as at import), in the middle of a record() scope
+    with autograd.record(train_mode=False):
+        _speedups.set_autograd_flags(*accel._autograd_setters())
+        assert expected() == (True, False)
+        check()
+
+
 def test_errors_come_from_the_python_version():
     """The C path defers every rejected call: the user sees the same errors."""
     block = dyb.DynBatchBlock(TwoOutputs())
