@@ -1,5 +1,6 @@
 """gluon_dynbatch: just-in-time dynamic batching for MXNet Gluon."""
 import re
+import sys
 from pathlib import Path
 
 from setuptools import Extension, find_packages, setup
@@ -18,8 +19,10 @@ setup(
     # C fast paths for recording (gluon_dynbatch/accel.py) and FusedAdaGrad's
     # CPU kernel (gluon_dynbatch/optim.py).  Optional: without a compiler the
     # install goes on and everything runs in pure Python and MXNet ops.
+    # the recorder finds MXNet's autograd flags with dlsym: libdl before glibc 2.34
     ext_modules=[Extension('gluon_dynbatch._speedups', ['gluon_dynbatch/_speedups.c'],
                            depends=['gluon_dynbatch/_pycompat.h'],
+                           libraries=['dl'] if sys.platform.startswith('linux') else [],
                            extra_compile_args=['-O2'], optional=True),
                  # -fno-math-errno lets the square roots vectorise; the
                  # arithmetic stays IEEE float32 (no -ffast-math); -fexceptions

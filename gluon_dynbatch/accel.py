@@ -7,8 +7,10 @@ functions in C:
 
 * :func:`record` - :meth:`~.block.BatchingScope.record`, called straight
   from a C ``DynBatchBlock.__call__`` (no Python frame per call; it finds
-  the open scope in a C ``ScopeSlot``, see :func:`scope_holder`, and reads
-  the scope's slots directly), which leaves counting the calls per group
+  the open scope in a C ``ScopeSlot``, see :func:`scope_holder`, reads
+  the scope's slots directly, and reads MXNet's thread-local autograd
+  flags in place where it can check that it reads them right, see
+  :func:`_autograd_setters`), which leaves counting the calls per group
   to :func:`count_groups` (:func:`~.plan.count_groups_py`), one pass at
   the flush;
 * :func:`depth_groups` - :func:`~.plan.depth_groups_py` (depth grouping),
