@@ -809,14 +809,14 @@ static int look_up_flags(void)
     bool recording, training;
     if (is_recording_fn(&recording) || is_training_fn(&training)) return 0;
     int ok = !flags_disagree(), prev;
-    for (int state = 0; ok && state < 4; state++) {     /* flip each, then both, then back */
+    for (int state = 1; ok && state < 4; state++) {     /* flip each, then both */
         int r = state & 1 ? !recording : recording, t = state & 2 ? !training : training;
-        if (state == 3) r = recording, t = training;
         ok = set_recording_fn(r, &prev) == 0 && set_training_fn(t, &prev) == 0
             && !flags_disagree();
     }
-    set_recording_fn(recording, &prev);
+    set_recording_fn(recording, &prev);                 /* and back */
     set_training_fn(training, &prev);
+    ok = ok && !flags_disagree();
     return ok;
 }
 #endif
