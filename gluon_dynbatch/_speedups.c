@@ -56,6 +56,9 @@
 
 static PyTypeObject *LazyValueType, *NodeType, *NDArrayType, *NumpyType;
 static PyObject *current_context, *default_ctx_holder, *group_outputs, *zeros_fmt;
+static PyObject *ctx_dict;      /* see default_context() */
+static uint64_t ctx_dict_thread;
+static int ctx_dict_usable;
 static PyObject *pair_fmt, *int_zero, *int_one;
 
 static Py_ssize_t lv_node, lv_index, lv_data;
@@ -105,6 +108,8 @@ static PyObject *configure(PyObject *self, PyObject *args)
     Py_INCREF(lazy); Py_INCREF(node); Py_INCREF(ndarray); Py_INCREF(numpy_type);
     Py_INCREF(current_context); Py_INCREF(default_ctx_holder);
     Py_INCREF(group_outputs); Py_INCREF(zeros_fmt);
+    Py_CLEAR(ctx_dict);
+    ctx_dict_usable = strcmp(Py_TYPE(default_ctx_holder)->tp_name, "_thread._local") == 0;
     if (slot_offset(LazyValueType, "_node", &lv_node)
         || slot_offset(LazyValueType, "_index", &lv_index)
         || slot_offset(LazyValueType, "_data", &lv_data)
@@ -301,21 +306,23 @@ static PyObject *new_lazy(PyObject *node, PyObject *index)
     return value;
 }
 
-/* The calling thread's ``__dict__`` of Context._default_ctx (a
+/* ctx_dict: the calling thread's ``__dict__`` of Context._default_ctx (a
  * threading.local), remembered for the last thread that asked: reading
  * ``value`` from it is a dict lookup, where the attribute costs finding
- * the thread's dict first (~5% of recording a SICK minibatch).  A thread
+ * the thread's dict first (~2% of recording a SICK minibatch).  A thread
  * is known by its thread state's id, never reused (unlike its ident);
  * ``with ctx:`` sets ``value`` in this very dict, which a thread keeps for
- * its life. */
-static PyObject *ctx_dict;
-static uint64_t ctx_dict_thread;
+ * its life.  Only for CPython's own ``_thread._local`` (ctx_dict_usable,
+ * set by configure): a greenlet-local one (gevent's monkey-patching) has
+ * a dict per greenlet, and greenlets share their thread's state. */
 
 /* mx.current_context(): the thread's Context._default_ctx.value, read
  * directly (a Python call costs more than the rest of a leaf's recording) */
 static PyObject *default_context(void)
 {
     uint64_t thread = PyThreadState_GetID(PyThreadState_Get());
+    if (!ctx_dict_usable)
+        goto attribute;
     if (ctx_dict == NULL || ctx_dict_thread != thread) {
         PyObject *dict = PyObject_GetAttr(default_ctx_holder, s___dict__);
         if (dict == NULL || !PyDict_CheckExact(dict)) {
@@ -2603,6 +2610,9 @@ static PyObject *set_autograd_state(PyObject *self, PyObject *args)
     if (train == NULL && PyErr_Occurred()) return NULL;
     is_recording_fn = (AutogradFlag)rec;
     is_training_fn = (AutogradFlag)train;
+#ifndef _WIN32
+    flags_generation++;         /* each thread's look-up checks against them */
+#endif
     Py_RETURN_NONE;
 }
 
@@ -2626,6 +2636,8 @@ static PyObject *set_autograd_flags(PyObject *self, PyObject *args)
         handle = dlopen(PyBytes_AS_STRING(bytes), RTLD_LAZY | RTLD_NOLOAD);
         Py_DECREF(bytes);
     }
+    if (mxnet_handle != NULL)
+        dlclose(mxnet_handle);          /* (the library stays: Python holds it) */
     mxnet_handle = handle;
     set_recording_fn = (AutogradSetFlag)rec;
     set_training_fn = (AutogradSetFlag)train;

@@ -24,7 +24,7 @@ cast would keep, as one operation pushed to MXNet's engine (so it runs in
 order with the ops around it, off the Python thread under a threaded
 engine).  MXNet's kernel takes a scalar square root per element (~4 ns
 here); this loop's are vectorised, and the cast's pass and op are gone.
-:data:`KERNEL_STATUS` says whether it is in use.
+:func:`kernel_status` says whether it is in use.
 
 Each job reads its arrays' addresses when the engine runs it, after the
 backward pass that writes the gradient, so a Trainer step pushes the
@@ -58,24 +58,22 @@ from mxnet import nd
 from mxnet.base import _LIB
 from mxnet.ndarray.ndarray import _int64_enabled
 
-__all__ = ['FusedAdaGrad', 'KERNEL', 'KERNEL_STATUS', 'IN_JOB_ADDRESSES', 'in_job_addresses']
+__all__ = ['FusedAdaGrad', 'KERNEL', 'kernel_status', 'IN_JOB_ADDRESSES', 'in_job_addresses']
 
 
 def _load_kernel():
     """The ``_adagrad`` extension, given the addresses of the MXNet C
     functions it calls, or None (not built, or
     ``GLUON_DYNBATCH_PURE_PYTHON`` set): every update then takes
-    ``sparse.adagrad_update``.  Sets :data:`KERNEL_STATUS`."""
-    global KERNEL_STATUS  # pylint: disable=global-statement
+    ``sparse.adagrad_update``, and why (``_NO_KERNEL``)."""
     if os.environ.get('GLUON_DYNBATCH_PURE_PYTHON', '0') not in ('', '0'):
-        KERNEL_STATUS = "MXNet's sparse.adagrad_update (GLUON_DYNBATCH_PURE_PYTHON is set)"
+        _NO_KERNEL[0] = 'GLUON_DYNBATCH_PURE_PYTHON is set'
         return None
     try:
         from . import _adagrad  # pylint: disable=import-outside-toplevel
     except ImportError as err:
-        KERNEL_STATUS = "MXNet's sparse.adagrad_update (C kernel unavailable: %s)" % err
+        _NO_KERNEL[0] = 'C kernel unavailable: %s' % err
         return None
-    KERNEL_STATUS = 'C kernel'
     wide = bool(_int64_enabled())
     names = ('MXEnginePushSyncND', 'MXNDArrayGetData', 'MXNDArrayWaitAll',
              'MXNDArrayGetShapeEx64' if wide else 'MXNDArrayGetShapeEx', 'MXNDArrayGetDType',
@@ -111,13 +109,21 @@ def _accept_in_job(kernel):
         reorder, probe.handle.value, row.handle.value))
 
 
-KERNEL_STATUS = None
+_NO_KERNEL = ['optim.KERNEL was set to None']
 KERNEL = _load_kernel()
 """The C kernel module (``gluon_dynbatch._adagrad``) that updates dense
 float32 CPU gradients, or None where it is not built or turned off; set it
 to None to send every update through ``sparse.adagrad_update``.
-:data:`KERNEL_STATUS` says which, and why (as
-:data:`gluon_dynbatch.accel.STATUS` does for the recorder)."""
+:func:`kernel_status` says which, and why."""
+
+
+def kernel_status():
+    """``'C kernel'`` when :data:`KERNEL` updates dense float32 CPU
+    gradients, else ``"MXNet's sparse.adagrad_update (why)"``: what
+    :data:`gluon_dynbatch.accel.STATUS` says for the recorder."""
+    if KERNEL is not None:
+        return 'C kernel'
+    return "MXNet's sparse.adagrad_update (%s)" % _NO_KERNEL[0]
 
 IN_JOB_ADDRESSES = None
 """Whether :data:`KERNEL`'s jobs read their arrays' addresses when they

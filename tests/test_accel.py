@@ -618,7 +618,7 @@ def test_the_recorder_reads_each_threads_autograd_state_as_mxnet_does():
     def check():
         flags = _speedups.autograd_flags()
         assert flags is not None and flags[:2] == expected()
-        if sys.platform.startswith('linux'):
+        if _FLAGS_EXPORTED:
             assert flags[2], 'MXNet\'s flags are not read in place'
 
     def every_state():
@@ -648,6 +648,97 @@ def test_the_recorder_reads_each_threads_autograd_state_as_mxnet_does():
         _speedups.set_autograd_flags(*accel._autograd_setters())
         assert expected() == (True, False)
         check()
+
+
+_FLAGS_EXPORTED = sys.platform.startswith('linux') and all(
+    getattr(mx.base._LIB, name, None) is not None
+    for name in ('_ZN5mxnet10Imperative13is_recording_E', '_ZN5mxnet10Imperative9is_train_E'))
+"""Whether this libmxnet exports its autograd flags (the pip wheel does): the
+recorder then reads them in place."""
+
+
+@pytest.fixture
+def restore_accel():
+    """Configure the C extension again after the test (which changed what
+    it reads: MXNet's default-context holder, its autograd functions)."""
+    holder = mx.context.Context._default_ctx
+    yield
+    mx.context.Context._default_ctx = holder
+    accel._load()
+    assert accel.STATUS == 'C extension'
+
+
+@needs_extension
+def test_autograd_state_falls_back_to_mxnets_api(restore_accel):
+    """Without MXNet's library to look its flags up in, the recorder asks
+    MXNet's C API, in every state; without that API either it records
+    nothing itself (the Python version does), also in a thread that had
+    looked the flags up before."""
+    from gluon_dynbatch import _speedups
+    from mxnet import autograd
+    _speedups.set_autograd_flags(None, *accel._autograd_setters()[1:])
+    for recording, training in ((False, False), (True, False), (True, True), (False, True)):
+        with autograd._RecordingStateScope(recording, training):
+            assert _speedups.autograd_flags() == (recording, training, False)
+    accel._load()       # as at import: read in place again
+    assert _speedups.autograd_flags() == (False, False, _FLAGS_EXPORTED)
+    _speedups.set_autograd_state(None, None)
+    assert _speedups.autograd_flags() is None
+    block = dyb.DynBatchBlock(AddItems())
+    x = np.ones((1, 3), np.float32)
+    with dyb.batching('depth'):
+        out = block(x, [])          # recorded by the Python version
+    np.testing.assert_array_equal(out.asnumpy(), x)
+
+
+class _GreenletLocal:
+    """A stand-in for gevent's monkey-patched ``threading.local``: one
+    ``__dict__`` per greenlet (``switch``), all in one thread."""
+    __slots__ = ('dicts', '__dict__')
+
+    def __init__(self):
+        self.dicts = {}
+
+    def switch(self, greenlet):
+        self.__dict__ = self.dicts.setdefault(greenlet, {})
+
+
+@needs_extension
+def test_default_context_per_greenlet_and_after_reconfiguring(restore_accel):
+    """The recorder reads the default context from the thread's dict of
+    ``Context._default_ctx`` only when that is CPython's own
+    ``threading.local``: under a greenlet-local one (gevent) each greenlet
+    sees its own; and it forgets the dict it remembered when configured
+    again with a new holder."""
+    block = dyb.DynBatchBlock(AddItems())
+    x = np.ones((1, 3), np.float32)
+
+    def contexts(calls):
+        with private_scope('depth') as scope:
+            for greenlet, ctx in calls:
+                holder.switch(greenlet)
+                with ctx:
+                    block(x, [])
+                    block(x, [])
+            nodes, _ = scope.take()
+        return [node.sig.key[-1] for node in nodes]
+
+    holder = _GreenletLocal()
+    holder.switch('main')
+    mx.context.Context._default_ctx = holder
+    accel._load()
+    cpu = [mx.cpu(k) for k in range(3)]
+    assert contexts([('a', cpu[1]), ('b', cpu[2]), ('a', cpu[1])]) == \
+        [(1, 1)] * 2 + [(1, 2)] * 2 + [(1, 1)] * 2
+    # a new threading.local holder: the old one's dict is not read
+    mx.context.Context._default_ctx = threading.local()
+    accel._load()
+    with mx.cpu(2):
+        with private_scope('depth') as scope:
+            block(x, [])
+            block(x, [])
+            nodes, _ = scope.take()
+    assert [node.sig.key[-1] for node in nodes] == [(1, 2)] * 2
 
 
 def test_errors_come_from_the_python_version():

@@ -109,14 +109,18 @@ def test_every_update_is_the_fused_op(sparse_grad, way, monkeypatch):
         assert len(storages) == 4 * 5       # steps x parameters
 
 
-def test_kernel_status_says_which_update_runs_and_why():
-    """``KERNEL_STATUS`` names the C kernel when it is loaded, else MXNet's
-    update and why (here in a process with ``GLUON_DYNBATCH_PURE_PYTHON``
-    set, which turns the kernel off)."""
-    assert (optim.KERNEL_STATUS == 'C kernel') == (KERNEL is not None)
+def test_kernel_status_says_which_update_runs_and_why(monkeypatch):
+    """``kernel_status()`` names the C kernel while it is in use, else
+    MXNet's update and why: ``optim.KERNEL`` set to None, or (in a process
+    with ``GLUON_DYNBATCH_PURE_PYTHON`` set) the kernel turned off."""
+    assert (optim.kernel_status() == 'C kernel') == (KERNEL is not None)
+    monkeypatch.setattr(optim, 'KERNEL', None)
+    if KERNEL is not None:
+        assert optim.kernel_status() == ("MXNet's sparse.adagrad_update "
+                                         "(optim.KERNEL was set to None)")
     env = dict(os.environ, GLUON_DYNBATCH_PURE_PYTHON='1')
     out = subprocess.run([sys.executable, '-c', 'import gluon_dynbatch.optim as o; '
-                          'print(o.KERNEL is None, o.KERNEL_STATUS)'],
+                          'print(o.KERNEL is None, o.kernel_status())'],
                          env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == ("True MXNet's sparse.adagrad_update "
                            "(GLUON_DYNBATCH_PURE_PYTHON is set)")
