@@ -818,7 +818,9 @@ class DynBatchBlock(Block):
     -----
     Parameters are the wrapped block's own: ``collect_params``,
     ``initialize``, ``save_parameters`` and ``load_parameters`` act on it
-    with the same names, so files move freely between the two.  A recorded
+    with the same names, so files move freely between the two.  Other
+    attributes the wrapper lacks are the wrapped block's (an RNN cell's
+    ``begin_state``, a parameter); ``block`` is the wrapped block.  A recorded
     call reads the parameters when it runs: changing them (``set_data``,
     ``initialize(force_reinit=True)``, a trainer step) before its scope has
     run it changes its result.
@@ -963,6 +965,26 @@ class DynBatchBlock(Block):
 
     def _collect_params_with_prefix(self, prefix=''):
         return self.block._collect_params_with_prefix(prefix)
+
+    def save_parameters(self, filename, deduplicate=False):
+        self.block.save_parameters(filename, deduplicate)
+
+    def load_parameters(self, filename, ctx=None, allow_missing=False, ignore_extra=False,
+                        cast_dtype=False, dtype_source='current'):
+        # the block's own: a file of a block without child blocks holds
+        # names without a '.', which Gluon loads by the loading block's
+        # prefix (the wrapper's would match none of them)
+        self.block.load_parameters(filename, ctx, allow_missing, ignore_extra, cast_dtype,
+                                   dtype_source)
+
+    def __getattr__(self, name):
+        # only for names the wrapper lacks: the wrapped block's (an RNN
+        # cell's begin_state, a parameter); private names are not forwarded
+        # (and ``block`` itself is missing while Gluon's __init__ runs)
+        if name.startswith('_') or name == 'block' or 'block' not in self.__dict__:
+            raise AttributeError("'%s' object has no attribute '%s'"
+                                 % (type(self).__name__, name))
+        return getattr(self.__dict__['block'], name)
 
     def hybridize(self, active=True, **kwargs):
         self.block.hybridize(active, **kwargs)

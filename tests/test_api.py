@@ -8,7 +8,7 @@ import mxnet as mx
 import numpy as np
 import pytest
 from mxnet import autograd, gluon
-from mxnet.gluon import nn
+from mxnet.gluon import nn, rnn
 
 import gluon_dynbatch as dyb
 from gluon_dynbatch.execute import threaded_engine
@@ -77,6 +77,50 @@ def test_parameters_are_shared_and_files_interchange(tmp_path):
     inner.save_parameters(str(tmp_path / 'i.params'))
     again = dyb.DynBatchBlock(ChildSumTreeLSTMCell(4, 3))
     again.load_parameters(str(tmp_path / 'i.params'))
+
+
+@pytest.mark.parametrize('make', [lambda: nn.Dense(4, in_units=3),
+                                  lambda: rnn.GRUCell(4, input_size=3),
+                                  lambda: nn.Embedding(10, 4)])
+def test_files_interchange_for_blocks_without_child_blocks(tmp_path, make):
+    """A block without child blocks saves names without a '.', which Gluon
+    loads by the loading block's prefix: the wrapper loads them as its
+    block (it failed: 'restore_prefix is dynbatchblock0_'), from its own
+    files and from the plain block's, and the plain block from its."""
+    def values(block):
+        return [p.data().asnumpy() for p in block.collect_params().values()]
+
+    wrapped = dyb.DynBatchBlock(make())
+    wrapped.initialize(mx.init.Uniform(1.0))
+    wrapped.save_parameters(str(tmp_path / 'w.params'))
+    for target in (dyb.DynBatchBlock(make()), make()):
+        target.load_parameters(str(tmp_path / 'w.params'))
+        for got, want in zip(values(target), values(wrapped)):
+            np.testing.assert_array_equal(got, want)
+    plain = make()
+    plain.initialize(mx.init.Uniform(1.0))
+    plain.save_parameters(str(tmp_path / 'p.params'))
+    wrapped.load_parameters(str(tmp_path / 'p.params'))
+    for got, want in zip(values(wrapped), values(plain)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_other_attributes_are_the_wrapped_blocks():
+    """Attributes the wrapper lacks are the wrapped block's (an RNN cell's
+    ``begin_state``, its parameters); a missing one still raises
+    AttributeError, and private names are not forwarded."""
+    cell = rnn.GRUCell(4, input_size=3)
+    wrapped = dyb.DynBatchBlock(cell)
+    wrapped.initialize()
+    state = wrapped.begin_state(batch_size=1)
+    assert [s.shape for s in state] == [(1, 4)]
+    assert wrapped.i2h_weight is cell.i2h_weight
+    with pytest.raises(AttributeError):
+        wrapped.no_such_attribute  # pylint: disable=pointless-statement
+    with pytest.raises(AttributeError):
+        wrapped._reg_params_of_nothing  # pylint: disable=pointless-statement
+    out, new_state = wrapped(mx.nd.ones((1, 3)), state)      # outside a scope: the cell
+    np.testing.assert_allclose(out.asnumpy(), cell(mx.nd.ones((1, 3)), state)[0].asnumpy())
 
 
 def test_deferred_initialization_happens_at_trace_time():
