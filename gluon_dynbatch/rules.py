@@ -282,6 +282,16 @@ register_batching_rule('Dropout', '_npx_dropout')(_dropout)
 register_batching_rule('pick')(_axis_rule('axis', -1, need_all_batched=True))
 register_batching_rule('Reshape', 'reshape')(_reshape)
 register_batching_rule('transpose')(_transpose)
+
+
+@register_batching_rule('reshape_like')
+def _reshape_like(op):
+    """Input 0 reshaped to input 1's shape (Gluon's losses reshape the label
+    like the prediction): row for row when both are batched, each sample's
+    row of one size; a shared input 1 would keep its per-sample shape."""
+    if any(op.attr(key) is not None for key in ('lhs_begin', 'lhs_end', 'rhs_begin', 'rhs_end')):
+        return 'reshape_like of part of the shapes'
+    return _all_batched(op)
 register_batching_rule('dot')(_dot)
 register_batching_rule('take')(_take)
 register_batching_rule('batch_dot')(_all_batched)

@@ -334,6 +334,43 @@ def test_gluons_own_rnn_cells_batch(cell_type, strategy):
     assert dyb.stats()['last']['steps'] <= max(len(seq) for seq in seqs)
 
 
+@pytest.mark.parametrize('strategy', ['depth', 'auto'])
+@pytest.mark.parametrize('loss', ['L2Loss', 'L1Loss', 'SigmoidBinaryCrossEntropyLoss'])
+def test_gluons_losses_batch(loss, strategy):
+    """Gluon's losses reshape the label like the prediction
+    (``reshape_like``), which had no rule: a loss wrapped as a block ran
+    per sample.  Both batched, it batches; values and gradients (inputs'
+    too) equal per-sample execution; a label shared by every call (a
+    parameter of shape (1, 3)) still runs per sample."""
+    block = dyb.DynBatchBlock(getattr(gluon.loss, loss)())
+    rng = np.random.RandomState(3)
+    preds = [mx.nd.array(rng.uniform(-1, 1, (1, 3))) for _ in range(5)]
+    labels = [mx.nd.array(rng.uniform(0, 1, (1, 3))) for _ in range(5)]
+    assert_same(run_both(lambda: [block(p, l) for p, l in zip(preds, labels)], [block],
+                         preds + labels, strategy))
+    assert all(sig.batch_safe for sig in block.signatures()), \
+        [sig.reason for sig in block.signatures()]
+
+
+class SharedLabelLoss(gluon.HybridBlock):
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.label = self.params.get('label', shape=(1, 3), init=mx.init.One())
+
+    def hybrid_forward(self, F, pred, label):  # pylint: disable=arguments-differ
+        return F.square(pred - F.reshape_like(label, pred))
+
+
+def test_reshape_like_of_a_shared_input_runs_per_sample():
+    block = dyb.DynBatchBlock(SharedLabelLoss())
+    block.initialize()
+    preds = [mx.nd.array(np.full((1, 3), k, np.float32)) for k in range(3)]
+    assert_same(run_both(lambda: [block(p) for p in preds], [block], preds, 'depth'))
+    batch_safe, reason = _verdict(block)
+    assert not batch_safe and 'mixes batched and shared' in reason, reason
+
+
 class Relu(gluon.HybridBlock):
     def hybrid_forward(self, F, x):
         return F.relu(x)
