@@ -9,10 +9,12 @@ scope a wrapped block is just the block it wraps.
 import gc
 import itertools
 import numbers
+import os
 import struct
 import sys
 import threading
 import time
+import warnings
 from contextlib import contextmanager
 
 import mxnet as mx
@@ -21,11 +23,11 @@ from mxnet import autograd
 from mxnet.gluon import Block
 
 from . import accel, debug
-from .errors import InputError, ScopeError
+from .errors import InputError, PerSampleWarning, ScopeError
 from .execute import collect, pad_leaves, run_plan, threaded_engine, to_device
 from .graph import (DONE, FAILED, PENDING, LazyValue, Node, lazy_results, recorded, repeat_node,
                     shared_results)
-from .lower import ragged_lists
+from .lower import PROGRAMS_BUILT, ragged_lists
 from .plan import SETUP, STRATEGIES, Strategy, summarize
 from .trace import flatten, leaf_count, regroup, trace_signature
 
@@ -238,6 +240,7 @@ class BatchingScope:
         try:
             nodes, summary = self.take()
             record_ms, self.record_s = self.record_s * 1e3, 0.0
+            built = PROGRAMS_BUILT[0]
             start = time.perf_counter()
             plan = self.strategy.plan(nodes, summary)
             planned = time.perf_counter()
@@ -255,7 +258,8 @@ class BatchingScope:
         compile_s = self.strategy.last_compile_s
         debug.record_flush(plan, record_ms, (planned - start - compile_s) * 1e3,
                            (done - planned) * 1e3, getattr(self.strategy, 'last', None),
-                           compile_ms=compile_s * 1e3, repeated=repeated)
+                           compile_ms=compile_s * 1e3, repeated=repeated,
+                           built=PROGRAMS_BUILT[0] - built)
 
     def abandon(self):
         """Drop what was recorded: its lazy values will raise when read."""
@@ -452,6 +456,19 @@ def private_scope(strategy):
         _LOCAL.scope = outer
 
 
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _user_stacklevel():
+    """``stacklevel`` for a warning given here that points at the user's
+    line: the first frame outside gluon_dynbatch (the C recorder adds no
+    frame of its own, the Python one adds two)."""
+    frame, level = sys._getframe(1), 1    # pylint: disable=protected-access
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def concat_rows(values):
     """The values (per-sample lazy values or NDArrays of one shape, leading
     axis 1) as one ``(N, ...)`` NDArray, in order.
@@ -469,17 +486,22 @@ def concat_rows(values):
     the rows of one step it *is* that step's output, which their ``.data``
     reads (copy it before writing into it in place).
     """
+    if type(values) is LazyValue or isinstance(values, NDArray):
+        raise InputError('concat_rows() takes a list of values, one per sample; got one %s '
+                         '(concat_rows([value]), or value.data).' % type(values).__name__)
     values = list(values)
     if not values:
         raise InputError('concat_rows() needs at least one value.')
+    for i, value in enumerate(values):
+        if type(value) is not LazyValue and not isinstance(value, NDArray):
+            hint = (' (a call\'s several outputs?): pass one output per call, e.g. '
+                    '[out for out, _ in results]' if isinstance(value, (tuple, list)) else '.')
+            raise InputError('concat_rows(): value %d is a %s; expected lazy values or '
+                             'NDArrays%s' % (i, type(value).__name__, hint))
     shape = values[0].shape
     for i, value in enumerate(values):
-        if type(value) is LazyValue:
-            if value._node.state != DONE:
-                value.data      # runs what is pending (raises for a failed scope)
-        elif not isinstance(value, NDArray):
-            raise InputError('concat_rows(): value %d is a %s; expected lazy values or NDArrays.'
-                             % (i, type(value).__name__))
+        if type(value) is LazyValue and value._node.state != DONE:
+            value.data          # runs what is pending (raises for a failed scope)
         if value.shape[:1] != (1,):
             raise InputError('concat_rows(): value %d has shape %s; each value must be one '
                              'sample (leading axis 1).' % (i, value.shape))
@@ -839,6 +861,7 @@ class DynBatchBlock(Block):
         self._families = {}
         self._pad_checked = set()
         self._padded = {}       # tuple of signatures -> their padded signature
+        self._warned = False    # PerSampleWarning given
 
     def __call__(self, *args, **kwargs):
         # Replaced by its C version where the extension is built (see
@@ -893,6 +916,13 @@ class DynBatchBlock(Block):
                             for shape, dtype in zip(sig.out_shapes, sig.out_dtypes)]
             sig.group_key = self._family_id(key, fmt) if sig.batch_safe else -1 - sig.sig_id
             self._signatures[key] = sig
+        if not sig.batch_safe and not self._warned:
+            self._warned = True
+            warnings.warn(PerSampleWarning(
+                'block %s runs per sample (correct, but one call at a time): %s. If that op acts '
+                'on each row alone, register a rule (gluon_dynbatch.register_batching_rule); '
+                'DYNBATCH_DEBUG=2 prints each flush\'s plan.' % (self.block.name, sig.reason)),
+                stacklevel=_user_stacklevel())
         return sig
 
     def _family_id(self, key, fmt):

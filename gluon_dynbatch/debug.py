@@ -26,7 +26,7 @@ def reset_stats():
     _TOTALS.clear()
     _TOTALS.update(flushes=0, nodes=0, steps=0, record_ms=0.0, analyse_ms=0.0, compile_ms=0.0,
                    run_ms=0.0, per_sample_nodes=0, repeated_calls=0, choices={}, predicted_ms=0.0,
-                   actual_ms=0.0)
+                   actual_ms=0.0, programs_built=0)
     _LAST.clear()
 
 
@@ -38,14 +38,17 @@ def stats():
     model (those of 32 calls or more, see :class:`~gluon_dynbatch.Auto`).
     ``nodes`` counts the calls that ran; ``repeated_calls`` those that
     reused an earlier call's results instead (equal host arguments, see
-    :meth:`~gluon_dynbatch.block.BatchingScope.record`)."""
+    :meth:`~gluon_dynbatch.block.BatchingScope.record`); ``programs_built``
+    the step programs (MXNet CachedOps) flushes built, a one-time cost of
+    new shapes that their run times include."""
     out = dict(_TOTALS)
     out['choices'] = dict(_TOTALS['choices'])
     out['last'] = dict(_LAST)
     return out
 
 
-def record_flush(plan, record_ms, analyse_ms, run_ms, extra=None, compile_ms=0.0, repeated=0):
+def record_flush(plan, record_ms, analyse_ms, run_ms, extra=None, compile_ms=0.0, repeated=0,
+                 built=0):
     sizes = plan.batch_sizes()
     per_sample = sum(n for n, step in zip(sizes, plan.steps) if not step.sig.batch_safe)
     _TOTALS['flushes'] += 1
@@ -57,10 +60,12 @@ def record_flush(plan, record_ms, analyse_ms, run_ms, extra=None, compile_ms=0.0
     _TOTALS['run_ms'] += run_ms
     _TOTALS['per_sample_nodes'] += per_sample
     _TOTALS['repeated_calls'] += repeated
+    _TOTALS['programs_built'] += built
     _LAST.clear()
     _LAST.update(nodes=sum(sizes), steps=len(sizes), batch_sizes=sizes, record_ms=record_ms,
                  analyse_ms=analyse_ms, compile_ms=compile_ms, run_ms=run_ms,
-                 strategy=plan.strategy, per_sample_nodes=per_sample, repeated_calls=repeated)
+                 strategy=plan.strategy, per_sample_nodes=per_sample, repeated_calls=repeated,
+                 programs_built=built)
     if extra:
         _LAST.update(extra)
         if 'choice' in extra:
@@ -85,6 +90,8 @@ def _print_flush(plan, sizes, level):
                ordered[-1], last['record_ms'], last['analyse_ms'],
                'compile %.2f ms, ' % last['compile_ms'] if last['compile_ms'] else '',
                last['run_ms'], last['strategy']))
+    if last['programs_built']:      # a first flush of new shapes: its times include these
+        line += ', %d new programs built' % last['programs_built']
     if 'predicted_ms' in last:
         line += ' (auto chose %s: predicted %.2f ms, actual %.2f ms)' % (
             last['choice'], last['predicted_ms'], last['analyse_ms'] + last['run_ms'])

@@ -1,7 +1,7 @@
 """One family of errors, each naming the block, the argument and the shapes
 involved, and saying what to do."""
 
-__all__ = ['DynBatchError', 'ScopeError', 'LazyValueError', 'InputError']
+__all__ = ['DynBatchError', 'ScopeError', 'LazyValueError', 'InputError', 'PerSampleWarning']
 
 
 class DynBatchError(Exception):
@@ -20,3 +20,12 @@ class InputError(DynBatchError):
     """A recorded call got arguments its block cannot take: a non-array,
     mixed contexts or dtypes, a missing batch axis, or shapes that contradict
     the block's parameters."""
+
+
+class PerSampleWarning(UserWarning):
+    """A block's calls run one at a time (correct, but unbatched): its graph
+    has an op without a batching rule, or one used in a way that mixes the
+    samples.  Warned once per block, with the reason; see
+    :func:`~gluon_dynbatch.register_batching_rule` for ops that do act row
+    by row, and ``warnings.filterwarnings('ignore',
+    category=PerSampleWarning)`` for blocks meant to run so."""

@@ -69,6 +69,12 @@ __all__ = ['ThreadCachedOp', 'StepProgram', 'step_program', 'element_major', 'Fl
            'STATIC_ALLOC_UNDER_AUTOGRAD', 'INVERSE', 'INVERSE_SEGMENT']
 
 
+PROGRAMS_BUILT = [0]
+"""CachedOps made so far (each a first call's compile and memory plan):
+``DYNBATCH_DEBUG`` and :func:`~gluon_dynbatch.stats` say how many a flush
+made, which is why a first flush of new shapes runs slower."""
+
+
 class ThreadCachedOp:
     """A ``CachedOp`` of ``symbol`` per thread that calls it, made at its
     first call there (the building thread's at once).  Programs live on
@@ -83,12 +89,14 @@ class ThreadCachedOp:
         self.symbol, self.flags = symbol, list(flags)
         self._local = threading.local()
         self._local.op = mx.nd.CachedOp(symbol, self.flags)
+        PROGRAMS_BUILT[0] += 1
 
     def __call__(self, *args):
         try:
             op = self._local.op
         except AttributeError:
             op = self._local.op = mx.nd.CachedOp(self.symbol, self.flags)
+            PROGRAMS_BUILT[0] += 1
         return op(*args)
 
 

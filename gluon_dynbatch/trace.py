@@ -136,7 +136,17 @@ def trace_signature(sig_id, block, fmt, shapes, dtypes):
     variables = [mx.sym.var(n) for n in data_names]
     sym_args, _ = regroup(fmt, variables)
     _drop_stale_vars(block)
-    out = _outputs_as_lists(block(*sym_args))
+    try:
+        out = _outputs_as_lists(block(*sym_args))
+    except InputError:
+        raise
+    except Exception as err:    # pylint: disable=broad-except
+        raise InputError(
+            'block %s could not be traced: its hybrid_forward, called with F=mx.sym and '
+            'Symbols for arguments, raised %s: %s. A DynBatchBlock needs a block that '
+            'hybridizes: no .shape, .asnumpy() or other NDArray-only calls on its arguments, '
+            'and no Python branches on their values (check: block.hybridize(), then one call '
+            'outside any scope).' % (_block_name(block), type(err).__name__, err)) from err
     out_leaves = []
     out_fmt = flatten(out if isinstance(out, (list, tuple)) else [out], out_leaves)
     if not isinstance(out, (list, tuple)):
@@ -168,7 +178,15 @@ def trace_signature(sig_id, block, fmt, shapes, dtypes):
                 'or stack on an axis after it).' % (_block_name(block), number, shape))
     _finish_deferred_init(block, symbol, arg_shapes, aux_shapes, params)
     types = {name: dtype for name, dtype in zip(data_names, dtypes) if name in inputs}
-    _, out_types, _ = symbol.infer_type(**types)
+    try:
+        _, out_types, _ = _quiet(symbol, 'infer_type')(**types)
+    except mx.base.MXNetError as err:
+        param_types = sorted({np.dtype(p.dtype).name for p in params.values()})
+        raise InputError(
+            'block %s cannot take per-sample inputs of dtype %s (its parameters are %s): %s. '
+            'Cast the inputs (x.astype(...)) or the block (block.cast(...)) so that they agree.'
+            % (_block_name(block), np.dtype(dtypes[0]).name if dtypes else None,
+               ', '.join(param_types) or 'none', _first_error_line(err))) from None
     out_dtypes = [np.dtype(t).type for t in out_types]
     symbol = prelu_by_ops(symbol, known)
     batch_safe, reason = check_batch_safe(symbol, set(data_names), known)
@@ -298,16 +316,28 @@ def _is_prelu(node):
     return node['op'] == 'LeakyReLU' and node.get('attrs', {}).get('act_type') == 'prelu'
 
 
+def _quiet(symbol, name):
+    """``symbol.infer_shape`` or ``infer_type`` without the list of
+    arguments MXNet prints on failure (the error raised names them)."""
+    impl = getattr(symbol, '_%s_impl' % name, None)
+    if impl is None:
+        return getattr(symbol, name)
+    return lambda **known: impl(False, **known)
+
+
+def _first_error_line(err):
+    lines = [l for l in str(err).strip().splitlines() if l.strip()]
+    return next((l for l in lines if 'Error' in l and 'Traceback' not in l), lines[-1])
+
+
 def _infer_shapes(block, symbol, known, shapes):
     try:
-        arg_shapes, out_shapes, aux_shapes = symbol.infer_shape(**known)
+        arg_shapes, out_shapes, aux_shapes = _quiet(symbol, 'infer_shape')(**known)
     except mx.base.MXNetError as err:
-        lines = [l for l in str(err).strip().splitlines() if l.strip()]
-        first = next((l for l in lines if 'Error' in l and 'Traceback' not in l), lines[-1])
         raise InputError(
             'block %s cannot take per-sample inputs of shapes %s: %s. Check the argument '
             'shapes (each with a leading batch axis of 1) against the block\'s parameters.'
-            % (_block_name(block), list(shapes), first)) from None
+            % (_block_name(block), list(shapes), _first_error_line(err))) from None
     if out_shapes is None or any(s is None or 0 in s for s in out_shapes):
         raise InputError('block %s: output shapes cannot be inferred from inputs %s; '
                          'give its layers their input sizes (e.g. in_units).'

@@ -1,6 +1,7 @@
 """Behaviour of the user-facing API: laziness, scopes, plans, parameters,
 and the errors each misuse gets."""
 import contextlib
+import re
 import sys
 import time
 
@@ -174,6 +175,25 @@ def test_steps_per_flush_at_most_depth_times_signatures():
     depth = 1 + max(n.depth for n in pending)
     assert last['steps'] <= depth * len(cell.signatures())
     assert max(last['batch_sizes']) > 1
+
+
+def test_a_flush_says_how_many_programs_it_built(capsys, monkeypatch):
+    """The first flush of new shapes builds its step programs (MXNet
+    CachedOps), which its run time includes: ``stats()['last']`` and the
+    ``DYNBATCH_DEBUG`` line say how many; the same flush again builds
+    none."""
+    monkeypatch.setenv('DYNBATCH_DEBUG', '1')
+    block = dense(3, in_units=3)
+    xs = [mx.nd.ones((1, 3)) * k for k in range(4)]
+    counts = []
+    for _ in range(2):
+        with dyb.batching('depth'):
+            [block(x) for x in xs]
+        counts.append(dyb.stats()['last']['programs_built'])
+    assert counts[0] >= 1 and counts[1] == 0, counts
+    lines = [l for l in capsys.readouterr().err.splitlines() if 'flush:' in l]
+    assert lines[0].endswith(', %d new programs built' % counts[0]) and \
+        'programs built' not in lines[1], lines
 
 
 def test_depth_runs_the_sinks_of_a_family_as_one_step():
@@ -548,6 +568,77 @@ def test_error_mixed_dtypes():
         with pytest.raises(dyb.InputError, match='float64.*float32|dtype'):
             block(mx.nd.ones((1, 3)), [mx.nd.ones((1, 4), dtype='float64')],
                   [mx.nd.ones((1, 4))])
+
+
+class _SumOverBatch(gluon.HybridBlock):
+    def hybrid_forward(self, F, x):  # pylint: disable=arguments-differ
+        return F.broadcast_add(x, F.sum(x, axis=0, keepdims=True))
+
+
+@pytest.mark.parametrize('accelerated', [False, True])
+def test_a_block_that_runs_per_sample_warns_once_at_the_users_line(accelerated):
+    """A block whose graph mixes the samples runs per sample (correct, but
+    unbatched): one PerSampleWarning per block, naming it and the op, at
+    the user's line, whether the C or the Python recorder traced it; a
+    batch-safe block gives none."""
+    from gluon_dynbatch import accel
+    block = dyb.DynBatchBlock(_SumOverBatch())
+    safe = dense(3, in_units=3)
+    accel.enable(accelerated)
+    try:
+        with pytest.warns(dyb.PerSampleWarning) as caught:
+            with dyb.batching():
+                outs = [block(mx.nd.ones((1, 3)) * k) for k in range(3)]
+                outs.append(block(mx.nd.ones((1, 4))))      # another signature: no new warning
+                outs.append(safe(mx.nd.ones((1, 3))))
+    finally:
+        accel.enable(True)
+    mine = [w for w in caught if issubclass(w.category, dyb.PerSampleWarning)]
+    assert len(mine) == 1, [str(w.message) for w in mine]
+    assert re.search(r'block _sumoverbatch\d+ runs per sample.*sum acts on the batch axis',
+                     str(mine[0].message)), str(mine[0].message)
+    assert mine[0].filename == __file__
+    np.testing.assert_array_equal(outs[2].asnumpy(), np.full((1, 3), 4.0))
+
+
+def test_error_inputs_of_another_dtype_than_the_parameters(capsys):
+    """float64 inputs to a float32 block: an InputError naming the block,
+    both dtypes and the remedy (it was MXNet's 'Incompatible attr' error),
+    and without MXNet's list of arguments on stdout."""
+    block = dense(2, in_units=3)
+    with dyb.batching():
+        with pytest.raises(dyb.InputError, match=r'dense\d+ \(Dense\).*dtype float64 \(its '
+                           r'parameters are float32\).*block\.cast'):
+            block(np.ones((1, 3)))
+    assert 'infer_type error' not in capsys.readouterr().out
+
+
+class _UsesShape(gluon.HybridBlock):
+    def hybrid_forward(self, F, x):  # pylint: disable=arguments-differ
+        return x.reshape((1, x.shape[1]))     # NDArray-only: .shape
+
+
+def test_error_a_block_that_does_not_hybridize_names_it():
+    """A hybrid_forward that fails on Symbols (``x.shape``) raises an
+    InputError naming the block and what a DynBatchBlock needs (it was a
+    bare AttributeError from inside the trace); the error is chained."""
+    block = dyb.DynBatchBlock(_UsesShape())
+    with dyb.batching():
+        with pytest.raises(dyb.InputError, match=r'usesshape\d+ \(_UsesShape\) could not be '
+                           r'traced.*AttributeError.*shape.*hybridize') as info:
+            block(mx.nd.ones((1, 3)))
+    assert isinstance(info.value.__cause__, AttributeError)
+    np.testing.assert_array_equal(block(mx.nd.ones((1, 3))).asnumpy(), 1)   # eager: fine
+
+
+def test_error_concat_rows_of_one_value_or_of_call_results():
+    block = dense(2, in_units=3)
+    with dyb.batching():
+        pair = (block(mx.nd.ones((1, 3))), block(mx.nd.ones((1, 3))))
+    with pytest.raises(dyb.InputError, match='takes a list of values.*one LazyValue'):
+        dyb.concat_rows(pair[0])
+    with pytest.raises(dyb.InputError, match=r'value 1 is a tuple.*\[out for out, _ in'):
+        dyb.concat_rows([pair[0], pair])
 
 
 def test_error_mixed_contexts():
