@@ -197,6 +197,9 @@ def trace_signature(sig_id, block, fmt, shapes, dtypes):
                            batch_safe and is_function_of_inputs(symbol), passthrough)
 
 
+DRAWS_IN_TRAINING_ONLY = frozenset(['Dropout', '_npx_dropout'])
+
+
 def check_traced_form(sig, block, fmt, shapes, dtypes, ctx):
     """Run ``block`` once eagerly (as outside a scope) and ``sig``'s traced
     symbol (what batched steps run) on the same random arguments of the
@@ -215,7 +218,16 @@ def check_traced_form(sig, block, fmt, shapes, dtypes, ctx):
     array where it indexes a list of them), with no sign.  Gluon's own
     ``hybridize`` has the same gap; here per-sample execution is the
     reference, so it is checked once per signature (~1 ms).  Where the
-    symbol itself cannot run here, the real run reports it."""
+    symbol itself cannot run here, the real run reports it.  A symbol that
+    draws random numbers in predict mode (a sampler, a custom op; not
+    ``Dropout``, which then draws nothing) is not run at all: its draws
+    would move MXNet's random stream, and a seeded run would give other
+    numbers than before."""
+    ops = [(node['op'], node.get('attrs')) for node in json.loads(sig.symbol.tojson())['nodes']]
+    if any(op in NOT_FUNCTIONS or (draws_random(op, attrs) and op not in DRAWS_IN_TRAINING_ONLY)
+           for op, attrs in ops):
+        return None
+    deterministic = not any(draws_random(op, attrs) for op, attrs in ops)
     rng = np.random.RandomState(sig.sig_id % (2 ** 31))
     leaves = [mx.nd.array(rng.uniform(0.1, 0.9, shape), dtype=dtype, ctx=ctx)
               for shape, dtype in zip(shapes, dtypes)]
@@ -247,9 +259,6 @@ def check_traced_form(sig, block, fmt, shapes, dtypes, ctx):
     if len(eager_leaves) != len(traced):
         problem = 'returns %d outputs per sample but %d traced' % (len(eager_leaves),
                                                                    len(traced))
-    deterministic = not any(node['op'] in NOT_FUNCTIONS or
-                            draws_random(node['op'], node.get('attrs'))
-                            for node in json.loads(sig.symbol.tojson())['nodes'])
     for number, (want, got) in enumerate(zip(eager_leaves, traced)):
         if problem is not None:
             break
