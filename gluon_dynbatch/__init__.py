@@ -8,8 +8,7 @@ __version__ = '0.1.0'
 
 from .block import DynBatchBlock, batching, concat_rows, current_scope
 from .debug import reset_stats, stats
-from .errors import (DynBatchError, InputError, LazyValueError, PerSampleWarning, ScopeError,
-                     TracedFormWarning)
+from .errors import DynBatchError, InputError, LazyValueError, PerSampleWarning, ScopeError
 from .graph import LazyValue
 from .plan import STRATEGIES, Agenda, BatchStep, ByDepth, CachedPlan, Plan, PerSample, Strategy
 from .cost import Auto, CostModel, default_cost_model
@@ -18,7 +17,7 @@ from .optim import FusedAdaGrad
 
 __all__ = ['DynBatchBlock', 'batching', 'concat_rows', 'current_scope', 'stats', 'reset_stats',
            'DynBatchError', 'InputError', 'LazyValueError', 'ScopeError', 'PerSampleWarning',
-           'TracedFormWarning', 'LazyValue',
+           'LazyValue',
            'Plan', 'BatchStep', 'Strategy', 'PerSample', 'ByDepth', 'Agenda', 'CachedPlan',
            'Auto', 'CostModel', 'default_cost_model', 'STRATEGIES',
            'register_batching_rule', 'FusedAdaGrad']

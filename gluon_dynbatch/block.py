@@ -23,13 +23,13 @@ from mxnet import autograd
 from mxnet.gluon import Block
 
 from . import accel, debug
-from .errors import InputError, PerSampleWarning, ScopeError, TracedFormWarning
+from .errors import InputError, PerSampleWarning, ScopeError
 from .execute import collect, pad_leaves, run_plan, threaded_engine, to_device
 from .graph import (DONE, FAILED, PENDING, LazyValue, Node, lazy_results, recorded, repeat_node,
                     shared_results)
 from .lower import PROGRAMS_BUILT, ragged_lists
 from .plan import SETUP, STRATEGIES, Strategy, summarize
-from .trace import check_traced_form, flatten, leaf_count, regroup, trace_signature
+from .trace import flatten, leaf_count, regroup, trace_signature
 
 __all__ = ['DynBatchBlock', 'batching', 'concat_rows', 'current_scope', 'private_scope']
 
@@ -909,7 +909,6 @@ class DynBatchBlock(Block):
             # entering the user's own current Context again would lose theirs
             with mx.Context(ctx):
                 sig = trace_signature(next(_SIG_IDS), self.block, fmt, shapes, dtypes)
-                differs = check_traced_form(sig, self.block, fmt, shapes, dtypes, ctx)
             sig.ctx, sig.fmt, sig.dblock, sig.in_shapes, sig.key = ctx, fmt, self, shapes, key
             widths = [leaf_count(nesting) for nesting in fmt]
             sig.spans = tuple((sum(widths[:item]), width) for item, width in enumerate(widths))
@@ -917,8 +916,6 @@ class DynBatchBlock(Block):
                             for shape, dtype in zip(sig.out_shapes, sig.out_dtypes)]
             sig.group_key = self._family_id(key, fmt) if sig.batch_safe else -1 - sig.sig_id
             self._signatures[key] = sig
-        if differs is not None:
-            warnings.warn(TracedFormWarning(differs), stacklevel=_user_stacklevel())
         if not sig.batch_safe and not self._warned:
             self._warned = True
             warnings.warn(PerSampleWarning(

@@ -1,8 +1,7 @@
 """One family of errors, each naming the block, the argument and the shapes
 involved, and saying what to do."""
 
-__all__ = ['DynBatchError', 'ScopeError', 'LazyValueError', 'InputError', 'PerSampleWarning',
-           'TracedFormWarning']
+__all__ = ['DynBatchError', 'ScopeError', 'LazyValueError', 'InputError', 'PerSampleWarning']
 
 
 class DynBatchError(Exception):
@@ -30,11 +29,3 @@ class PerSampleWarning(UserWarning):
     :func:`~gluon_dynbatch.register_batching_rule` for ops that do act row
     by row, and ``warnings.filterwarnings('ignore',
     category=PerSampleWarning)`` for blocks meant to run so."""
-
-
-class TracedFormWarning(UserWarning):
-    """A block's traced form (``hybrid_forward`` with Symbols, which batched
-    steps run) gave other values than the block called per sample, on
-    random arguments, when its signature was first traced: batched and
-    per-sample results may differ.  A warning, not an error, since the
-    random arguments may lie outside what the block is meant for."""

@@ -12,14 +12,12 @@ import json
 
 import mxnet as mx
 import numpy as np
-from mxnet import autograd
 from mxnet.ndarray.ndarray import _DTYPE_NP_TO_MX
 
 from .errors import InputError
 from .rules import NOT_FUNCTIONS, OpView, batching_rule, draws_random
 
 __all__ = ['flatten', 'regroup', 'leaf_count', 'TracedSignature', 'trace_signature',
-           'check_traced_form',
            'prelu_by_ops', 'load_graph']
 
 
@@ -195,97 +193,6 @@ def trace_signature(sig_id, block, fmt, shapes, dtypes):
     return TracedSignature(sig_id, block, symbol, data_names, out_fmt, out_shapes,
                            out_dtypes, batch_safe, reason,
                            batch_safe and is_function_of_inputs(symbol), passthrough)
-
-
-DRAWS_IN_TRAINING_ONLY = frozenset(['Dropout', '_npx_dropout'])
-
-
-def check_traced_form(sig, block, fmt, shapes, dtypes, ctx):
-    """Run ``block`` once eagerly (as outside a scope) and ``sig``'s traced
-    symbol (what batched steps run) on the same random arguments of the
-    signature's shapes (uniform in 0.1-0.9), in predict mode; raise an
-    InputError when the eager call fails or their outputs differ in number
-    or shape.  Return a description of how their values differ (for a
-    symbol that draws no random numbers), else None: the caller warns
-    (:class:`~.errors.TracedFormWarning`), since random arguments may lie
-    outside what the block is meant for (a length past the row's end).
-
-    A ``hybrid_forward`` may take another path for Symbols than for
-    NDArrays: ``F is mx.nd`` branches, or indexing an argument (``x[0]`` of
-    an NDArray is its first row, of a Symbol its first output, the whole
-    Symbol).  Batched results would then differ from per-sample ones, or
-    batched code run where per-sample code fails (an RNN cell given a state
-    array where it indexes a list of them), with no sign.  Gluon's own
-    ``hybridize`` has the same gap; here per-sample execution is the
-    reference, so it is checked once per signature (~1 ms).  Where the
-    symbol itself cannot run here, the real run reports it.  A symbol that
-    draws random numbers in predict mode (a sampler, a custom op; not
-    ``Dropout``, which then draws nothing) is not run at all: its draws
-    would move MXNet's random stream, and a seeded run would give other
-    numbers than before."""
-    ops = [(node['op'], node.get('attrs')) for node in json.loads(sig.symbol.tojson())['nodes']]
-    if any(op in NOT_FUNCTIONS or (draws_random(op, attrs) and op not in DRAWS_IN_TRAINING_ONLY)
-           for op, attrs in ops):
-        return None
-    deterministic = not any(draws_random(op, attrs) for op, attrs in ops)
-    rng = np.random.RandomState(sig.sig_id % (2 ** 31))
-    leaves = [mx.nd.array(rng.uniform(0.1, 0.9, shape), dtype=dtype, ctx=ctx)
-              for shape, dtype in zip(shapes, dtypes)]
-    with autograd.pause(train_mode=False):
-        try:
-            eager = block(*regroup(fmt, leaves)[0])
-        except Exception as err:    # pylint: disable=broad-except
-            raise InputError(
-                'block %s raises %s when called per sample on arguments of shapes %s (%s), but '
-                'its traced form (hybrid_forward with Symbols, which batched steps run) does '
-                'not: batched and per-sample results would differ. Typical cause: one array '
-                'passed where the block indexes a list (x[0] of a Symbol is the Symbol itself, '
-                'of an NDArray its first row), or a branch on F.'
-                % (_block_name(block), type(err).__name__, list(shapes),
-                   _first_error_line(err) if isinstance(err, mx.base.MXNetError) else err)
-            ) from err
-        eager_leaves = []
-        flatten(eager if isinstance(eager, (list, tuple)) else [eager], eager_leaves)
-        params = {p.name: p for p in block.collect_params().values()}
-        data = dict(zip(sig.data_names, leaves))
-        try:
-            traced = mx.nd.CachedOp(sig.symbol)(*[data[name] if name in data else
-                                                  params[name].data(ctx)
-                                                  for name in sig.input_names])
-        except Exception:           # pylint: disable=broad-except
-            return                  # the real run reports what fails there
-    traced = traced if isinstance(traced, (list, tuple)) else [traced]
-    problem = None
-    if len(eager_leaves) != len(traced):
-        problem = 'returns %d outputs per sample but %d traced' % (len(eager_leaves),
-                                                                   len(traced))
-    for number, (want, got) in enumerate(zip(eager_leaves, traced)):
-        if problem is not None:
-            break
-        if not isinstance(want, mx.nd.NDArray) or want.shape != got.shape:
-            problem = 'output %d is %s per sample but of shape %s traced' % (
-                number, getattr(want, 'shape', type(want).__name__), got.shape)
-    if problem is not None:
-        raise InputError(
-            'block %s computes other results traced (hybrid_forward with Symbols, which '
-            'batched steps run) than per sample: %s. Its hybrid_forward takes another path '
-            'for Symbols than for NDArrays: a branch on F, or indexing an argument (x[0] of an '
-            'NDArray is its first row, of a Symbol the Symbol itself). Make the two agree '
-            '(check: block.hybridize() changes its results).' % (_block_name(block), problem))
-    for number, (want, got) in enumerate(zip(eager_leaves, traced)):
-        want, got = want.asnumpy(), got.asnumpy()
-        if deterministic and not np.allclose(got, want, rtol=1e-4, atol=1e-5, equal_nan=True):
-            return (
-                'block %s computes other values traced (hybrid_forward with Symbols, which '
-                'batched steps run) than per sample on random arguments of shapes %s in '
-                '0.1-0.9: output %d differs by up to %.3g. If its hybrid_forward takes another '
-                'path for Symbols than for NDArrays (a branch on F, indexing an argument: x[0] '
-                'of an NDArray is its first row, of a Symbol the Symbol itself), batched and '
-                'per-sample results differ; make the two agree (check: block.hybridize() '
-                'changes its results).'
-                % (_block_name(block), list(shapes), number,
-                   np.nanmax(np.abs(got.astype(np.float64) - want))))
-    return None
 
 
 def is_function_of_inputs(symbol):

@@ -4,7 +4,6 @@ import contextlib
 import re
 import sys
 import time
-import warnings
 
 import mxnet as mx
 import numpy as np
@@ -630,53 +629,6 @@ def test_error_a_block_that_does_not_hybridize_names_it():
             block(mx.nd.ones((1, 3)))
     assert isinstance(info.value.__cause__, AttributeError)
     np.testing.assert_array_equal(block(mx.nd.ones((1, 3))).asnumpy(), 1)   # eager: fine
-
-
-class _BranchOnF(gluon.HybridBlock):
-    def hybrid_forward(self, F, x):  # pylint: disable=arguments-differ
-        return x * 2 if F is mx.nd else x
-
-
-class _Noise(gluon.HybridBlock):
-    eager_calls = 0
-
-    def hybrid_forward(self, F, x):  # pylint: disable=arguments-differ
-        if F is mx.nd:
-            _Noise.eager_calls += 1
-        return x + F.random.uniform(shape=(1, 3))
-
-
-def test_error_a_block_whose_traced_form_differs_from_per_sample():
-    """A hybrid_forward that takes another path for Symbols than for
-    NDArrays is caught at its first trace: a GRU cell given its state as
-    one array where it indexes a list of them raises an InputError before
-    anything runs (per sample MXNet raises; traced, ``states[0]`` is the
-    whole Symbol and it ran); a branch on F that changes values gives a
-    TracedFormWarning at the user's line (random arguments may lie outside
-    a block's domain).  Correct calls of the same blocks then run.  A
-    block that draws random numbers is not run eagerly (its draws would
-    move MXNet's random stream: a seeded run would give other numbers)."""
-    branch = dyb.DynBatchBlock(_BranchOnF())
-    with pytest.warns(dyb.TracedFormWarning, match=r'_branchonf\d+ \(_BranchOnF\) computes '
-                      r'other values traced.*differs by up to 0\.\d+.*branch on F') as caught:
-        with dyb.batching():
-            branch(mx.nd.ones((1, 3)))
-    assert [w.filename for w in caught if w.category is dyb.TracedFormWarning] == [__file__]
-    cell = dyb.DynBatchBlock(rnn.GRUCell(4, input_size=3))
-    cell.initialize()
-    x, h = mx.nd.ones((1, 3)), mx.nd.zeros((1, 4))
-    with dyb.batching():
-        with pytest.raises(dyb.InputError, match=r'GRUCell\) raises MXNetError when called per '
-                           r'sample.*indexes a list') as info:
-            cell(x, h)
-        out, _ = cell(x, [h])
-    assert isinstance(info.value.__cause__, mx.base.MXNetError)
-    np.testing.assert_allclose(out.asnumpy(), cell.block(x, [h])[0].asnumpy(), rtol=1e-6)
-    noise = dyb.DynBatchBlock(_Noise())
-    with dyb.batching():
-        value = noise(mx.nd.zeros((1, 3)))
-    assert value.shape == (1, 3) and 0 <= value.asnumpy().min() <= value.asnumpy().max() < 1
-    assert _Noise.eager_calls == 0
 
 
 def test_error_concat_rows_of_one_value_or_of_call_results():
