@@ -27,7 +27,7 @@ from .errors import InputError, PerSampleWarning, ScopeError
 from .execute import collect, pad_leaves, run_plan, threaded_engine, to_device
 from .graph import (DONE, FAILED, PENDING, LazyValue, Node, lazy_results, recorded, repeat_node,
                     shared_results)
-from .lower import PROGRAMS_BUILT, ragged_lists
+from .lower import programs_built, ragged_lists
 from .plan import SETUP, STRATEGIES, Strategy, summarize
 from .trace import flatten, leaf_count, regroup, trace_signature
 
@@ -240,7 +240,7 @@ class BatchingScope:
         try:
             nodes, summary = self.take()
             record_ms, self.record_s = self.record_s * 1e3, 0.0
-            built = PROGRAMS_BUILT[0]
+            built = programs_built()
             start = time.perf_counter()
             plan = self.strategy.plan(nodes, summary)
             planned = time.perf_counter()
@@ -259,7 +259,7 @@ class BatchingScope:
         debug.record_flush(plan, record_ms, (planned - start - compile_s) * 1e3,
                            (done - planned) * 1e3, getattr(self.strategy, 'last', None),
                            compile_ms=compile_s * 1e3, repeated=repeated,
-                           built=PROGRAMS_BUILT[0] - built)
+                           built=programs_built() - built)
 
     def abandon(self):
         """Drop what was recorded: its lazy values will raise when read."""
@@ -456,7 +456,7 @@ def private_scope(strategy):
         _LOCAL.scope = outer
 
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def _user_stacklevel():
@@ -1011,10 +1011,13 @@ class DynBatchBlock(Block):
         # only for names the wrapper lacks: the wrapped block's (an RNN
         # cell's begin_state, a parameter); private names are not forwarded
         # (and ``block`` itself is missing while Gluon's __init__ runs)
-        if name.startswith('_') or name == 'block' or 'block' not in self.__dict__:
-            raise AttributeError("'%s' object has no attribute '%s'"
-                                 % (type(self).__name__, name))
-        return getattr(self.__dict__['block'], name)
+        block = self.__dict__.get('block')
+        if name.startswith('_') or name == 'block' or block is None or \
+                not hasattr(block, name):
+            raise AttributeError("'%s' object has no attribute '%s'%s"
+                                 % (type(self).__name__, name, '' if block is None else
+                                    ' (nor has the %s it wraps)' % type(block).__name__))
+        return getattr(block, name)
 
     def hybridize(self, active=True, **kwargs):
         self.block.hybridize(active, **kwargs)

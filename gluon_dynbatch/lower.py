@@ -69,10 +69,19 @@ __all__ = ['ThreadCachedOp', 'StepProgram', 'step_program', 'element_major', 'Fl
            'STATIC_ALLOC_UNDER_AUTOGRAD', 'INVERSE', 'INVERSE_SEGMENT']
 
 
-PROGRAMS_BUILT = [0]
-"""CachedOps made so far (each a first call's compile and memory plan):
-``DYNBATCH_DEBUG`` and :func:`~gluon_dynbatch.stats` say how many a flush
-made, which is why a first flush of new shapes runs slower."""
+_BUILT = threading.local()
+
+
+def programs_built():
+    """CachedOps this thread has made so far (each a first call's compile
+    and memory plan; a thread makes its own, see :class:`ThreadCachedOp`):
+    ``DYNBATCH_DEBUG`` and :func:`~gluon_dynbatch.stats` say how many a
+    flush made, which is why a first flush of new shapes runs slower."""
+    return getattr(_BUILT, 'count', 0)
+
+
+def _count_build():
+    _BUILT.count = programs_built() + 1
 
 
 class ThreadCachedOp:
@@ -89,14 +98,14 @@ class ThreadCachedOp:
         self.symbol, self.flags = symbol, list(flags)
         self._local = threading.local()
         self._local.op = mx.nd.CachedOp(symbol, self.flags)
-        PROGRAMS_BUILT[0] += 1
+        _count_build()
 
     def __call__(self, *args):
         try:
             op = self._local.op
         except AttributeError:
             op = self._local.op = mx.nd.CachedOp(self.symbol, self.flags)
-            PROGRAMS_BUILT[0] += 1
+            _count_build()
         return op(*args)
 
 

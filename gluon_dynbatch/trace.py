@@ -143,10 +143,11 @@ def trace_signature(sig_id, block, fmt, shapes, dtypes):
     except Exception as err:    # pylint: disable=broad-except
         raise InputError(
             'block %s could not be traced: its hybrid_forward, called with F=mx.sym and '
-            'Symbols for arguments, raised %s: %s. A DynBatchBlock needs a block that '
-            'hybridizes: no .shape, .asnumpy() or other NDArray-only calls on its arguments, '
-            'and no Python branches on their values (check: block.hybridize(), then one call '
-            'outside any scope).' % (_block_name(block), type(err).__name__, err)) from err
+            'Symbols for arguments, raised %s: %s. If the block runs outside a scope, it does '
+            'not hybridize, which a DynBatchBlock needs: no .shape, .asnumpy() or other '
+            'NDArray-only calls on its arguments, and no Python branches on their values '
+            '(check: block.hybridize(), then one call outside any scope).'
+            % (_block_name(block), type(err).__name__, err)) from err
     out_leaves = []
     out_fmt = flatten(out if isinstance(out, (list, tuple)) else [out], out_leaves)
     if not isinstance(out, (list, tuple)):

@@ -3,6 +3,7 @@ and the errors each misuse gets."""
 import contextlib
 import re
 import sys
+import threading
 import time
 
 import mxnet as mx
@@ -116,7 +117,8 @@ def test_other_attributes_are_the_wrapped_blocks():
     state = wrapped.begin_state(batch_size=1)
     assert [s.shape for s in state] == [(1, 4)]
     assert wrapped.i2h_weight is cell.i2h_weight
-    with pytest.raises(AttributeError):
+    with pytest.raises(AttributeError, match="'DynBatchBlock' object has no attribute "
+                       "'no_such_attribute' \\(nor has the GRUCell it wraps\\)"):
         wrapped.no_such_attribute  # pylint: disable=pointless-statement
     with pytest.raises(AttributeError):
         wrapped._reg_params_of_nothing  # pylint: disable=pointless-statement
@@ -191,6 +193,17 @@ def test_a_flush_says_how_many_programs_it_built(capsys, monkeypatch):
             [block(x) for x in xs]
         counts.append(dyb.stats()['last']['programs_built'])
     assert counts[0] >= 1 and counts[1] == 0, counts
+    # another thread's builds are its own (each thread builds its CachedOps)
+    from gluon_dynbatch.lower import programs_built
+    before, other = programs_built(), dense(3, in_units=5)
+
+    def build():
+        with dyb.batching('depth'):
+            [other(mx.nd.ones((1, 5))) for _ in range(3)]
+    worker = threading.Thread(target=build)
+    worker.start()
+    worker.join(30)
+    assert programs_built() == before
     lines = [l for l in capsys.readouterr().err.splitlines() if 'flush:' in l]
     assert lines[0].endswith(', %d new programs built' % counts[0]) and \
         'programs built' not in lines[1], lines
