@@ -67,7 +67,8 @@ static Py_ssize_t n_sig, n_leaves, n_depth, n_scope, n_pos, n_state, n_used, n_a
 static PyObject *s_out_info, *s_batch_safe, *s_group_key, *s_out_fmt,
     *s_signatures, *s_trace, *s_pending, *s_flush_at, *s_pipeline,
     *s_shape, *s_dtype, *s_type, *s_context, *s_device_typeid, *s_device_id, *s_sig_id,
-    *s_arrays, *s_value, *s___dict__, *s_tape, *s_repeatable, *s_itemsize, *s_isnative, *s_passthrough;
+    *s_arrays, *s_value, *s___dict__, *s_tape, *s_repeatable, *s_itemsize, *s_isnative,
+    *s_passthrough;
 
 enum { PENDING = 0, DONE = 1, FAILED = 2 };
 
@@ -320,9 +321,9 @@ static PyObject *new_lazy(PyObject *node, PyObject *index)
  * directly (a Python call costs more than the rest of a leaf's recording) */
 static PyObject *default_context(void)
 {
-    uint64_t thread = PyThreadState_GetID(PyThreadState_Get());
     if (!ctx_dict_usable)
         goto attribute;
+    uint64_t thread = PyThreadState_GetID(PyThreadState_Get());
     if (ctx_dict == NULL || ctx_dict_thread != thread) {
         PyObject *dict = PyObject_GetAttr(default_ctx_holder, s___dict__);
         if (dict == NULL || !PyDict_CheckExact(dict)) {
@@ -2805,7 +2806,8 @@ PyMODINIT_FUNC PyInit__speedups(void)
     INTERN(s_shape, "shape"); INTERN(s_dtype, "dtype"); INTERN(s_type, "type");
     INTERN(s_context, "context"); INTERN(s_device_typeid, "device_typeid");
     INTERN(s_device_id, "device_id"); INTERN(s_sig_id, "sig_id"); INTERN(s_arrays, "arrays");
-    INTERN(s_value, "value"); INTERN(s___dict__, "__dict__"); INTERN(s_scope, "scope"); INTERN(s_handle, "handle");
+    INTERN(s_value, "value"); INTERN(s___dict__, "__dict__"); INTERN(s_scope, "scope");
+    INTERN(s_handle, "handle");
     start_ticks();
     int_zero = PyLong_FromLong(0);
     int_one = PyLong_FromLong(1);
