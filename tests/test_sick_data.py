@@ -222,6 +222,19 @@ def test_load_split_ignores_blank_lines_at_the_end_of_a_file(tmp_path):
         load_split(tmp_path, 'dev')
 
 
+def test_glove_file_of_one_dimensional_vectors(tmp_path):
+    """Vectors of one number each load (they were taken for headers and the
+    file for one without vectors), the first token's included, and a
+    word2vec-style header before them is still skipped."""
+    for header in ('', '2 1\n'):
+        path = tmp_path / 'glove1d.txt'
+        path.write_text(header + 'dog 0.5\ncat -1.5\n')
+        matrix, n_found = make_embedding_matrix(_toy_vocab(), path=path)
+        assert n_found == 2 and matrix.shape[1] == 1
+        assert matrix[_toy_vocab()['dog'], 0] == 0.5
+        assert matrix[_toy_vocab()['cat'], 0] == -1.5
+
+
 def test_glove_file_with_a_byte_order_mark(tmp_path):
     path = tmp_path / 'glove.txt'
     path.write_bytes(b'\xef\xbb\xbfdog 1 2 3\ncat 4 5 6\n')

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Tuple
@@ -420,9 +421,13 @@ def _vocab_lines(path: Path, tokens: set) -> Tuple[List[str], int]:
     def fields(raw):
         return raw.decode('utf8', errors='replace').rstrip('\r\n').rstrip(' ').split(' ')
 
+    def header(number, parts):      # a word2vec-style first line: count and dimension
+        return number == 1 and len(parts) == 2 and all(x.isdigit() for x in parts)
+
     with open(path, 'rb') as f:
         head = [fields(raw) for _, raw in zip(range(50), f)]
-    sizes = [len(parts) - 1 for parts in head if len(parts) > 2]
+    sizes = [len(parts) - 1 for number, parts in enumerate(head, 1)
+             if len(parts) > 1 and not header(number, parts)]
     if not sizes:
         raise ValueError('embedding file {} holds no vectors (lines of a word and its '
                          'numbers)'.format(path))
@@ -436,8 +441,8 @@ def _vocab_lines(path: Path, tokens: set) -> Tuple[List[str], int]:
             if first not in tokens:
                 continue            # a multi-word token's first word may be, below
             parts = fields(raw)
-            if number == 1 and len(parts) == 2 and all(x.isdigit() for x in parts):
-                continue            # a word2vec-style header: count and dimension
+            if header(number, parts):
+                continue
             if '' in parts[1:]:
                 raise ValueError('{} line {}: the vector of {!r} is not {} numbers (one space '
                                  'between fields)'.format(path, number, first, dim))
@@ -539,9 +544,13 @@ def make_embedding_matrix(vocab, dim: int = 300, path=None,
     with tempfile.TemporaryDirectory() as folder:
         picked = os.path.join(folder, 'vocab_vectors.txt')
         with open(picked, 'w', encoding='utf8') as out:
+            if file_dim == 1:       # gluonnlp skips a first line of one number as a header
+                out.write('%d 1\n' % len(lines))
             out.writelines(lines)
         # unknown_token=None: only tokens really in the file count as found.
-        emb = TokenEmbedding.from_file(picked, elem_delim=' ', unknown_token=None)
+        with warnings.catch_warnings():
+            warnings.filterwarnings('ignore', message='line 0 in .* skipped likely header line')
+            emb = TokenEmbedding.from_file(picked, elem_delim=' ', unknown_token=None)
     vectors = emb.idx_to_vec.asnumpy()
     if file_dim != dim:
         _LOG.info('embedding file %s has dimension %d, not %d; using %d',
