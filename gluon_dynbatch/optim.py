@@ -125,6 +125,7 @@ def kernel_status():
         return 'C kernel'
     return "MXNet's sparse.adagrad_update (%s)" % _NO_KERNEL[0]
 
+
 IN_JOB_ADDRESSES = None
 """Whether :data:`KERNEL`'s jobs read their arrays' addresses when they
 run, so that a Trainer step does not wait for the backward pass (see the

@@ -282,6 +282,9 @@ register_batching_rule('Dropout', '_npx_dropout')(_dropout)
 register_batching_rule('pick')(_axis_rule('axis', -1, need_all_batched=True))
 register_batching_rule('Reshape', 'reshape')(_reshape)
 register_batching_rule('transpose')(_transpose)
+register_batching_rule('dot')(_dot)
+register_batching_rule('take')(_take)
+register_batching_rule('batch_dot')(_all_batched)
 
 
 @register_batching_rule('reshape_like')
@@ -292,9 +295,8 @@ def _reshape_like(op):
     if any(op.attr(key) is not None for key in ('lhs_begin', 'lhs_end', 'rhs_begin', 'rhs_end')):
         return 'reshape_like of part of the shapes'
     return _all_batched(op)
-register_batching_rule('dot')(_dot)
-register_batching_rule('take')(_take)
-register_batching_rule('batch_dot')(_all_batched)
+
+
 # The builtin rules' ops are functions of their inputs (those that draw
 # random numbers are told apart by draws_random).
 NOT_FUNCTIONS.intersection_update({'Custom'})
