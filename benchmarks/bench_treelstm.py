@@ -40,6 +40,7 @@ ThreadedEnginePerDevice, the fastest setting for every batched form in the
 settings sweeps): see ``benchmarks/README.md``.
 """
 import argparse
+import gc
 import json
 import math
 import os
@@ -419,10 +420,19 @@ class HandForm:
 
 
 class DynBatchForm:
-    """The per-sample recursion, unchanged, inside a ``batching`` scope."""
+    """The per-sample recursion, unchanged, inside a ``batching`` scope.
+
+    With ``measure_loop`` set (:func:`record_wall`), a call also leaves
+    ``last_body_ms``, the wall time of the user's loop inside the scope,
+    recording included, less the flushes a pipelined scope ran during it,
+    and ``last_loop_ms``, :func:`user_loop_ms` on the same pairs, run right
+    after it inside the scope: their difference is what recording adds to
+    the loop in wall time."""
+    measure_loop = False
 
     def __init__(self, dyb, dnode, dhead, strategy):
         self.dyb, self.dnode, self.dhead, self.strategy = dyb, dnode, dhead, strategy
+        self.last_body_ms = self.last_loop_ms = None
 
     def encode(self, tree, ids):
         states = [self.encode(child, ids) for child in tree.children]
@@ -430,10 +440,52 @@ class DynBatchForm:
                           [h for h, _ in states], [c for _, c in states])
 
     def __call__(self, pairs, deadline=None):
+        if self.measure_loop:
+            return self.measured(pairs)
         with self.dyb.batching(self.strategy):
             preds = [self.dhead(self.encode(a_tree, a_ids)[0], self.encode(b_tree, b_ids)[0])
                      for a_ids, a_tree, b_ids, b_tree in pairs]
         return self.dyb.concat_rows(preds)
+
+    def measured(self, pairs):
+        with self.dyb.batching(self.strategy):
+            flushed = _flush_ms(self.dyb.stats())
+            start = time.perf_counter()
+            preds = [self.dhead(self.encode(a_tree, a_ids)[0], self.encode(b_tree, b_ids)[0])
+                     for a_ids, a_tree, b_ids, b_tree in pairs]
+            body = (time.perf_counter() - start) * 1e3
+            self.last_body_ms = body - (_flush_ms(self.dyb.stats()) - flushed)
+            self.last_loop_ms = user_loop_ms(pairs)
+        return self.dyb.concat_rows(preds)
+
+
+def _flush_ms(stats):
+    """Host milliseconds the flushes counted in ``stats`` took."""
+    return stats['analyse_ms'] + stats['compile_ms'] + stats['run_ms']
+
+
+def user_loop_ms(pairs):
+    """The per-sample recursion of :class:`DynBatchForm` over ``pairs`` with
+    the blocks replaced by functions that return at once: the user's own
+    loop, with no library in it (the cyclic collector paused, as in a
+    scope), in milliseconds."""
+    node = lambda *_: (0, 0)    # noqa: E731  (pylint: disable=unnecessary-lambda-assignment)
+
+    def encode(tree, ids):
+        states = [encode(child, ids) for child in tree.children]
+        return node(ids[tree.idx:tree.idx + 1], [h for h, _ in states], [c for _, c in states])
+
+    head = lambda *_: 0         # noqa: E731  (pylint: disable=unnecessary-lambda-assignment)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        [head(encode(a_tree, a_ids)[0], encode(b_tree, b_ids)[0])  # pylint: disable=expression-not-assigned
+         for a_ids, a_tree, b_ids, b_tree in pairs]
+        return (time.perf_counter() - start) * 1e3
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class PurePythonForm(DynBatchForm):
@@ -725,6 +777,10 @@ def measure(ctx, items, targets, settings, repeats, budget, max_batch_s):
                     st.pop('last', None)
                     st['wall_ms'] = secs * 1e3
                     cell['dyb'].append(st)
+        for name in active:
+            if name.startswith(DYB_PREFIX):
+                cells[name]['record_wall'] = record_wall(ctx, name, mode, batch, items, targets,
+                                                         offset, budget)
         line = []
         for name in active:
             cell = cells[name]
@@ -733,12 +789,36 @@ def measure(ctx, items, targets, settings, repeats, budget, max_batch_s):
             cell['pairs_per_s'] = float(np.median(per_rep))
             rates[(name, mode)] = cell['pairs_per_s']
             if cell['dyb']:
-                cell['dynbatch_split'] = dyb_split(cell['dyb'], sum(cell['pairs']), batch)
+                cell['dynbatch_split'] = dyb_split(cell['dyb'], sum(cell['pairs']), batch,
+                                                   cell.pop('record_wall'))
             del cell['dyb']
             results[name][sname] = cell
             line.append('%s %.0f' % (name, cell['pairs_per_s']))
         print('  %-13s %s' % (sname, ' | '.join(line)), flush=True)
     return results
+
+
+def record_wall(ctx, name, mode, batch, items, targets, offset, budget, count=5):
+    """(scope's loop, user's loop alone) milliseconds on ``count``
+    minibatches (fewer past ``budget`` seconds): the form runs the loop
+    alone on the same pairs inside the scope, right after its own
+    (:class:`DynBatchForm`), so that both meet what the engine's worker is
+    running then and the caches a step leaves.  These minibatches are not
+    timed."""
+    form = ctx.forms[name]
+    form.measure_loop = True
+    pairs_at = (offset + 211) % len(items)
+    out = []
+    deadline = time.perf_counter() + budget
+    try:
+        while len(out) < count and (not out or time.perf_counter() < deadline):
+            idx = [(pairs_at + i) % len(items) for i in range(batch)]
+            run_minibatch(ctx, form, mode, [items[i] for i in idx], targets[idx])
+            out.append((form.last_body_ms, form.last_loop_ms))
+            pairs_at = (pairs_at + batch) % len(items)
+    finally:
+        form.measure_loop = False
+    return out
 
 
 def load_report(results, load_start, load_end, cpu_share):
@@ -763,11 +843,17 @@ def load_report(results, load_start, load_end, cpu_share):
             'summary': summary}
 
 
-def dyb_split(stats_list, pairs, batch):
-    """Where a dynbatch minibatch's time goes: record (the user's loop),
-    analysis (planning), compile (when reported), run (batched execution of
-    the forward), other (the rest of the wall time: reading results,
-    backward and the optimizer step when training)."""
+def dyb_split(stats_list, pairs, batch, walls=()):
+    """Where a dynbatch minibatch's time goes: record (the recorder's own
+    time, by its clock), analysis (planning), compile (when reported), run
+    (batched execution of the forward), other (the rest of the wall time:
+    the user's loop, reading results, backward and the optimizer step when
+    training).  ``record_wall`` is what recording adds to the user's loop
+    in wall time (the median over ``walls``, :func:`record_wall`'s pairs,
+    of the scope's loop less the loop alone), as a share of the mean
+    minibatch: more than ``record``, for it also holds the loop handling
+    the lazy values the calls return and the caches the recorded nodes
+    take."""
     keys = ('record_ms', 'analyse_ms', 'compile_ms', 'run_ms')
     tot = {k: sum(float(s.get(k, 0.0) or 0.0) for s in stats_list) for k in keys}
     wall = sum(s['wall_ms'] for s in stats_list)
@@ -782,9 +868,13 @@ def dyb_split(stats_list, pairs, batch):
     for s in stats_list:
         for k, v in (s.get('choices') or {}).items():
             choices[k] = choices.get(k, 0) + v
-    return {'auto_choices': choices or None,'fraction_of_wall': split,
+    record_wall = _median([body - loop for body, loop in walls])
+    if record_wall is not None:
+        split['record_wall'] = record_wall / (wall / minibatches)
+    return {'auto_choices': choices or None, 'fraction_of_wall': split,
             'ms_per_minibatch': {**{k[:-3]: tot[k] / minibatches for k in keys},
-                                 'wall': wall / minibatches},
+                                 'wall': wall / minibatches, 'record_wall': record_wall,
+                                 'user_loop': _median([loop for _, loop in walls])},
             'flushes': flushes, 'flushes_per_minibatch': flushes / minibatches,
             'steps_per_flush': steps / max(1, flushes), 'steps_per_minibatch': steps / minibatches,
             'nodes_per_step': nodes / max(1, steps), 'pairs': pairs, 'batch': batch}
@@ -914,7 +1004,9 @@ def markdown_table(result):
 
 def format_split(results, settings):
     lines = ['dynbatch time split (fraction of wall time per minibatch: record / analyse / '
-             'compile / run / other; other = reading results, backward + optimizer in training)']
+             'compile / run / other; record by the recorder\'s clock, other = the user\'s loop, '
+             'reading results, backward + optimizer in training; then record (wall), what '
+             'recording adds to the user\'s loop in wall time)']
     for name, cells in results.items():
         if not name.startswith(DYB_PREFIX):
             continue
@@ -923,10 +1015,12 @@ def format_split(results, settings):
             if not sp:
                 continue
             f = sp['fraction_of_wall']
-            lines.append('  %-22s %-13s %5.1f%% %5.1f%% %5.1f%% %5.1f%% %5.1f%%   %.2f ms/mb, '
-                         '%.0f steps/mb%s, %.1f nodes/step%s'
+            wall = f.get('record_wall')
+            lines.append('  %-22s %-13s %5.1f%% %5.1f%% %5.1f%% %5.1f%% %5.1f%%  record (wall) %s'
+                         '   %.2f ms/mb, %.0f steps/mb%s, %.1f nodes/step%s'
                          % (name, sname, 100 * f['record'], 100 * f['analyse'],
                             100 * f['compile'], 100 * f['run'], 100 * f['other'],
+                            '-' if wall is None else '%4.1f%%' % (100 * wall),
                             sp['ms_per_minibatch']['wall'], sp['steps_per_minibatch'],
                             ' in %.1f flushes' % sp['flushes_per_minibatch']
                             if sp['flushes_per_minibatch'] > 1.05 else '',

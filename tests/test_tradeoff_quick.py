@@ -57,7 +57,10 @@ def test_tradeoff_quick(tmp_path):
         cell = over[name]
         assert cell['plans'].startswith('cached'), (name, cell)   # the plan was replayed
         assert 0 < cell['record_ms'] + cell['analyse_ms'] < cell['total_ms'], (name, cell)
-        assert 0 < over['user_loop_frac'][name] < 1, (name, over)
+        assert 0 < cell['user_loop_frac'] < 1, (name, over)
+        assert cell['body_ms'] > 0 and cell['user_loop_ms'] > 0, (name, cell)
+        assert cell['frac_wall'] == pytest.approx(
+            (cell['record_wall_ms'] + cell['analyse_ms']) / cell['total_ms']), (name, cell)
     assert over['train']['total_ms'] > over['infer']['total_ms']   # backward + update ran
 
     assert res['equivalence']['passed'], res['equivalence']['failures']
