@@ -167,7 +167,10 @@ class CostModel:
         analysis of a 400-node graph."""
         from .block import DynBatchBlock, private_scope
         block = DynBatchBlock(mx.gluon.nn.Dense(32, in_units=32, prefix='dynbatch_probe_'))
-        block.initialize()
+        # constant weights: a random initializer would draw from MXNet's
+        # global generator, and the first 'auto' scope would move the
+        # user's seeded stream (other Dropout masks, other initial weights)
+        block.initialize(mx.init.Constant(0.01))
         x = mx.nd.ones((1, 32))
         times = {}
         for n in rows:
@@ -286,8 +289,9 @@ class Auto(Strategy):
       among depth/agenda predicted within ``explore_within`` (10%) runs
       now and then (:meth:`_explore`), so a near-tie the model gets wrong
       is found out.
-    * Flushes of fewer than ``small`` calls are planned by depth without
-      deciding: the decision itself would cost more than it could save.
+    * Flushes of fewer than ``small`` nodes (calls after merged repeats) are
+      planned by depth without deciding: the decision itself would cost
+      more than it could save.
     * A cached plan is considered only for a graph whose summary (calls per
       depth and family) matches one whose plan was stored: plans are stored
       for summaries seen twice, so graphs that never repeat pay nothing for

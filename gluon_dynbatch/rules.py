@@ -224,10 +224,30 @@ def _transpose(op):
     return None
 
 
+def _rank1(op):
+    """The reason ``op`` cannot batch a per-sample input of rank 1, where
+    the batch axis is the only axis, or None: such an input batched is a
+    vector whose one axis the op reads as its features."""
+    ndim = op.batched_ndim()
+    if ndim is None or ndim < 2:
+        return ('%s reads the only axis of a per-sample input of shape %s as its own, which '
+                'batched is the batch axis' % (op.op, op.shapes[0]))
+    return None
+
+
 def _dot(op):
     if op.attr('transpose_a', False) or not op.batched[0] or op.batched[1]:
         return 'dot needs a batched lhs (not transposed) and a shared rhs'
-    return None
+    return _rank1(op)
+
+
+def _fully_connected(op):
+    """With ``flatten=False`` the last axis holds the features, which at
+    rank 1 is the batch axis (``flatten=True`` makes rows of axis 0)."""
+    reason = _batched_data_shared_rest(op)
+    if reason is None and op.attr('flatten', True) in (False, 0, 'false', 'False', '0'):
+        return _rank1(op)
+    return reason
 
 
 def _take(op):
@@ -247,7 +267,7 @@ _plus_scalar _minus_scalar _rminus_scalar _mul_scalar _div_scalar _rdiv_scalar
 _power_scalar _rpower_scalar _maximum_scalar _minimum_scalar _mod_scalar _rmod_scalar
 _equal_scalar _not_equal_scalar _greater_scalar _greater_equal_scalar _lesser_scalar
 _lesser_equal_scalar _logical_and_scalar _logical_or_scalar _hypot_scalar
-Flatten flatten one_hot SoftmaxActivation L2Normalization'''.split()
+Flatten flatten one_hot L2Normalization'''.split()
 ELEMENTWISE = '''elemwise_add elemwise_sub elemwise_mul elemwise_div _plus _Plus _add
 _minus _Minus _sub _mul _Mul _div _Div _maximum _Maximum _minimum _Minimum _power _Power
 _hypot _mod add_n ElementWiseSum _grad_add where _equal _not_equal _greater
@@ -261,7 +281,10 @@ broadcast_logical_or broadcast_logical_xor'''.split()
 register_batching_rule(*ROWWISE)(_rowwise)
 register_batching_rule(*ELEMENTWISE)(_all_batched)
 register_batching_rule(*BROADCAST)(_broadcast)
-register_batching_rule('FullyConnected', 'Embedding')(_batched_data_shared_rest)
+register_batching_rule('Embedding')(_batched_data_shared_rest)
+register_batching_rule('FullyConnected')(_fully_connected)
+# a softmax over each row: at rank 1 over the whole batch
+register_batching_rule('SoftmaxActivation')(_rank1)
 
 
 @register_batching_rule('LayerNorm')

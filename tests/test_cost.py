@@ -33,6 +33,17 @@ def test_calibration_is_short_and_sane():
     assert set(model.analyse_us) == {'per-sample', 'depth', 'agenda', 'cached'}
 
 
+def test_calibration_leaves_the_random_stream_alone():
+    """The probe's block was initialised at random from MXNet's global
+    generator, so opening the first 'auto' scope of a process moved a
+    user's seeded stream (other Dropout masks, other initial weights)."""
+    mx.random.seed(11)
+    expected = mx.nd.random.uniform(shape=(4,)).asnumpy()
+    mx.random.seed(11)
+    dyb.CostModel().calibrate()
+    np.testing.assert_array_equal(mx.nd.random.uniform(shape=(4,)).asnumpy(), expected)
+
+
 def test_predictions_rank_strategies_as_expected():
     model = dyb.CostModel(step_us=200, row_us=5,
                           analyse_us={'per-sample': 0.2, 'depth': 1, 'agenda': 4, 'cached': 2})

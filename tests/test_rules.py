@@ -116,6 +116,63 @@ def test_every_sample_draws_its_own_random_numbers(kind, axes, shape, safe):
         assert 'random' in reason or 'mask along the batch axis' in reason
 
 
+class RankOne(gluon.HybridBlock):
+    """``op`` on a per-sample input of shape ``(1,)``, a sample's one score
+    (``dense(x)`` reshaped), where the batch axis is the input's only axis."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+        with self.name_scope():
+            self.dense = gluon.nn.Dense(1, in_units=3)
+            self.w = self.params.get('w', shape=(1, 1), init=mx.init.Uniform(1.0))
+
+    def hybrid_forward(self, F, x, w):
+        return self.op(F, self.dense(x).reshape((-1,)), w)
+
+
+RANK_ONE = [
+    # (name, op, batch-safe?): a softmax over a sample's only axis and a dot
+    # or FullyConnected(flatten=False) reading it as features would, batched,
+    # read the batch axis (across samples, silently; or fail at the flush).
+    # (MXNet has no backward for SoftmaxActivation at rank 1: values only.)
+    ('SoftmaxActivation', lambda F, s, w: F.SoftmaxActivation(s), False),
+    ('dot', lambda F, s, w: F.dot(s, w.reshape((-1,))), False),
+    ('FullyConnected flatten=False', lambda F, s, w: F.FullyConnected(
+        s, w, no_bias=True, num_hidden=1, flatten=False), False),
+    # row-wise at rank 1 too
+    ('FullyConnected', lambda F, s, w: F.FullyConnected(s, w, no_bias=True, num_hidden=1),
+     True),
+    ('L2Normalization', lambda F, s, w: F.L2Normalization(s), True),
+    ('Activation', lambda F, s, w: F.Activation(s, act_type='tanh'), True),
+]
+
+
+@pytest.mark.parametrize('name,op,safe', RANK_ONE, ids=[c[0] for c in RANK_ONE])
+def test_rank_one_inputs_batch_only_where_rows_stay_rows(name, op, safe):
+    """Found by a review: ``SoftmaxActivation`` of per-sample shape ``(1,)``
+    gave, batched, a softmax across the samples (every per-sample output is
+    1), with no warning; ``dot`` and ``FullyConnected(flatten=False)``
+    passed the rules and then failed the flush with MXNet's shape error.
+    They run per sample now, with the reason; the rest still batch."""
+    block = dyb.DynBatchBlock(RankOne(op))
+    block.initialize(mx.init.Uniform(1.0))
+    rng = np.random.RandomState(5)
+    xs = [mx.nd.array(rng.uniform(-2, 2, (1, 3))) for _ in range(4)]
+    if name == 'SoftmaxActivation':
+        expected = [block(x).asnumpy() for x in xs]
+        with dyb.batching('depth'):
+            outs = [block(x) for x in xs]
+        for out, want in zip(outs, expected):
+            np.testing.assert_allclose(out.asnumpy(), want, rtol=1e-6)
+    else:
+        assert_same(run_both(lambda: [block(x) for x in xs], [block], xs, 'depth'))
+    batch_safe, reason = _verdict(block)
+    assert batch_safe == safe, reason
+    if not safe:
+        assert 'only axis of a per-sample input of shape (1,)' in reason, reason
+
+
 class TwoRows(gluon.HybridBlock):
     def hybrid_forward(self, F, x):
         return F.reshape(x * 2, shape=(-1, 3))
@@ -197,6 +254,84 @@ def test_wrong_pad_lists_claim_hidden_by_initial_parameters_is_caught():
             block(xs[3], leaves[1:3])
     for name, p in block.collect_params().items():
         np.testing.assert_array_equal(p.data().asnumpy(), before[name])
+
+
+class ConcatOfChildren(gluon.HybridBlock):
+    """Its output grows with the list: padding cannot be neutral."""
+    dynbatch_pad_lists = True
+
+    def hybrid_forward(self, F, x, hs):
+        return F.concat(x, *hs, dim=1)
+
+
+class GatedChildren(gluon.HybridBlock):
+    """A zero child adds ``relu(x - 3)``: nothing for the inputs the
+    narrower ranges draw, something past 3."""
+    dynbatch_pad_lists = True
+
+    def hybrid_forward(self, F, x, hs):
+        for h in hs:
+            x = x + F.relu(h + x - 3)
+        return x
+
+
+@pytest.mark.parametrize('block_class,match', [
+    (ConcatOfChildren, r'declares pad_lists.*changes the shape of its output from \(1, 8\) '
+                       r'to \(1, 12\)'),
+    (GatedChildren, r'declares pad_lists.*changes its output \(inputs drawn from \[-8, 8\]'),
+])
+def test_wrong_pad_lists_claims_found_by_a_review_are_caught(block_class, match):
+    """A block whose output shape follows the list length failed the check
+    with numpy's broadcasting error; one that a zero row changes only for
+    inputs past 3 passed it, and its batched results were wrong."""
+    block = dyb.DynBatchBlock(block_class())
+    x = mx.nd.full((1, 4), 5.0)
+    kids = [mx.nd.full((1, 4), 1.0), mx.nd.full((1, 4), 2.0)]
+    with pytest.raises(dyb.InputError, match=match):
+        with dyb.batching('depth'):
+            block(x, kids[:1])
+            block(x, kids)
+
+
+class UnbuildableChildren(gluon.HybridBlock):
+    """Padding is neutral (a zero child adds nothing), but MXNet 1.9.1's
+    CachedOp cannot build the traced symbol for lists of three or more
+    ('control dep not found in graph'), though it runs the calls."""
+    dynbatch_pad_lists = True
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.i2h = gluon.nn.Dense(4, in_units=4)
+            self.h2h = gluon.nn.Dense(4, in_units=4, use_bias=False)
+
+    def hybrid_forward(self, F, x, hs):
+        f = self.i2h(x)
+        if hs:
+            t1 = [F.elemwise_div(F.elemwise_sub(f, self.h2h(h)) * h, F.sigmoid(h) + 1)
+                  for h in hs]
+            t2 = [F.elemwise_sub(h, f) * F.elemwise_mul(f, h) for h in hs]
+            f = f + F.add_n(*t1) - F.add_n(*t2)
+        return F.tanh(f)
+
+
+def test_pad_lists_check_that_mxnet_cannot_run_names_the_block():
+    """It raised MXNet's own error from inside the check."""
+    block = dyb.DynBatchBlock(UnbuildableChildren())
+    block.initialize()
+    x = mx.nd.ones((1, 4))
+    with pytest.raises(dyb.InputError, match=r'unbuildablechildren\d+ declares pad_lists, but '
+                                             r'MXNet cannot run its traced symbol.*'
+                                             r'pad_lists=False'):
+        with dyb.batching('depth'):
+            block(x, [x] * 2)
+            block(x, [x] * 3)
+    unpadded = dyb.DynBatchBlock(UnbuildableChildren(), pad_lists=False)
+    unpadded.initialize()
+    with dyb.batching('depth'):
+        outs = [unpadded(x, [x] * 2), unpadded(x, [x] * 3)]
+    for out, n in zip(outs, (2, 3)):
+        np.testing.assert_allclose(out.asnumpy(), unpadded(x, [x] * n).asnumpy(), rtol=1e-6)
 
 
 class NormOfChildren(gluon.HybridBlock):
