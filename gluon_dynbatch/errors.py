@@ -9,7 +9,9 @@ class DynBatchError(Exception):
 
 
 class ScopeError(DynBatchError):
-    """A ``batching()`` scope was misused (nested scopes, say)."""
+    """A ``batching()`` scope was misused: nested scopes, an unknown
+    strategy, a bad ``flush_every``, MXNet's numpy interface active, or a
+    value read that is pending in another thread's scope."""
 
 
 class LazyValueError(DynBatchError):
@@ -17,9 +19,12 @@ class LazyValueError(DynBatchError):
 
 
 class InputError(DynBatchError):
-    """A recorded call got arguments its block cannot take: a non-array,
-    mixed contexts or dtypes, a missing batch axis, or shapes that contradict
-    the block's parameters."""
+    """A recorded call got arguments its block cannot take (a non-array,
+    keyword arguments, mixed contexts or dtypes, a missing batch axis, a
+    list of arrays of different shapes, shapes that contradict the block's
+    parameters), or the block cannot be batched as written (it does not
+    trace, an output lacks the batch axis, a ``pad_lists`` claim fails its
+    check); ``concat_rows`` misused."""
 
 
 class PerSampleWarning(UserWarning):

@@ -94,6 +94,14 @@ class TracedSignature:
         self.input_names = symbol.list_inputs()
         params = block.collect_params()
         by_name = {p.name: p for p in params.values()}
+        unknown = [n for n in self.input_names if n not in data_names and n not in by_name]
+        if unknown:
+            # MXNet makes a variable of an operator input left out
+            raise InputError(
+                'block %s reads %s, neither one of its arguments nor one of its parameters: '
+                'an operator input left out (such as SoftmaxOutput\'s label) becomes such a '
+                'variable. Give the operator every input, from the arguments or parameters.'
+                % (block.name, ', '.join(unknown)))
         self.param_slots = [(i, by_name[n]) for i, n in enumerate(self.input_names)
                             if n not in data_names]
         # compiled step programs by gather pattern (see lower.py); row-wise

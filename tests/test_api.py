@@ -644,6 +644,22 @@ def test_error_a_block_that_does_not_hybridize_names_it():
     np.testing.assert_array_equal(block(mx.nd.ones((1, 3))).asnumpy(), 1)   # eager: fine
 
 
+class _SoftmaxOutputWithoutLabel(gluon.HybridBlock):
+    def hybrid_forward(self, F, x):
+        return F.SoftmaxOutput(x)
+
+
+def test_error_an_operator_input_left_out_names_the_block():
+    """MXNet makes a variable of SoftmaxOutput's missing label; the trace
+    failed on it with a bare KeyError (found by a review)."""
+    block = dyb.DynBatchBlock(_SoftmaxOutputWithoutLabel())
+    with pytest.raises(dyb.InputError, match=r'block _softmaxoutputwithoutlabel\d+ reads '
+                       r'_softmaxoutputwithoutlabel\d+_softmaxoutput\d+_label, neither one of '
+                       r'its arguments.*every input'):
+        with dyb.batching():
+            block(mx.nd.ones((1, 3)))
+
+
 def test_error_concat_rows_of_one_value_or_of_call_results():
     block = dense(2, in_units=3)
     with dyb.batching():
