@@ -422,17 +422,14 @@ class HandForm:
 class DynBatchForm:
     """The per-sample recursion, unchanged, inside a ``batching`` scope.
 
-    With ``measure_loop`` set (:func:`record_wall`), a call also leaves
-    ``last_body_ms``, the wall time of the user's loop inside the scope,
-    recording included, less the flushes a pipelined scope ran during it,
-    and ``last_loop_ms``, :func:`user_loop_ms` on the same pairs, run right
-    after it inside the scope: their difference is what recording adds to
-    the loop in wall time."""
+    With ``measure_loop`` set (:func:`record_wall`), a call is
+    :meth:`measured`."""
     measure_loop = False
 
     def __init__(self, dyb, dnode, dhead, strategy):
         self.dyb, self.dnode, self.dhead, self.strategy = dyb, dnode, dhead, strategy
         self.last_body_ms = self.last_loop_ms = None
+        self.loop_first = False
 
     def encode(self, tree, ids):
         states = [self.encode(child, ids) for child in tree.children]
@@ -448,44 +445,58 @@ class DynBatchForm:
         return self.dyb.concat_rows(preds)
 
     def measured(self, pairs):
+        """A call that also leaves, in milliseconds, ``last_body_ms``: the
+        scope from its opening through its exit, the user's loop inside it
+        included, less what its flushes spent planning, compiling and
+        running (so recording, and each flush's taking of its calls and
+        bookkeeping); and ``last_loop_ms``, :meth:`loop_alone` on the same
+        pairs, alternately before the scope opens and after it closes.
+        Their difference is what recording adds to the loop in wall time."""
+        self.loop_first = not self.loop_first
+        if self.loop_first:
+            self.last_loop_ms = self.loop_alone(pairs)
+        flushed = _flush_ms(self.dyb.stats())
+        start = time.perf_counter()
         with self.dyb.batching(self.strategy):
-            flushed = _flush_ms(self.dyb.stats())
-            start = time.perf_counter()
             preds = [self.dhead(self.encode(a_tree, a_ids)[0], self.encode(b_tree, b_ids)[0])
                      for a_ids, a_tree, b_ids, b_tree in pairs]
-            body = (time.perf_counter() - start) * 1e3
-            self.last_body_ms = body - (_flush_ms(self.dyb.stats()) - flushed)
-            self.last_loop_ms = user_loop_ms(pairs)
+        scope_ms = (time.perf_counter() - start) * 1e3
+        self.last_body_ms = scope_ms - (_flush_ms(self.dyb.stats()) - flushed)
+        if not self.loop_first:
+            self.last_loop_ms = self.loop_alone(pairs)
         return self.dyb.concat_rows(preds)
+
+    def loop_alone(self, pairs):
+        """This form's recursion over ``pairs`` with its blocks replaced by
+        functions that return at once: the user's own loop, with no library
+        in it (the cyclic collector paused, as in a scope), in
+        milliseconds."""
+        saved = self.dnode, self.dhead
+        self.dnode, self.dhead = _RETURN_PAIR, _RETURN_ONE
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            start = time.perf_counter()
+            [self.dhead(self.encode(a_tree, a_ids)[0], self.encode(b_tree, b_ids)[0])  # pylint: disable=expression-not-assigned
+             for a_ids, a_tree, b_ids, b_tree in pairs]
+            return (time.perf_counter() - start) * 1e3
+        finally:
+            if enabled:
+                gc.enable()
+            self.dnode, self.dhead = saved
+
+
+def _RETURN_PAIR(*_):    # pylint: disable=invalid-name
+    return 0, 0
+
+
+def _RETURN_ONE(*_):     # pylint: disable=invalid-name
+    return 0
 
 
 def _flush_ms(stats):
     """Host milliseconds the flushes counted in ``stats`` took."""
     return stats['analyse_ms'] + stats['compile_ms'] + stats['run_ms']
-
-
-def user_loop_ms(pairs):
-    """The per-sample recursion of :class:`DynBatchForm` over ``pairs`` with
-    the blocks replaced by functions that return at once: the user's own
-    loop, with no library in it (the cyclic collector paused, as in a
-    scope), in milliseconds."""
-    node = lambda *_: (0, 0)    # noqa: E731  (pylint: disable=unnecessary-lambda-assignment)
-
-    def encode(tree, ids):
-        states = [encode(child, ids) for child in tree.children]
-        return node(ids[tree.idx:tree.idx + 1], [h for h, _ in states], [c for _, c in states])
-
-    head = lambda *_: 0         # noqa: E731  (pylint: disable=unnecessary-lambda-assignment)
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        start = time.perf_counter()
-        [head(encode(a_tree, a_ids)[0], encode(b_tree, b_ids)[0])  # pylint: disable=expression-not-assigned
-         for a_ids, a_tree, b_ids, b_tree in pairs]
-        return (time.perf_counter() - start) * 1e3
-    finally:
-        if enabled:
-            gc.enable()
 
 
 class PurePythonForm(DynBatchForm):
@@ -780,7 +791,7 @@ def measure(ctx, items, targets, settings, repeats, budget, max_batch_s):
         for name in active:
             if name.startswith(DYB_PREFIX):
                 cells[name]['record_wall'] = record_wall(ctx, name, mode, batch, items, targets,
-                                                         offset, budget)
+                                                         offset, budget, same)
         line = []
         for name in active:
             cell = cells[name]
@@ -798,16 +809,16 @@ def measure(ctx, items, targets, settings, repeats, budget, max_batch_s):
     return results
 
 
-def record_wall(ctx, name, mode, batch, items, targets, offset, budget, count=5):
-    """(scope's loop, user's loop alone) milliseconds on ``count``
-    minibatches (fewer past ``budget`` seconds): the form runs the loop
-    alone on the same pairs inside the scope, right after its own
-    (:class:`DynBatchForm`), so that both meet what the engine's worker is
-    running then and the caches a step leaves.  These minibatches are not
-    timed."""
+def record_wall(ctx, name, mode, batch, items, targets, offset, budget, same, count=7):
+    """(scope less its flushes' planning and running, user's loop alone)
+    milliseconds on ``count`` minibatches (fewer past ``budget`` seconds),
+    from :meth:`DynBatchForm.measured`, which runs the loop alone on the
+    same pairs right before or right after the scope, in turn, so that both
+    meet the caches a step leaves.  With ``same`` the minibatch the cell
+    repeats.  These minibatches are not timed."""
     form = ctx.forms[name]
     form.measure_loop = True
-    pairs_at = (offset + 211) % len(items)
+    pairs_at = 0 if same else (offset + 211) % len(items)
     out = []
     deadline = time.perf_counter() + budget
     try:
@@ -815,7 +826,8 @@ def record_wall(ctx, name, mode, batch, items, targets, offset, budget, count=5)
             idx = [(pairs_at + i) % len(items) for i in range(batch)]
             run_minibatch(ctx, form, mode, [items[i] for i in idx], targets[idx])
             out.append((form.last_body_ms, form.last_loop_ms))
-            pairs_at = (pairs_at + batch) % len(items)
+            if not same:
+                pairs_at = (pairs_at + batch) % len(items)
     finally:
         form.measure_loop = False
     return out
@@ -850,10 +862,11 @@ def dyb_split(stats_list, pairs, batch, walls=()):
     the user's loop, reading results, backward and the optimizer step when
     training).  ``record_wall`` is what recording adds to the user's loop
     in wall time (the median over ``walls``, :func:`record_wall`'s pairs,
-    of the scope's loop less the loop alone), as a share of the mean
-    minibatch: more than ``record``, for it also holds the loop handling
-    the lazy values the calls return and the caches the recorded nodes
-    take."""
+    of the scope less its flushes' planning and running, less the loop
+    alone), as a share of the mean minibatch: more than ``record``, for it
+    also holds the loop handling the lazy values the calls return, the
+    caches the recorded calls take, and each flush's taking of its calls
+    and bookkeeping."""
     keys = ('record_ms', 'analyse_ms', 'compile_ms', 'run_ms')
     tot = {k: sum(float(s.get(k, 0.0) or 0.0) for s in stats_list) for k in keys}
     wall = sum(s['wall_ms'] for s in stats_list)

@@ -192,16 +192,16 @@ class TreeLSTMModel:
         return self.dnode(ids[tree.idx:tree.idx + 1],
                           [h for h, _ in states], [c for _, c in states])
 
-    def predict(self, strategy, pairs, body=None):
+    def predict(self, strategy, pairs, scope=None):
         """The minibatch's (n, C) log-probs, one batching scope; the seconds
-        the user's loop took inside the scope (recording included, the
-        flush at its exit not) are appended to ``body`` when given."""
+        from the scope's opening through its exit (its flush included) are
+        appended to ``scope`` when given."""
+        start = time.perf_counter()
         with self.dyb.batching(strategy):
-            start = time.perf_counter()
             preds = [self.dhead(self.encode(a_tree, a_ids)[0], self.encode(b_tree, b_ids)[0])
                      for a_ids, a_tree, b_ids, b_tree in pairs]
-            if body is not None:
-                body.append(time.perf_counter() - start)
+        if scope is not None:
+            scope.append(time.perf_counter() - start)
         if len(preds) == 1:
             return preds[0].data
         return self.dyb.concat_rows(preds)
@@ -744,15 +744,17 @@ def cached_overhead(mx, dyb, model, batch, repeats):
 
     ``record_ms`` is recording's time by its own clock: the time spent in
     the recorder's calls.  ``record_wall_ms`` is what the scope adds to the
-    user's loop in wall time: the loop inside the scope (recording included,
-    the flush at the scope's exit not) less the same per-sample recursion
-    with the blocks replaced by Python functions that return at once (what
-    the user's own loop costs, with no library in it: ``user_loop_ms``),
-    timed right after each step so that both meet the caches a step leaves,
-    with the cyclic collector paused as in a scope.  The wall cost is the
-    larger: it also holds the user's loop handling the distinct lazy values
-    the calls return, and reading memory that the recorded nodes push out
-    of the caches, which no clock inside the recorder sees.
+    user's loop in wall time: the scope from its opening through its exit,
+    less its flush's planning, compiling and running (``body_ms``: the
+    user's loop, recording, the flush's taking of its calls and
+    bookkeeping), less the same per-sample recursion with the blocks
+    replaced by Python functions that return at once (what the user's own
+    loop costs, with no library in it: ``user_loop_ms``), timed right
+    before or right after the step in turn, with the cyclic collector
+    paused as in a scope.  The wall cost is the larger: it also holds the
+    user's loop handling the distinct lazy values the calls return, and
+    reading memory that the recorded calls push out of the caches, which
+    no clock inside the recorder sees.
     """
     import numpy as np
     from gluon_dynbatch.plan import CachedPlan
@@ -763,12 +765,12 @@ def cached_overhead(mx, dyb, model, batch, repeats):
     weights = _to_device(mx, np.random.RandomState(7).dirichlet(
         np.ones(CLASSES), size=len(batch)).astype(np.float32))
 
-    def infer(body=None):
-        model.predict(cached, batch, body).asnumpy()
+    def infer(scope=None):
+        model.predict(cached, batch, scope).asnumpy()
 
-    def train(body=None):
+    def train(scope=None):
         with mx.autograd.record():
-            loss = -(model.predict(cached, batch, body) * weights).sum()
+            loss = -(model.predict(cached, batch, scope) * weights).sum()
         loss.backward()
         trainer.step(len(batch))
         mx.nd.waitall()
@@ -791,16 +793,19 @@ def cached_overhead(mx, dyb, model, batch, repeats):
         for _ in range(3):
             step()
         rows = []
-        for _ in range(repeats):
+        for rep in range(repeats):
             gc.collect()
+            loop = user_loop() * 1e3 if rep % 2 else None
             dyb.reset_stats()
-            body = []
+            scope = []
             start = time.perf_counter()
-            step(body)
+            step(scope)
             total = (time.perf_counter() - start) * 1e3
             st = dyb.stats()
-            loop = user_loop() * 1e3
-            rows.append((st['record_ms'], st['analyse_ms'], total, body[0] * 1e3, loop))
+            body = scope[0] * 1e3 - (st['analyse_ms'] + st['compile_ms'] + st['run_ms'])
+            if loop is None:
+                loop = user_loop() * 1e3
+            rows.append((st['record_ms'], st['analyse_ms'], total, body, loop))
         record, analyse, total, body, loop = (median(col) for col in zip(*rows))
         # repeat by repeat: drift between repeats cancels in each difference
         wall = median([b - u for _, _, _, b, u in rows])

@@ -40,6 +40,15 @@ def test_quick_benchmark(tmp_path):
             rate = cell['pairs_per_s']
             assert math.isfinite(rate) and rate > 0, (form, name, rate)
 
+    # each dynbatch cell's split has recording's wall cost beside its clock
+    for form in forms:
+        for name in settings if form.startswith('dynbatch-') else ():
+            split = res['results'][form][name]['dynbatch_split']
+            ms = split['ms_per_minibatch']
+            assert ms['user_loop'] > 0 and ms['wall'] > 0, (form, name, ms)
+            assert math.isfinite(ms['record_wall']), (form, name, ms)
+            assert split['fraction_of_wall']['record_wall'] == ms['record_wall'] / ms['wall']
+
     for key in ('threads', 'engine', 'LD_PRELOAD', 'allocator'):
         assert key in res['config']
     assert res['limit']['pairs_per_s']['infer'] > 0
