@@ -19,8 +19,6 @@ import pytest
 import mxnet as mx
 from mxnet import autograd
 
-from gluon_dynbatch.data.sick import find_sick_dir
-
 SCRIPT = Path(__file__).resolve().parents[1] / 'examples' / 'sick' / 'train.py'
 
 
