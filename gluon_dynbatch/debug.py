@@ -40,7 +40,9 @@ def stats():
     reused an earlier call's results instead (equal host arguments, see
     :meth:`~gluon_dynbatch.block.BatchingScope.record`); ``programs_built``
     the step programs (MXNet CachedOps) flushes built, a one-time cost of
-    new shapes that their run times include."""
+    new shapes that their run times include.  ``record_ms`` is the time
+    inside the recorded calls; what a scope adds to the user's loop in wall
+    time is larger (see the quickstart's *Counters*)."""
     out = dict(_TOTALS)
     out['choices'] = dict(_TOTALS['choices'])
     out['last'] = dict(_LAST)
