@@ -27,7 +27,7 @@ class Node:
     def __init__(self, sig, leaves, depth, scope, pos=0):
         self.sig = sig
         self.pos = pos       # position among the calls of its flush
-        self.leaves = leaves
+        self.leaves = leaves  # flat arguments: a tuple from the C recorder, a list from Python's
         self.depth = depth
         self.scope = scope
         self.state = PENDING

@@ -907,6 +907,34 @@ def test_pure_python_tree_lstm_equals_per_sample(pure_python, strategy):
 
 
 @needs_extension
+@pytest.mark.parametrize('strategy', ['depth', 'agenda', 'cached', 'auto'])
+def test_nodes_recorded_in_c_and_in_python_share_a_flush(strategy):
+    """The C recorder keeps a call's argument leaves in a tuple (one
+    allocation), the Python one in a list; one flush may hold both (the C
+    recorder leaves the calls it cannot take to Python), and every pass
+    reads either: the same results and gradients as per sample."""
+    from test_equivalence import encode, make_tree_model, random_pairs
+    node, head = make_tree_model(vocab=12)
+    pairs = random_pairs(np.random.RandomState(8), 8, vocab=12)
+    kinds = set()
+
+    def forward():
+        outs = []
+        for number, (a, ia, b, ib) in enumerate(pairs):
+            accel.enable(number % 2 == 0)
+            try:
+                outs.append(head(encode(node, a, ia)[0], encode(node, b, ib)[0]))
+            finally:
+                accel.enable(True)
+            scope = dyb.current_scope()
+            if scope is not None:
+                kinds.update(type(n.leaves) for n in scope.pending)
+        return outs
+    assert_same(run_both(forward, [node, head], strategy=strategy, merge_repeats=False))
+    assert kinds == {tuple, list}
+
+
+@needs_extension
 def test_scope_slot_keeps_one_value_per_thread_and_lets_it_go():
     """The C holder of each thread's open scope behaves as a
     ``threading.local()`` would: unset reads None, another thread sees its
