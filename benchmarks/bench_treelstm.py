@@ -436,12 +436,16 @@ class DynBatchForm:
         return self.dnode(ids[tree.idx:tree.idx + 1],
                           [h for h, _ in states], [c for _, c in states])
 
+    def user_loop(self, pairs):
+        """The user's loop: every pair's head call over its two trees."""
+        return [self.dhead(self.encode(a_tree, a_ids)[0], self.encode(b_tree, b_ids)[0])
+                for a_ids, a_tree, b_ids, b_tree in pairs]
+
     def __call__(self, pairs, deadline=None):
         if self.measure_loop:
             return self.measured(pairs)
         with self.dyb.batching(self.strategy):
-            preds = [self.dhead(self.encode(a_tree, a_ids)[0], self.encode(b_tree, b_ids)[0])
-                     for a_ids, a_tree, b_ids, b_tree in pairs]
+            preds = self.user_loop(pairs)
         return self.dyb.concat_rows(preds)
 
     def measured(self, pairs):
@@ -458,8 +462,7 @@ class DynBatchForm:
         flushed = _flush_ms(self.dyb.stats())
         start = time.perf_counter()
         with self.dyb.batching(self.strategy):
-            preds = [self.dhead(self.encode(a_tree, a_ids)[0], self.encode(b_tree, b_ids)[0])
-                     for a_ids, a_tree, b_ids, b_tree in pairs]
+            preds = self.user_loop(pairs)
         scope_ms = (time.perf_counter() - start) * 1e3
         self.last_body_ms = scope_ms - (_flush_ms(self.dyb.stats()) - flushed)
         if not self.loop_first:
@@ -477,8 +480,7 @@ class DynBatchForm:
         gc.disable()
         try:
             start = time.perf_counter()
-            [self.dhead(self.encode(a_tree, a_ids)[0], self.encode(b_tree, b_ids)[0])  # pylint: disable=expression-not-assigned
-             for a_ids, a_tree, b_ids, b_tree in pairs]
+            self.user_loop(pairs)
             return (time.perf_counter() - start) * 1e3
         finally:
             if enabled:

@@ -412,8 +412,10 @@ static inline void push_word(Words *w, long value)
 static void push_node(Words *w, long sig_id, PyObject *leaves)
 {
     push_word(w, sig_id);
-    for (Py_ssize_t j = 0; j < PySequence_Fast_GET_SIZE(leaves); j++) {
-        PyObject *leaf = PySequence_Fast_GET_ITEM(leaves, j);
+    PyObject **items = PySequence_Fast_ITEMS(leaves);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(leaves);
+    for (Py_ssize_t j = 0; j < n; j++) {
+        PyObject *leaf = items[j];
         if (Py_TYPE(leaf) == LazyValueType) {
             PyObject *producer = SLOT(leaf, lv_node);
             push_word(w, small_int(SLOT(producer, n_state)) == PENDING ?
@@ -2297,8 +2299,9 @@ static int agenda_push(AgendaKey *k, Py_ssize_t node)
  * i).  A pending producer that is not at its ``pos`` in ``nodes``, before
  * node i, jumps to ``fallback`` (the caller runs the Python version). */
 #define FOR_PRODUCERS(leaves, body)                                          \
-    for (Py_ssize_t j = 0; j < PySequence_Fast_GET_SIZE(leaves); j++) {      \
-        PyObject *leaf = PySequence_Fast_GET_ITEM(leaves, j);                \
+    for (Py_ssize_t j = 0, n_leaves_ = PySequence_Fast_GET_SIZE(leaves);       \
+         j < n_leaves_; j++) {                                               \
+        PyObject *leaf = PySequence_Fast_ITEMS(leaves)[j];                   \
         if (Py_TYPE(leaf) != LazyValueType) continue;                        \
         PyObject *producer = SLOT(leaf, lv_node);                            \
         if (small_int(SLOT(producer, n_state)) != PENDING) continue;         \

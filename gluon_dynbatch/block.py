@@ -673,6 +673,16 @@ def check_padding_is_neutral(dblock, sig, padded):
             zero[shape] = mx.nd.zeros(shape, ctx=sig.ctx, dtype=dtype)
         return zero[shape]
     params = _random_parameters(sig, padded, dtype, np.random.RandomState(1))
+    try:
+        short_op, long_op = mx.nd.CachedOp(sig.symbol), mx.nd.CachedOp(padded.symbol)
+    except mx.base.MXNetError as err:
+        # MXNet 1.9.1 cannot build some symbols as a CachedOp that it runs
+        # as NDArray calls ('control dep not found in graph')
+        raise InputError(
+            'block %s declares pad_lists, but MXNet cannot run its traced symbol for lists %s '
+            'to check that claim (%s). Pass pad_lists=False to DynBatchBlock (calls of '
+            'different list lengths then run as separate groups).'
+            % (dblock.block.name, padded.fmt, str(err).strip().splitlines()[0])) from None
     for low, high in PADDING_CHECK_RANGES:
         leaves = [mx.nd.array(rng.uniform(low, high, shape), ctx=sig.ctx, dtype=dtype)
                   for shape in sig.in_shapes]
@@ -680,20 +690,9 @@ def check_padding_is_neutral(dblock, sig, padded):
                             lambda item: zeros(padded.item_shape(item)))
         with mx.autograd.pause():
             runs = [(dblock.block(*regroup(sig.fmt, leaves)[0]),
-                     dblock.block(*regroup(padded.fmt, longer)[0]), 'its parameters', False)]
-            try:
-                short_op, long_op = mx.nd.CachedOp(sig.symbol), mx.nd.CachedOp(padded.symbol)
-                runs.append((_run_symbol(short_op, sig, leaves, params),
-                             _run_symbol(long_op, padded, longer, params), 'random parameters',
-                             True))
-            except mx.base.MXNetError as err:
-                # MXNet 1.9.1 cannot build some symbols as a CachedOp that it
-                # runs as NDArray calls ('control dep not found in graph')
-                raise InputError(
-                    'block %s declares pad_lists, but MXNet cannot run its traced symbol for '
-                    'lists %s to check that claim (%s). Pass pad_lists=False to DynBatchBlock '
-                    '(calls of different list lengths then run as separate groups).'
-                    % (dblock.block.name, padded.fmt, str(err).strip().splitlines()[0])) from None
+                     dblock.block(*regroup(padded.fmt, longer)[0]), 'its parameters', False),
+                    (_run_symbol(short_op, sig, leaves, params),
+                     _run_symbol(long_op, padded, longer, params), 'random parameters', True)]
         # (the symbols' outputs come flat, in the order flatten() gives the block's)
         for short_out, long_out, parameters, relative in runs:
             flat_short, flat_long = [], []

@@ -90,6 +90,11 @@ class OpView:
         except (ValueError, SyntaxError):
             return raw
 
+    def flag(self, key, default=False):
+        """Whether the boolean attribute ``key`` is set (MXNet stores
+        ``'True'``, ``'1'``, ``'true'`` alike)."""
+        return self.attr(key, default) not in (False, 0, 'false', 'False', '0')
+
     def batched_ndim(self):
         """ndim of the first batched input (every batched tensor has
         per-sample leading dim 1, checked by the tracer)."""
@@ -162,7 +167,7 @@ def _axis_rule(key, default, need_all_batched=False, added=0):
 def _reduction(op):
     """A reduction over ``axis``, or with ``exclude=True`` over every axis
     but those named, so then safe only when axis 0 is among them."""
-    if op.attr('exclude', False) and op.attr('axis', None) not in (None, ()):
+    if op.flag('exclude') and op.attr('axis', None) not in (None, ()):
         if op.batched_ndim() is None:
             return '%s with exclude=True on an input of unknown rank' % op.op
         if not op.axis_is_batch('axis', None):
@@ -177,7 +182,7 @@ def _softmax(op):
     one length per row, so it must be batched too (a shared ``(1,)``
     length would keep its per-sample shape while the data grow)."""
     reason = _axis_rule('axis', -1)(op)
-    if reason is None and op.attr('use_length', False) not in (False, 0, 'false', 'False', '0'):
+    if reason is None and op.flag('use_length'):
         return _all_batched(op)
     return reason
 
@@ -196,7 +201,7 @@ def _dropout(op):
 
 def _reshape(op):
     shape = op.attr('shape', ())
-    if op.attr('reverse', False):
+    if op.flag('reverse'):
         return 'reshape with reverse=True'
     if shape and shape[0] == 0:
         return None
@@ -236,7 +241,7 @@ def _rank1(op):
 
 
 def _dot(op):
-    if op.attr('transpose_a', False) or not op.batched[0] or op.batched[1]:
+    if op.flag('transpose_a') or not op.batched[0] or op.batched[1]:
         return 'dot needs a batched lhs (not transposed) and a shared rhs'
     return _rank1(op)
 
@@ -245,7 +250,7 @@ def _fully_connected(op):
     """With ``flatten=False`` the last axis holds the features, which at
     rank 1 is the batch axis (``flatten=True`` makes rows of axis 0)."""
     reason = _batched_data_shared_rest(op)
-    if reason is None and op.attr('flatten', True) in (False, 0, 'false', 'False', '0'):
+    if reason is None and not op.flag('flatten', True):
         return _rank1(op)
     return reason
 
