@@ -18,7 +18,7 @@ from .errors import InputError
 from .rules import NOT_FUNCTIONS, OpView, batching_rule, draws_random
 
 __all__ = ['flatten', 'regroup', 'leaf_count', 'TracedSignature', 'trace_signature',
-           'prelu_by_ops', 'load_graph']
+           'prelu_by_ops', 'fast_forms', 'load_graph']
 
 
 _LISTS = (list, tuple)
@@ -199,6 +199,7 @@ def trace_signature(sig_id, block, fmt, shapes, dtypes):
     out_dtypes = [np.dtype(t).type for t in out_types]
     symbol = prelu_by_ops(symbol, known)
     batch_safe, reason = check_batch_safe(symbol, set(data_names), known)
+    symbol = fast_forms(symbol, known)
     return TracedSignature(sig_id, block, symbol, data_names, out_fmt, out_shapes,
                            out_dtypes, batch_safe, reason,
                            batch_safe and is_function_of_inputs(symbol), passthrough)
@@ -280,6 +281,102 @@ def prelu_by_ops(symbol, known):
         scaled = add(name + '_scaled', 'broadcast_mul', [alpha, negative])
         moved[old] = add(name, 'broadcast_add', [positive, scaled])[0]
     return load_graph(graph, out, [[moved[e[0]], e[1], 0] for e in graph['heads']])
+
+
+ACTIVATION_OPS = frozenset(('sigmoid', 'tanh', 'relu', 'softsign'))
+"""Ops that are also an ``Activation(act_type=<op>)``, which computes the
+same function faster (see :func:`fast_forms`)."""
+
+SPLIT_OPS = frozenset(('SliceChannel', 'split'))
+
+
+def fast_forms(symbol, known):
+    """``symbol`` with the ops MXNet 1.9.1 runs slowly on CPU replaced by
+    their fast forms, or ``symbol`` itself when it has none; ``known``:
+    input shapes, which give each split its width.
+
+    * ``sigmoid``, ``tanh``, ``relu`` and ``softsign`` become
+      ``Activation(act_type=...)`` (MKLDNN's kernel for float32; the same
+      function, to the last bit or two).
+    * ``SliceChannel`` / ``split`` along an axis other than the batch axis
+      becomes one ``slice_axis`` per output that is read (and a
+      ``squeeze`` where it squeezes), unless an output feeds
+      ``zeros_like`` or ``ones_like`` (whose backward through
+      ``slice_axis`` crashes MXNet 1.9.1).
+
+    Gluon's own ``LSTMCell``, ``GRUCell`` and ``RNNCell`` use the slow
+    forms.  On one thread, at 365 rows of an ``LSTMCell(150)``'s gates:
+    ``SliceChannel`` into 4 took 700 us where four ``slice_axis`` took 56;
+    ``sigmoid`` 165 us and ``tanh`` 730 us where ``Activation`` took 21
+    (``benchmarks/bench_cells.py`` measures whole cells).  Runs after the
+    batch-safety check, which thus judges the block's own ops."""
+    graph = json.loads(symbol.tojson())
+    nodes = graph['nodes']
+    if not any(node['op'] in ACTIVATION_OPS or node['op'] in SPLIT_OPS for node in nodes):
+        return symbol
+    by_name = _parse_graph(symbol, known)[2] if any(
+        node['op'] in SPLIT_OPS for node in nodes) else {}
+    readers = {}                # (node, output) -> ops reading it
+    for node in nodes:
+        for entry in node['inputs']:
+            readers.setdefault((entry[0], entry[1]), set()).add(node['op'])
+    heads = {(entry[0], entry[1]) for entry in graph['heads']}
+    taken = {node['name'] for node in nodes}
+    out, moved, parts = [], {}, {}     # parts: (old node, output) -> new entry
+
+    def entry_for(entry):
+        part = parts.get((entry[0], entry[1]))
+        return part if part is not None else [moved[entry[0]], entry[1], 0]
+
+    def add(name, op, inputs, attrs):
+        while name in taken:
+            name += '_'
+        taken.add(name)
+        out.append({'op': op, 'name': name, 'attrs': attrs, 'inputs': inputs})
+        return [len(out) - 1, 0, 0]
+
+    for old, node in enumerate(nodes):
+        inputs = [entry_for(entry) for entry in node['inputs']]
+        attrs = node.get('attrs', {})
+        slices = _split_as_slices(node, old, nodes, by_name, readers, heads) \
+            if node['op'] in SPLIT_OPS else None
+        if slices is not None:
+            axis, width, squeeze, used = slices
+            for number in used:
+                part = add('%s_part%d' % (node['name'], number), 'slice_axis', inputs[:1],
+                           {'axis': str(axis), 'begin': str(number * width),
+                            'end': str((number + 1) * width)})
+                if squeeze:
+                    part = add('%s_part%d_squeezed' % (node['name'], number), 'squeeze', [part],
+                               {'axis': '(%d,)' % axis})
+                parts[(old, number)] = part
+            continue
+        if node['op'] in ACTIVATION_OPS:
+            hidden = {key: value for key, value in attrs.items() if key.startswith('__')}
+            node = dict(node, op='Activation', attrs=dict(hidden, act_type=node['op']))
+        out.append(dict(node, inputs=inputs))
+        moved[old] = len(out) - 1
+    return load_graph(graph, out, [entry_for(entry) for entry in graph['heads']])
+
+
+def _split_as_slices(node, number, nodes, by_name, readers, heads):
+    """``(axis, width, squeeze, outputs read)`` of a split that
+    :func:`fast_forms` may cut by slices, else None."""
+    view = OpView(node['op'], node.get('attrs', {}), [True], [])
+    count, axis = view.attr('num_outputs'), view.attr('axis', 1)
+    shape = _entry_shape(nodes, node['inputs'][0], by_name)
+    if not isinstance(count, int) or not isinstance(axis, int) or count < 1 or \
+            not shape or not -len(shape) <= axis < len(shape):
+        return None
+    axis %= len(shape)
+    if axis == 0 or shape[axis] % count:
+        return None
+    used = [output for output in range(count)
+            if (number, output) in heads or (number, output) in readers]
+    if any(readers.get((number, output), set()) & {'zeros_like', 'ones_like'}
+           for output in used):
+        return None
+    return axis, shape[axis] // count, view.flag('squeeze_axis'), used
 
 
 def unique_op_names(symbol):
