@@ -551,6 +551,42 @@ def test_split_forms_keep_values_and_gradients():
     assert sum(node['op'] == 'squeeze' for node in nodes) == 2
 
 
+class Concats(gluon.HybridBlock):
+    """Concatenations ``fast_forms`` rewrites: along -1 of rows, and along
+    the last axis of (1, 2, 6) arrays, named from either end."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.dense = gluon.nn.Dense(12, in_units=4, flatten=False)
+
+    def hybrid_forward(self, F, x, y):
+        h = self.dense(x)                                           # (1, 2, 12)
+        rows = F.concat(F.sum(h, axis=1), y, dim=-1)                # (1, 12 + 3)
+        wide = F.concat(h, F.tanh(h), dim=-1)                       # (1, 2, 24)
+        wider = F.concat(wide, h * 2, dim=2)                        # (1, 2, 36)
+        return rows, wider
+
+
+def test_concat_forms_keep_values_and_gradients():
+    block = dyb.DynBatchBlock(Concats())
+    block.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(7)
+    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 2, 4))) for _ in range(5)]
+    ys = [mx.nd.array(rng.uniform(-1, 1, (1, 3))) for _ in range(5)]
+
+    def forward():
+        return [out for x, y in zip(xs, ys) for out in block(x, y)]
+    for strategy in ('depth', 'per-sample'):
+        assert_same(run_both(forward, [block], xs + ys, strategy))
+    (sig,) = block.signatures()
+    assert sig.batch_safe, sig.reason
+    concats = [node for node in json.loads(sig.symbol.tojson())['nodes']
+               if node['op'] == 'Concat']
+    assert len(concats) == 3
+    assert all(node['attrs']['dim'] == '1' for node in concats), concats
+
+
 class SplitRows(gluon.HybridBlock):
     def hybrid_forward(self, F, x):
         return F.split(x, num_outputs=1, axis=0) * 2
