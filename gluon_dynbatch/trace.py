@@ -199,7 +199,7 @@ def trace_signature(sig_id, block, fmt, shapes, dtypes):
     out_dtypes = [np.dtype(t).type for t in out_types]
     symbol = prelu_by_ops(symbol, known)
     batch_safe, reason = check_batch_safe(symbol, set(data_names), known)
-    symbol = fast_forms(symbol, known)
+    symbol = fast_forms(symbol, known, types)
     return TracedSignature(sig_id, block, symbol, data_names, out_fmt, out_shapes,
                            out_dtypes, batch_safe, reason,
                            batch_safe and is_function_of_inputs(symbol), passthrough)
@@ -283,22 +283,33 @@ def prelu_by_ops(symbol, known):
     return load_graph(graph, out, [[moved[e[0]], e[1], 0] for e in graph['heads']])
 
 
-ACTIVATION_OPS = frozenset(('sigmoid', 'tanh', 'relu', 'softsign'))
+ACTIVATION_OPS = frozenset(('sigmoid', 'tanh', 'softsign'))
 """Ops that are also an ``Activation(act_type=<op>)``, which computes the
-same function faster (see :func:`fast_forms`)."""
+same function faster in float32 (see :func:`fast_forms`).  Not ``relu``:
+MKLDNN's makes a NaN 0, where the ``relu`` op keeps it."""
+
+EXACT = '__dynbatch_exact__'
+"""Attribute of the ``Activation`` nodes :func:`fast_forms` made: the
+block wrote the op, whose values must not change further
+(:func:`~gluon_dynbatch.lower.tanh_by_sigmoid` leaves them alone)."""
 
 SPLIT_OPS = frozenset(('SliceChannel', 'split'))
 CONCAT_OPS = frozenset(('Concat', 'concat'))
 
 
-def fast_forms(symbol, known):
+def fast_forms(symbol, known, types):
     """``symbol`` with the ops MXNet 1.9.1 runs slowly on CPU replaced by
-    their fast forms, or ``symbol`` itself when it has none; ``known``:
-    input shapes, which give splits their widths and axes their ranks.
+    their fast forms, or ``symbol`` itself when it has none; ``known`` and
+    ``types``: input shapes and dtypes, which give splits their widths,
+    axes their ranks and activations their dtype.
 
-    * ``sigmoid``, ``tanh``, ``relu`` and ``softsign`` become
-      ``Activation(act_type=...)`` (MKLDNN's kernel for float32; the same
-      function, to the last bit or two).
+    * ``sigmoid``, ``tanh`` and ``softsign`` of float32 become
+      ``Activation(act_type=...)`` (MKLDNN's kernel: the same function to
+      the last bit or two, NaN and infinities alike, but for ``sigmoid``
+      outputs under 1.2e-38, which it flushes to 0: inputs in about
+      [-103, -87.3]).  Marked :data:`EXACT`, so that large steps do not
+      compute such a ``tanh`` through ``sigmoid`` as they do the block's
+      own ``Activation``.
     * ``SliceChannel`` / ``split`` along an axis other than the batch axis
       becomes one ``slice_axis`` per output that is read (and a
       ``squeeze`` where it squeezes), unless an output feeds
@@ -324,6 +335,7 @@ def fast_forms(symbol, known):
     if not ops & (ACTIVATION_OPS | SPLIT_OPS | CONCAT_OPS):
         return symbol
     by_name = _parse_graph(symbol, known)[2] if ops & (SPLIT_OPS | CONCAT_OPS) else {}
+    dtypes = _entry_types(symbol, types) if ops & ACTIVATION_OPS else {}
     readers = {}                # (node, output) -> ops reading it
     for node in nodes:
         for entry in node['inputs']:
@@ -346,6 +358,8 @@ def fast_forms(symbol, known):
     for old, node in enumerate(nodes):
         inputs = [entry_for(entry) for entry in node['inputs']]
         op, name = node['op'], node['name']
+        hidden = {key: value for key, value in node.get('attrs', {}).items()
+                  if key.startswith('__')}
         shapes = [_entry_shape(nodes, entry, by_name) for entry in node['inputs']] \
             if op in SPLIT_OPS | CONCAT_OPS else []
         slices = _split_as_slices(node, old, shapes, readers, heads) if op in SPLIT_OPS else None
@@ -353,11 +367,11 @@ def fast_forms(symbol, known):
             axis, width, squeeze, used = slices
             for number in used:
                 part = add('%s_part%d' % (name, number), 'slice_axis', inputs[:1],
-                           {'axis': str(axis), 'begin': str(number * width),
-                            'end': str((number + 1) * width)})
+                           dict(hidden, axis=str(axis), begin=str(number * width),
+                                end=str((number + 1) * width)))
                 if squeeze:
                     part = add('%s_part%d_squeezed' % (name, number), 'squeeze', [part],
-                               {'axis': '(%d,)' % axis})
+                               dict(hidden, axis='(%d,)' % axis))
                 parts[(old, number)] = part
             continue
         axis = _concat_axis(node, shapes) if op in CONCAT_OPS else None
@@ -372,10 +386,9 @@ def fast_forms(symbol, known):
             continue
         if axis is not None:
             node = dict(node, attrs=dict(node.get('attrs', {}), dim=str(axis)))
-        elif op in ACTIVATION_OPS:
-            hidden = {key: value for key, value in node.get('attrs', {}).items()
-                      if key.startswith('__')}
-            node = dict(node, op='Activation', attrs=dict(hidden, act_type=op))
+        elif op in ACTIVATION_OPS and \
+                _entry_value(nodes, node['inputs'][0], dtypes) is np.float32:
+            node = dict(node, op='Activation', attrs=dict(hidden, act_type=op, **{EXACT: '1'}))
         out.append(dict(node, inputs=inputs))
         moved[old] = len(out) - 1
     return load_graph(graph, out, [entry_for(entry) for entry in graph['heads']])
@@ -518,13 +531,25 @@ def _parse_graph(symbol, known):
     return graph['nodes'], graph['heads'], by_name
 
 
-def _entry_shape(nodes, entry, by_name):
+def _entry_types(symbol, types):
+    """The dtype (a numpy type, or None) of every entry of ``symbol``, by
+    its output name, from its inputs' ``types``."""
+    internals = symbol.get_internals()
+    _, out_types, _ = internals.infer_type_partial(**types)
+    return dict(zip(internals.list_outputs(), out_types or []))
+
+
+def _entry_value(nodes, entry, by_name):
+    """What ``by_name`` (by output name) holds for a graph entry."""
     node = nodes[entry[0]]
     if node['op'] == 'null':
-        shape = by_name.get(node['name'])
-    else:
-        shape = by_name.get('%s_output' % node['name']) if entry[1] == 0 else None
-        shape = shape or by_name.get('%s_output%d' % (node['name'], entry[1]))
+        return by_name.get(node['name'])
+    value = by_name.get('%s_output' % node['name']) if entry[1] == 0 else None
+    return value if value is not None else by_name.get('%s_output%d' % (node['name'], entry[1]))
+
+
+def _entry_shape(nodes, entry, by_name):
+    shape = _entry_value(nodes, entry, by_name)
     return tuple(shape) if shape else None
 
 
