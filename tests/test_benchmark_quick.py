@@ -139,3 +139,28 @@ def test_paired_ratio_takes_the_ratio_turn_by_turn():
     assert bench.paired_ratio(ours, unpaired) == 2.0        # 200 / 100
     assert bench.paired_ratio(ours, None) is None
     assert bench.paired_ratio(ours, {'skipped': 'too slow'}) is None
+
+
+@needs_sick
+def test_quick_cells_benchmark(tmp_path):
+    """``bench_cells.py --quick``: every form agreed with per-sample (else it
+    exits 2), has a positive rate in every setting, and the two dynbatch
+    forms ran what they say: the cells' own slow ops (both cut their gates
+    by SliceChannel; LSTMCell also applies sigmoid and tanh ops), and the
+    fast forms."""
+    run_benchmark('bench_cells.py', '--quick', '--out', tmp_path)
+    res = json.loads((tmp_path / 'cells.json').read_text())
+    assert set(res['results']) == {'LSTMCell', 'GRUCell'}
+    for cell, settings in res['results'].items():
+        assert set(settings) == {'infer B=4', 'train B=4'}
+        for name, forms in settings.items():
+            assert len(forms) == 6, (cell, name, forms)
+            for form, rates in forms.items():
+                assert rates and all(math.isfinite(r) and r > 0 for r in rates), \
+                    (cell, name, form, rates)
+        ops = res['traced_ops'][cell]
+        assert 'SliceChannel' in ops['dynbatch-slow-ops'], ops
+        assert not {'SliceChannel', 'sigmoid', 'tanh'} & set(ops['dynbatch']), ops
+        assert 'slice_axis' in ops['dynbatch']
+    assert {'sigmoid', 'tanh'} <= set(res['traced_ops']['LSTMCell']['dynbatch-slow-ops'])
+    assert '| dynbatch / padded-fused |' in (tmp_path / 'cells.md').read_text()

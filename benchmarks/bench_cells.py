@@ -1,0 +1,345 @@
+#!/usr/bin/env python
+"""Gluon's own recurrent cells over ragged sequences: per sample, padded and
+fused, and gluon_dynbatch with and without its fast operator forms.
+
+The model is a sequential encoder of SICK sentences (Tai et al.'s
+sequential LSTM baseline without its head): a sentence's tokens, embedded
+(300), go through a stock ``gluon.rnn.LSTMCell`` or ``GRUCell`` (150) one
+token at a time, and its result is its last hidden state.  A minibatch of
+B pairs is 2B sentences of 1-30 tokens.  Forms, one set of weights:
+
+=====================  ======================================================
+``per-sample``         the plain loop, eager Gluon
+``per-sample-hybrid``  the same loop, its step block hybridized
+``padded-fused``       what one writes by hand for sequences: the sentences
+                       padded to the longest, one fused ``gluon.rnn.LSTM`` /
+                       ``GRU`` layer (MXNet's CPU RNN kernel) over them,
+                       ``SequenceLast`` by length
+``bucketed-fused``     the same per bucket of 64 sentences of similar length
+                       (the minibatch sorted by length), less padding
+``dynbatch``           the plain loop inside ``gluon_dynbatch.batching()``
+``dynbatch-slow-ops``  the same with :func:`gluon_dynbatch.trace.fast_forms`
+                       turned off: the cells' own ``SliceChannel`` and
+                       ``sigmoid`` / ``tanh`` ops run batched as they are
+=====================  ======================================================
+
+Every form is first checked against ``per-sample`` (results and gradients,
+``--tol``).  Inference copies the results to the host; training is forward
+and backward of the results' sum (no optimizer), steps back to back, a
+turn ending when its last backward has finished.  Repeats interleave the
+forms in a rotated order, every form of a repeat on the same minibatches;
+a cell is the median pairs/s, a ratio the median of the ratios within each
+repeat.  Writes ``cells.json`` and ``cells.md``.
+
+::
+
+    python benchmarks/bench_cells.py            # both cells, ~2.5 min on 2 cores
+    python benchmarks/bench_cells.py --quick    # a smoke run
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FORMS = ('per-sample', 'per-sample-hybrid', 'padded-fused', 'bucketed-fused', 'dynbatch',
+         'dynbatch-slow-ops')
+SETTINGS = (('infer', 1), ('infer', 25), ('infer', 256), ('train', 25), ('train', 256))
+QUICK_SETTINGS = (('infer', 4), ('train', 4))
+PER_SAMPLE_MAX = 25
+"""The per-sample forms stop a minibatch when their budget is spent, and
+skip settings past this minibatch size."""
+EMBED, HIDDEN = 300, 150
+BUCKET = 64
+"""Sentences per fused call of ``bucketed-fused`` (sorted by length)."""
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p.add_argument('--data', default=None, help='SICK folder (else $GLUON_DYNBATCH_SICK, '
+                                                'else ../shared/data/sick)')
+    p.add_argument('--cells', nargs='+', default=['LSTMCell', 'GRUCell'],
+                   choices=['LSTMCell', 'GRUCell'])
+    p.add_argument('--engine', default='ThreadedEnginePerDevice',
+                   choices=['ThreadedEnginePerDevice', 'NaiveEngine', 'ThreadedEngine'])
+    p.add_argument('--threads', type=int, default=1, help='OMP_NUM_THREADS / MKL_NUM_THREADS')
+    p.add_argument('--repeats', type=int, default=None, help='default 5; quick 2')
+    p.add_argument('--budget', type=float, default=None,
+                   help='seconds per form per repeat per setting (default 0.5; quick 0.1)')
+    p.add_argument('--tol', type=float, default=1e-4)
+    p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--quick', action='store_true')
+    p.add_argument('--out', default=None,
+                   help='folder for cells.json / cells.md (default benchmarks/results; '
+                        'quick: benchmarks/results/quick)')
+    return p.parse_args(argv)
+
+
+class Step:
+    """The per-sample step (embedding, then the cell) and the forms built
+    on it; imported after the environment is set."""
+
+    def __init__(self, cell_type, vocab_size, seed):
+        import mxnet as mx
+        from mxnet import gluon
+        import gluon_dynbatch as dyb
+        self.mx, self.dyb, self.lstm = mx, dyb, cell_type == 'LSTMCell'
+
+        class StepBlock(gluon.HybridBlock):
+            def __init__(self, **kwargs):
+                super().__init__(**kwargs)
+                with self.name_scope():
+                    self.embed = gluon.nn.Embedding(vocab_size, EMBED)
+                    self.cell = getattr(gluon.rnn, cell_type)(HIDDEN, input_size=EMBED)
+
+            def hybrid_forward(self, F, token, *states):  # pylint: disable=arguments-differ
+                _, new = self.cell(self.embed(token), list(states))
+                return tuple(new) if len(new) > 1 else new[0]
+
+        mx.random.seed(seed)
+        self.step = StepBlock()
+        self.step.initialize(mx.init.Xavier())
+        self.hybrid = StepBlock(prefix=self.step.prefix, params=self.step.collect_params())
+        self.hybrid.hybridize(static_alloc=True, static_shape=True)
+        self.dstep = dyb.DynBatchBlock(self.step)
+        self.slow = dyb.DynBatchBlock(self.step)
+        self.fused = (gluon.rnn.LSTM if self.lstm else gluon.rnn.GRU)(
+            HIDDEN, input_size=EMBED, layout='NTC')
+        self.fused.initialize()
+        cell_params = self.step.cell.collect_params()
+        self.fused_of = {}      # fused parameter -> the cell's
+        for name, param in self.fused.collect_params().items():
+            (mine,) = [p for n, p in cell_params.items() if n.endswith(name.split('l0_')[-1])]
+            param.set_data(mine.data())
+            self.fused_of[param.name] = mine.name
+        self.fused.hybridize(static_alloc=True)
+        self.zeros = mx.nd.zeros((1, HIDDEN))
+
+    def states(self):
+        return (self.zeros, self.zeros) if self.lstm else (self.zeros,)
+
+    def encode(self, block, ids, host):
+        """One sentence through ``block``, token by token: its last h."""
+        mx, states = self.mx, self.states()
+        for token in ids:
+            out = block(token if host else mx.nd.array(token), *states)
+            states = out if self.lstm else (out,)
+        return states[0]
+
+    def run(self, form, sentences, deadline=None):
+        """The (n, HIDDEN) last hidden states of ``sentences`` (each a list of
+        (1,) float32 token arrays), and how many were done before
+        ``deadline``."""
+        mx, dyb = self.mx, self.dyb
+        if form == 'padded-fused':
+            return self.padded_fused(sentences), len(sentences)
+        if form == 'bucketed-fused':
+            return self.bucketed_fused(sentences), len(sentences)
+        if form.startswith('dynbatch'):
+            block = self.dstep if form == 'dynbatch' else self.slow
+            with dyb.batching():
+                outs = [self.encode(block, ids, True) for ids in sentences]
+            return dyb.concat_rows(outs), len(sentences)
+        block = self.step if form == 'per-sample' else self.hybrid
+        outs = []
+        for ids in sentences:
+            outs.append(self.encode(block, ids, False))
+            if deadline is not None and time.perf_counter() > deadline:
+                break
+        return mx.nd.concat(*outs, dim=0), len(outs)
+
+    def padded_fused(self, sentences):
+        import numpy as np
+        mx = self.mx
+        longest = max(len(ids) for ids in sentences)
+        tokens = np.zeros((len(sentences), longest), np.float32)
+        for row, ids in enumerate(sentences):
+            tokens[row, :len(ids)] = np.concatenate(ids)
+        lengths = mx.nd.array([len(ids) for ids in sentences])
+        out = self.fused(self.step.embed(mx.nd.array(tokens)))
+        return mx.nd.SequenceLast(out, lengths, use_sequence_length=True, axis=1)
+
+    def bucketed_fused(self, sentences):
+        """:meth:`padded_fused` over buckets of :data:`BUCKET` sentences of
+        similar length (the minibatch sorted by length), put back in order."""
+        import numpy as np
+        order = sorted(range(len(sentences)), key=lambda i: len(sentences[i]))
+        parts = [self.padded_fused([sentences[i] for i in order[start:start + BUCKET]])
+                 for start in range(0, len(order), BUCKET)]
+        out = parts[0] if len(parts) == 1 else self.mx.nd.concat(*parts, dim=0)
+        return self.mx.nd.take(out, self.mx.nd.array(np.argsort(order)))
+
+    def grads(self, form, sentences, weights):
+        """Results and the gradients of sum(weights * results), by the
+        cell's parameter names."""
+        mx = self.mx
+        with mx.autograd.record():
+            out, _ = self.run(form, sentences)
+            loss = (out * weights).sum()
+        loss.backward()
+        fused = form.endswith('-fused')
+        grads = {}
+        for name, param in self.step.collect_params().items():
+            if not (fused and name in self.fused_of.values()):
+                grads[name] = param.grad().asnumpy().copy()
+        for name, param in self.fused.collect_params().items():
+            if fused:
+                grads[self.fused_of[name]] = param.grad().asnumpy().copy()
+        for param in list(self.step.collect_params().values()) + \
+                list(self.fused.collect_params().values()):
+            param.zero_grad()
+        return out.asnumpy(), grads
+
+
+def sentences_of(items):
+    """Each pair's two sentences as lists of (1,) float32 token arrays."""
+    import numpy as np
+    out = []
+    for a_ids, _, b_ids, _ in items:
+        for ids in (a_ids, b_ids):
+            out.append([np.array([t], np.float32) for t in ids])
+    return out
+
+
+def check(model, sentences, tol):
+    """Every form's results and gradients against per-sample; exits 2 on a
+    difference."""
+    import numpy as np
+    weights = model.mx.nd.array(np.random.RandomState(1).uniform(-1, 1, (len(sentences),
+                                                                         HIDDEN)))
+    want, want_grads = model.grads('per-sample', sentences, weights)
+    for form in FORMS[1:]:
+        got, grads = model.grads(form, sentences, weights)
+        bad = [] if np.allclose(got, want, atol=tol, rtol=0) else ['results']
+        for name, grad in want_grads.items():
+            scale = max(float(np.abs(grad).max()), 1e-12)
+            if name not in grads or np.abs(grads[name] - grad).max() > tol * scale:
+                bad.append('gradient of %s' % name)
+        if bad:
+            print('error: form %s disagrees with per-sample: %s' % (form, ', '.join(bad)),
+                  file=sys.stderr)
+            raise SystemExit(2)
+
+
+def measure(model, sentences, settings, repeats, budget):
+    """{setting: {form: [pairs/s per repeat]}}."""
+    mx = model.mx
+    for form in FORMS:        # trace, build programs, calibrate the cost model
+        model.run(form, sentences[:8])[0].asnumpy()
+    results, offset = {}, 0
+    pairs_in_data = len(sentences) // 2
+    for mode, batch in settings:
+        name = '%s B=%d' % (mode, batch)
+        forms = [f for f in FORMS if batch <= PER_SAMPLE_MAX or not f.startswith('per-sample')]
+        rates = results[name] = {form: [] for form in forms}
+        for rep in range(repeats):
+            turn = forms[rep % len(forms):] + forms[:rep % len(forms)]
+            offset += 997       # every form of a repeat walks the same minibatches
+            for form in turn:
+                pairs, start, walked = 0, time.perf_counter(), offset
+                deadline = start + budget
+                while time.perf_counter() < deadline:
+                    first = (walked % (pairs_in_data - batch)) * 2
+                    walked += batch
+                    part = sentences[first:first + 2 * batch]
+                    with mx.autograd.record() if mode == 'train' else mx.autograd.pause():
+                        out, done = model.run(form, part, deadline)
+                        loss = out.sum()
+                    if mode == 'train':
+                        loss.backward()
+                    loss.asnumpy()
+                    pairs += done / 2
+                mx.nd.waitall()     # a turn ends when its work (the backward too) is done
+                rates[form].append(pairs / (time.perf_counter() - start))
+        print('%-12s %s' % (name, '  '.join('%s %.0f' % (f, _median(r))
+                                             for f, r in rates.items())), flush=True)
+    return results
+
+
+def traced_ops(block):
+    """The ops of ``block``'s traced signatures (what its steps run)."""
+    return sorted({node['op'] for sig in block.signatures()
+                   for node in json.loads(sig.symbol.tojson())['nodes']} - {'null'})
+
+
+def _median(values):
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else 0.5 * (values[mid - 1] + values[mid])
+
+
+def table(all_results):
+    """Markdown: pairs/s per form and setting, and dynbatch's ratios."""
+    lines = []
+    for cell, results in all_results.items():
+        settings = list(results)
+        lines += ['', '%s (pairs/s; sentences/s is twice that)' % cell, '',
+                  '| form | ' + ' | '.join(settings) + ' |',
+                  '|---|' + '---:|' * len(settings)]
+        for form in FORMS:
+            row = [('%.0f' % _median(results[s][form])) if form in results[s] else '-'
+                   for s in settings]
+            lines.append('| %s | %s |' % (form, ' | '.join(row)))
+        for other in ('padded-fused', 'bucketed-fused', 'dynbatch-slow-ops',
+                      'per-sample-hybrid'):
+            row = []
+            for s in settings:
+                if other not in results[s]:
+                    row.append('-')
+                    continue
+                ratios = [a / b for a, b in zip(results[s]['dynbatch'], results[s][other])]
+                row.append('%.2fx' % _median(ratios))
+            lines.append('| dynbatch / %s | %s |' % (other, ' | '.join(row)))
+    return '\n'.join(lines) + '\n'
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.environ['MXNET_ENGINE_TYPE'] = args.engine
+    os.environ['OMP_NUM_THREADS'] = os.environ['MKL_NUM_THREADS'] = str(args.threads)
+    sys.path.insert(0, HERE)
+    import bench_treelstm as bt        # pylint: disable=import-outside-toplevel
+    import mxnet as mx                 # pylint: disable=import-outside-toplevel
+    from gluon_dynbatch import trace   # pylint: disable=import-outside-toplevel
+    repeats = args.repeats or (2 if args.quick else 5)
+    budget = args.budget or (0.1 if args.quick else 0.5)
+    settings = QUICK_SETTINGS if args.quick else SETTINGS
+    out_dir = args.out or os.path.join(HERE, 'results', 'quick' if args.quick else '')
+    _, items, _, vocab_size, _ = bt.load_data(bt.build_parser().parse_args(
+        ['--data', args.data, '--seed', str(args.seed)] if args.data else
+        ['--seed', str(args.seed)]))
+    sentences = sentences_of(items)
+    config = {'engine': args.engine, 'OMP_NUM_THREADS': str(args.threads),
+              'mxnet': mx.__version__, 'repeats': repeats, 'budget_s': budget,
+              'cpu': bt._cpu_model()}      # pylint: disable=protected-access
+    print(' '.join('%s=%s' % kv for kv in config.items()), flush=True)
+    all_results, traced, fast_forms = {}, {}, trace.fast_forms
+    for cell in args.cells:
+        model = Step(cell, vocab_size, args.seed)
+        # the slow form's signatures are traced without the fast forms
+        # (its first calls, in check): it keeps them for the run
+        trace.fast_forms = lambda symbol, *shapes_and_types: symbol
+        try:
+            model.run('dynbatch-slow-ops', sentences[:8])[0].asnumpy()
+        finally:
+            trace.fast_forms = fast_forms
+        check(model, sentences[:16], args.tol)
+        print('%s: every form agrees with per-sample (tol %g)' % (cell, args.tol), flush=True)
+        traced[cell] = {form: traced_ops(block) for form, block in
+                        (('dynbatch', model.dstep), ('dynbatch-slow-ops', model.slow))}
+        all_results[cell] = measure(model, sentences, settings, repeats, budget)
+    text = table(all_results)
+    print(text)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, 'cells.json'), 'w') as f:
+        json.dump({'config': config, 'results': all_results, 'traced_ops': traced}, f,
+                  indent=1)
+    with open(os.path.join(out_dir, 'cells.md'), 'w') as f:
+        f.write('`python benchmarks/bench_cells.py` (%s)\n%s' % (
+            ', '.join('%s %s' % kv for kv in config.items()), text))
+    print('wrote %s' % os.path.join(out_dir, 'cells.json'))
+
+
+if __name__ == '__main__':
+    main()
