@@ -59,7 +59,7 @@ import numpy as np
 
 from .lanes import CUT, PADDED, SEGMENT, graph_readers, vectorize_lists
 from .rules import NOT_FUNCTIONS, draws_random
-from .trace import EXACT, leaf_count
+from .trace import EXACT, leaf_count, own_forms
 from .trace import load_graph as _load
 
 __all__ = ['ThreadCachedOp', 'StepProgram', 'step_program', 'element_major', 'FlushProgram',
@@ -122,12 +122,15 @@ class StepProgram:
     few percent of training speed.  Inference gained nothing from it
     (1.00x / 1.02x) either.
 
-    :meth:`for_rows` picks, by the step's number of calls, this program or
-    its variant that computes ``tanh`` through ``sigmoid``
-    (:func:`tanh_by_sigmoid`), built at first use; only for float32
-    (``rewrite_tanh``): in float16 the rewrite errs by ~2.4e-4, and MKLDNN,
-    whose ``tanh`` it avoids, runs neither float16 nor float64."""
-    __slots__ = ('symbol', 'cached_op', 'feeds', 'training', 'rewrite_tanh', '_wide')
+    :meth:`for_rows` picks, by the step's number of calls, this program,
+    its variant in the block's own operator forms (:func:`~.trace.own_forms`,
+    for steps of a few rows) or its variant that computes ``tanh`` through
+    ``sigmoid`` (:func:`tanh_by_sigmoid`), each built at first use; the
+    last only for float32 (``rewrite_tanh``): in float16 the rewrite errs
+    by ~2.4e-4, and MKLDNN, whose ``tanh`` it avoids, runs neither float16
+    nor float64."""
+    __slots__ = ('symbol', 'cached_op', 'feeds', 'training', 'rewrite_tanh', '_wide',
+                 '_narrow')
 
     def __init__(self, symbol, feeds, training=False, rewrite_tanh=True):
         if training:
@@ -138,13 +141,21 @@ class StepProgram:
         self.feeds = feeds
         self.training = training
         self.rewrite_tanh = rewrite_tanh
-        self._wide = None
+        self._wide = self._narrow = None
 
     def for_rows(self, calls):
-        """This program, or for a step of at least
-        :data:`TANH_BY_SIGMOID_ROWS` calls its variant with ``tanh`` computed
-        through ``sigmoid`` (this one again when its symbol has no
-        ``tanh``)."""
+        """This program; for a step of fewer than :data:`FAST_FORMS_ROWS`
+        calls its variant in the block's own operator forms; for one of at
+        least :data:`TANH_BY_SIGMOID_ROWS` calls its variant with ``tanh``
+        computed through ``sigmoid`` (this one again where the variant
+        would be the same)."""
+        if calls < FAST_FORMS_ROWS[self.training]:
+            if self._narrow is None:
+                narrow = own_forms(self.symbol)
+                self._narrow = self if narrow is self.symbol or \
+                    narrow.list_inputs() != self.symbol.list_inputs() else \
+                    StepProgram(narrow, self.feeds, self.training, rewrite_tanh=False)
+            return self._narrow
         if calls < TANH_BY_SIGMOID_ROWS[self.training] or not self.rewrite_tanh:
             return self
         if self._wide is None:
@@ -311,6 +322,14 @@ INVERSE_SEGMENT = 'dynbatch_inverse_segment'
 :data:`~.lanes.SEGMENT` (see :func:`compose_takes`): for each element of a
 ragged step's lists, the distinct host row of its list (int32)."""
 
+
+FAST_FORMS_ROWS = {True: 16, False: 4}
+"""Steps of fewer calls than this (in training, in inference) run their
+block in its own operator forms (:func:`~.trace.own_forms`), not the fast
+forms of :func:`~.trace.fast_forms`: with one thread, forward and backward,
+``sigmoid`` cost less than ``Activation`` up to ~20 rows, ``tanh`` and a
+split into four up to ~8 (at 2 rows: 31 / 32 / 62 us against 38 / 38 /
+78); forward alone, they cost the same at 2 rows and more from 4 on."""
 
 TANH_BY_SIGMOID_ROWS = {True: 128, False: 512}
 """Steps of at least this many calls (in training, in inference) compute

@@ -18,7 +18,7 @@ from .errors import InputError
 from .rules import NOT_FUNCTIONS, OpView, batching_rule, draws_random
 
 __all__ = ['flatten', 'regroup', 'leaf_count', 'TracedSignature', 'trace_signature',
-           'prelu_by_ops', 'fast_forms', 'load_graph']
+           'prelu_by_ops', 'fast_forms', 'own_forms', 'load_graph']
 
 
 _LISTS = (list, tuple)
@@ -289,9 +289,15 @@ same function faster in float32 (see :func:`fast_forms`).  Not ``relu``:
 MKLDNN's makes a NaN 0, where the ``relu`` op keeps it."""
 
 EXACT = '__dynbatch_exact__'
-"""Attribute of the ``Activation`` nodes :func:`fast_forms` made: the
-block wrote the op, whose values must not change further
-(:func:`~gluon_dynbatch.lower.tanh_by_sigmoid` leaves them alone)."""
+"""Attribute of the ``Activation`` nodes :func:`fast_forms` made, holding
+the op the block wrote, whose values must not change further
+(:func:`~gluon_dynbatch.lower.tanh_by_sigmoid` leaves them alone; see
+:func:`own_forms`)."""
+
+SLICED = '__dynbatch_sliced__'
+"""Attribute of the nodes :func:`fast_forms` made of a split:
+``'<split name>;<outputs>;<axis>;<squeeze>;<output>;<slice|squeeze>'``
+(see :func:`own_forms`)."""
 
 SPLIT_OPS = frozenset(('SliceChannel', 'split'))
 CONCAT_OPS = frozenset(('Concat', 'concat'))
@@ -366,12 +372,14 @@ def fast_forms(symbol, known, types):
         if slices is not None:
             axis, width, squeeze, used = slices
             for number in used:
+                mark = '%s;%d;%d;%d;%d;' % (name, shapes[0][axis] // width, axis, squeeze,
+                                           number)
                 part = add('%s_part%d' % (name, number), 'slice_axis', inputs[:1],
                            dict(hidden, axis=str(axis), begin=str(number * width),
-                                end=str((number + 1) * width)))
+                                end=str((number + 1) * width), **{SLICED: mark + 'slice'}))
                 if squeeze:
                     part = add('%s_part%d_squeezed' % (name, number), 'squeeze', [part],
-                               dict(hidden, axis='(%d,)' % axis))
+                               dict(hidden, axis='(%d,)' % axis, **{SLICED: mark + 'squeeze'}))
                 parts[(old, number)] = part
             continue
         axis = _concat_axis(node, shapes) if op in CONCAT_OPS else None
@@ -388,7 +396,68 @@ def fast_forms(symbol, known, types):
             node = dict(node, attrs=dict(node.get('attrs', {}), dim=str(axis)))
         elif op in ACTIVATION_OPS and \
                 _entry_value(nodes, node['inputs'][0], dtypes) is np.float32:
-            node = dict(node, op='Activation', attrs=dict(hidden, act_type=op, **{EXACT: '1'}))
+            node = dict(node, op='Activation', attrs=dict(hidden, act_type=op, **{EXACT: op}))
+        out.append(dict(node, inputs=inputs))
+        moved[old] = len(out) - 1
+    return load_graph(graph, out, [entry_for(entry) for entry in graph['heads']])
+
+
+def own_forms(symbol):
+    """``symbol`` with what :func:`fast_forms` made put back as the block
+    wrote it (the ``Activation`` nodes marked :data:`EXACT` as their ops,
+    the slices of a split, marked :data:`SLICED`, as one split), or
+    ``symbol`` itself when it has none; a split whose slices no longer
+    read one input, or whose squeezed slices are read but by their
+    squeezes, stays sliced.  Steps of a few rows run this form
+    (:data:`~gluon_dynbatch.lower.FAST_FORMS_ROWS`): there an op's fixed
+    cost rules, and four slices are four ops where the split was one."""
+    graph = json.loads(symbol.tojson())
+    nodes = graph['nodes']
+    marks = [node.get('attrs', {}).get(SLICED) for node in nodes]
+    if not any(marks) and not any(EXACT in node.get('attrs', {}) for node in nodes):
+        return symbol
+    readers = {}                # node -> nodes reading it (a head reads as -1)
+    for number, node in enumerate(nodes):
+        for entry in node['inputs']:
+            readers.setdefault(entry[0], []).append(number)
+    for entry in graph['heads']:
+        readers.setdefault(entry[0], []).append(-1)
+    sources, broken = {}, set()     # split name -> the entries its slices read
+    for number, (node, mark) in enumerate(zip(nodes, marks)):
+        if not mark or not mark.endswith(';slice'):
+            continue
+        key, squeeze = mark.split(';')[0], mark.split(';')[3]
+        sources.setdefault(key, set()).add(tuple(node['inputs'][0][:2]))
+        if squeeze == '1':      # read by its squeeze alone, in this graph
+            mine, prefix = readers.get(number, []), mark[:-len('slice')]
+            if not mine or any(reader < 0 or not (marks[reader] or '').startswith(prefix)
+                               for reader in mine):
+                broken.add(key)
+    whole = {key for key, found in sources.items() if len(found) == 1 and key not in broken}
+    out, moved, parts, made = [], {}, {}, {}
+
+    def entry_for(entry):
+        part = parts.get(entry[0])
+        return [part[0], part[1], 0] if part is not None else [moved[entry[0]], entry[1], 0]
+
+    for old, (node, mark) in enumerate(zip(nodes, marks)):
+        attrs = node.get('attrs', {})
+        if mark and mark.split(';')[0] in whole:
+            key, count, axis, squeeze, output, kind = mark.split(';')
+            if key not in made:         # its first slice (a squeeze comes after)
+                hidden = {k: v for k, v in attrs.items() if k.startswith('__') and k != SLICED}
+                out.append({'op': 'SliceChannel', 'name': key,
+                            'inputs': [entry_for(node['inputs'][0])],
+                            'attrs': dict(hidden, num_outputs=count, axis=axis,
+                                          squeeze_axis=squeeze)})
+                made[key] = len(out) - 1
+            if kind == 'squeeze' or squeeze == '0':
+                parts[old] = (made[key], int(output))
+            continue
+        inputs = [entry_for(entry) for entry in node['inputs']]
+        if EXACT in attrs:
+            hidden = {k: v for k, v in attrs.items() if k.startswith('__') and k != EXACT}
+            node = dict(node, op=attrs[EXACT], attrs=hidden)
         out.append(dict(node, inputs=inputs))
         moved[old] = len(out) - 1
     return load_graph(graph, out, [entry_for(entry) for entry in graph['heads']])

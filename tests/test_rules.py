@@ -528,11 +528,28 @@ class Splits(gluon.HybridBlock):
         return [F.sigmoid(a) * b, F.relu(c - d), g], F.split(h, num_outputs=2, axis=2)[1]
 
 
-def test_split_forms_keep_values_and_gradients():
+@pytest.fixture
+def programs_run(monkeypatch):
+    """(calls, ops of the program run) of every step run."""
+    from gluon_dynbatch import lower
+    seen, for_rows = [], lower.StepProgram.for_rows
+
+    def recording(program, calls):
+        chosen = for_rows(program, calls)
+        seen.append((calls, {node['op'] for node in json.loads(chosen.symbol.tojson())['nodes']}))
+        return chosen
+    monkeypatch.setattr(lower.StepProgram, 'for_rows', recording)
+    return seen
+
+
+@pytest.mark.parametrize('calls', [5, 20])
+def test_split_forms_keep_values_and_gradients(calls, programs_run):
+    """In training, steps of 5 calls run the block's own forms
+    (trace.own_forms, below FAST_FORMS_ROWS), steps of 20 the fast ones."""
     block = dyb.DynBatchBlock(Splits())
     block.initialize(mx.init.Uniform(0.5))
     rng = np.random.RandomState(6)
-    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 2, 4))) for _ in range(5)]
+    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 2, 4))) for _ in range(calls)]
 
     def forward():
         outs = []
@@ -549,6 +566,9 @@ def test_split_forms_keep_values_and_gradients():
     assert len(kept) == 1 and any(n['op'] == 'zeros_like' for n in nodes), kept
     assert sum(node['op'] == 'slice_axis' for node in nodes) == 2 + 2 + 1
     assert sum(node['op'] == 'squeeze' for node in nodes) == 2
+    assert calls in {rows for rows, _ in programs_run}
+    for rows, ops in programs_run:      # per-sample runs steps of one call
+        assert ('slice_axis' in ops) == (rows >= 16) and ('sigmoid' in ops) == (rows < 16), ops
 
 
 class IntActivations(gluon.HybridBlock):
@@ -611,12 +631,13 @@ class Concats(gluon.HybridBlock):
         return rows, wider
 
 
-def test_concat_forms_keep_values_and_gradients():
+@pytest.mark.parametrize('calls', [5, 20])
+def test_concat_forms_keep_values_and_gradients(calls):
     block = dyb.DynBatchBlock(Concats())
     block.initialize(mx.init.Uniform(0.5))
     rng = np.random.RandomState(7)
-    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 2, 4))) for _ in range(5)]
-    ys = [mx.nd.array(rng.uniform(-1, 1, (1, 3))) for _ in range(5)]
+    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 2, 4))) for _ in range(calls)]
+    ys = [mx.nd.array(rng.uniform(-1, 1, (1, 3))) for _ in range(calls)]
 
     def forward():
         return [out for x, y in zip(xs, ys) for out in block(x, y)]
@@ -628,6 +649,38 @@ def test_concat_forms_keep_values_and_gradients():
                if node['op'] == 'Concat']
     assert len(concats) == 3
     assert all(node['attrs']['dim'] == '1' for node in concats), concats
+
+
+@pytest.mark.parametrize('make', [lambda: Splits(), lambda: gluon.rnn.LSTMCell(6, input_size=3),
+                                  lambda: gluon.rnn.GRUCell(6, input_size=3)])
+def test_own_forms_undo_fast_forms(make):
+    """trace.own_forms, which steps of a few rows run, puts back the ops
+    the block wrote (the same ops, inputs in the same order)."""
+    from gluon_dynbatch import trace
+    block = make()
+    block.initialize()
+    states = block.begin_state(batch_size=1) if hasattr(block, 'begin_state') else None
+    args = [mx.sym.var('x')] + ([[mx.sym.var('s%d' % i) for i in range(len(states))]]
+                                if states else [])
+    out = block(*args)
+    own = trace.unique_op_names(mx.sym.Group([o for o in _flat(out)]))
+    shapes = {'x': (1, 3) if states else (1, 2, 4)}
+    shapes.update({'s%d' % i: (1, 6) for i in range(len(states or []))})
+    types = {name: np.float32 for name in shapes}
+    fast = trace.fast_forms(own, shapes, types)
+
+    def ops(symbol):
+        return sorted(node['op'] for node in json.loads(symbol.tojson())['nodes'])
+    assert ops(fast) != ops(own)
+    back = trace.own_forms(fast)
+    assert ops(back) == ops(own)
+    assert back.list_inputs() == own.list_inputs()
+
+
+def _flat(out):
+    if isinstance(out, (list, tuple)):
+        return [leaf for item in out for leaf in _flat(item)]
+    return [out[i] for i in range(len(out.list_outputs()))]
 
 
 class SplitRows(gluon.HybridBlock):
