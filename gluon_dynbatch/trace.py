@@ -322,10 +322,13 @@ def fast_forms(symbol, known, types):
       ``zeros_like`` or ``ones_like`` (whose backward through
       ``slice_axis`` crashes MXNet 1.9.1).
     * ``Concat`` along a negative axis names it from the front (MKLDNN's
-      kernel takes it only so: 15x faster on 2-d rows), and along the last
-      axis of rank 3 or more, where no form of the axis is fast, runs on
-      the inputs reshaped to 2-d and reshapes the result back (~5x at
-      2,500 rows); the same values to the bit.
+      kernel takes it only so: 15x faster on 2-d rows); the same values to
+      the bit.  (Along the last axis of rank 3 or more no name is fast; a
+      form that reshaped the inputs to 2-d ran ~5x faster at 2,500 rows,
+      but it changes the rows an op sees, and the passes that run a
+      block's host part once per distinct row count on every op keeping
+      one row per sample: it failed every flush of a block concatenating
+      an embedding's rows with a batched value.)
 
     Gluon's own cells use the slow forms: ``LSTMCell`` both (its gates cut
     by ``SliceChannel``, three ``sigmoid`` ops and a ``tanh``), ``GRUCell``
@@ -383,15 +386,6 @@ def fast_forms(symbol, known, types):
                 parts[(old, number)] = part
             continue
         axis = _concat_axis(node, shapes) if op in CONCAT_OPS else None
-        if axis is not None and axis == len(shapes[0]) - 1 > 1:
-            flat = [add('%s_flat%d' % (name, number), 'Reshape', [entry],
-                        {'shape': str((-1, shape[-1]))})
-                    for number, (entry, shape) in enumerate(zip(inputs, shapes))]
-            joined = add(name + '_2d', 'Concat', flat,
-                         {'dim': '1', 'num_args': str(len(flat))})
-            shape = (-1,) + tuple(shapes[0][1:-1]) + (sum(shape[-1] for shape in shapes),)
-            moved[old] = add(name, 'Reshape', [joined], {'shape': str(shape)})[0]
-            continue
         if axis is not None:
             node = dict(node, attrs=dict(node.get('attrs', {}), dim=str(axis)))
         elif op in ACTIVATION_OPS and \
@@ -484,15 +478,13 @@ def _split_as_slices(node, number, shapes, readers, heads):
 
 
 def _concat_axis(node, shapes):
-    """The axis, counted from the front, of a concatenation that
-    :func:`fast_forms` rewrites (one named from the back, or the last of
-    rank 3 or more), else None."""
+    """The axis, counted from the front, of a concatenation along an axis
+    named from the back, else None."""
     dim = OpView(node['op'], node.get('attrs', {}), [], []).attr('dim', 1)
     if not shapes or any(not shape or len(shape) != len(shapes[0]) for shape in shapes) or \
             not isinstance(dim, int) or not -len(shapes[0]) <= dim < len(shapes[0]):
         return None
-    axis = dim % len(shapes[0])
-    return axis if dim < 0 or axis == len(shapes[0]) - 1 > 1 else None
+    return dim % len(shapes[0]) if dim < 0 else None
 
 
 def unique_op_names(symbol):
