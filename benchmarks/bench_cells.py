@@ -18,13 +18,18 @@ B pairs is 2B sentences of 1-30 tokens.  Forms, one set of weights:
 ``bucketed-fused``     the same per bucket of 64 sentences of similar length
                        (the minibatch sorted by length), less padding
 ``dynbatch``           the plain loop inside ``gluon_dynbatch.batching()``
+``dynbatch-unshared``  the same without running the embedding and the
+                       ``i2h`` GEMM once per distinct token (the fused
+                       kernel cannot share them): ``execute.SHARE_ROWS`` and
+                       ``HOIST_ROWS`` set past any step
 ``dynbatch-slow-ops``  the same with :func:`gluon_dynbatch.trace.fast_forms`
                        turned off: the cells' own ``SliceChannel`` and
                        ``sigmoid`` / ``tanh`` ops run batched as they are
 =====================  ======================================================
 
-Every form is first checked against ``per-sample`` (results and gradients,
-``--tol``).  Inference copies the results to the host; training is forward
+Every form is first checked against ``per-sample`` (results and gradients
+in training on 16 sentences, results in inference on 200; ``--tol``).
+Inference copies the results to the host; training is forward
 and backward of the results' sum (no optimizer), steps back to back, a
 turn ending when its last backward has finished.  Repeats interleave the
 forms in a rotated order, every form of a repeat on the same minibatches;
@@ -37,6 +42,7 @@ repeat.  Writes ``cells.json`` and ``cells.md``.
     python benchmarks/bench_cells.py --quick    # a smoke run
 """
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -44,7 +50,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FORMS = ('per-sample', 'per-sample-hybrid', 'padded-fused', 'bucketed-fused', 'dynbatch',
-         'dynbatch-slow-ops')
+         'dynbatch-unshared', 'dynbatch-slow-ops')
 SETTINGS = (('infer', 1), ('infer', 25), ('infer', 256), ('train', 25), ('train', 256))
 QUICK_SETTINGS = (('infer', 4), ('train', 4))
 PER_SAMPLE_MAX = 25
@@ -104,6 +110,7 @@ class Step:
         self.hybrid.hybridize(static_alloc=True, static_shape=True)
         self.dstep = dyb.DynBatchBlock(self.step)
         self.slow = dyb.DynBatchBlock(self.step)
+        self.unshared = dyb.DynBatchBlock(self.step)
         self.fused = (gluon.rnn.LSTM if self.lstm else gluon.rnn.GRU)(
             HIDDEN, input_size=EMBED, layout='NTC')
         self.fused.initialize()
@@ -137,9 +144,11 @@ class Step:
         if form == 'bucketed-fused':
             return self.bucketed_fused(sentences), len(sentences)
         if form.startswith('dynbatch'):
-            block = self.dstep if form == 'dynbatch' else self.slow
-            with dyb.batching():
-                outs = [self.encode(block, ids, True) for ids in sentences]
+            block = {'dynbatch': self.dstep, 'dynbatch-unshared': self.unshared,
+                     'dynbatch-slow-ops': self.slow}[form]
+            with unshared(form == 'dynbatch-unshared'):
+                with dyb.batching():
+                    outs = [self.encode(block, ids, True) for ids in sentences]
             return dyb.concat_rows(outs), len(sentences)
         block = self.step if form == 'per-sample' else self.hybrid
         outs = []
@@ -192,6 +201,20 @@ class Step:
         return out.asnumpy(), grads
 
 
+@contextlib.contextmanager
+def unshared(active):
+    """While ``active``, no step runs a block's host part once per distinct
+    host row, and no flush hoists it (see ``gluon_dynbatch.execute``)."""
+    from gluon_dynbatch import execute
+    saved = execute.SHARE_ROWS, execute.HOIST_ROWS
+    if active:
+        execute.SHARE_ROWS = execute.HOIST_ROWS = float('inf')
+    try:
+        yield
+    finally:
+        execute.SHARE_ROWS, execute.HOIST_ROWS = saved
+
+
 def sentences_of(items):
     """Each pair's two sentences as lists of (1,) float32 token arrays."""
     import numpy as np
@@ -202,10 +225,18 @@ def sentences_of(items):
     return out
 
 
-def check(model, sentences, tol):
-    """Every form's results and gradients against per-sample; exits 2 on a
-    difference."""
+def check(model, sentences, many, tol):
+    """Every form's results and gradients on ``sentences``, and its results
+    in inference on ``many`` (steps past the sizes where programs change
+    form, several buckets), against per-sample; exits 2 on a difference."""
     import numpy as np
+    with model.mx.autograd.pause():
+        want = model.run('per-sample', many)[0].asnumpy()
+        for form in FORMS[1:]:
+            if not np.allclose(model.run(form, many)[0].asnumpy(), want, atol=tol, rtol=0):
+                print('error: form %s disagrees with per-sample in inference on %d sentences'
+                      % (form, len(many)), file=sys.stderr)
+                raise SystemExit(2)
     weights = model.mx.nd.array(np.random.RandomState(1).uniform(-1, 1, (len(sentences),
                                                                          HIDDEN)))
     want, want_grads = model.grads('per-sample', sentences, weights)
@@ -245,7 +276,7 @@ def measure(model, sentences, settings, repeats, budget):
                     part = sentences[first:first + 2 * batch]
                     with mx.autograd.record() if mode == 'train' else mx.autograd.pause():
                         out, done = model.run(form, part, deadline)
-                        loss = out.sum()
+                        loss = out.sum() if mode == 'train' else out
                     if mode == 'train':
                         loss.backward()
                     loss.asnumpy()
@@ -281,8 +312,8 @@ def table(all_results):
             row = [('%.0f' % _median(results[s][form])) if form in results[s] else '-'
                    for s in settings]
             lines.append('| %s | %s |' % (form, ' | '.join(row)))
-        for other in ('padded-fused', 'bucketed-fused', 'dynbatch-slow-ops',
-                      'per-sample-hybrid'):
+        for other in ('padded-fused', 'bucketed-fused', 'dynbatch-unshared',
+                      'dynbatch-slow-ops', 'per-sample-hybrid'):
             row = []
             for s in settings:
                 if other not in results[s]:
@@ -324,7 +355,7 @@ def main(argv=None):
             model.run('dynbatch-slow-ops', sentences[:8])[0].asnumpy()
         finally:
             trace.fast_forms = fast_forms
-        check(model, sentences[:16], args.tol)
+        check(model, sentences[:16], sentences[16:16 + (70 if args.quick else 200)], args.tol)
         print('%s: every form agrees with per-sample (tol %g)' % (cell, args.tol), flush=True)
         traced[cell] = {form: traced_ops(block) for form, block in
                         (('dynbatch', model.dstep), ('dynbatch-slow-ops', model.slow))}

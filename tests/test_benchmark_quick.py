@@ -154,7 +154,7 @@ def test_quick_cells_benchmark(tmp_path):
     for cell, settings in res['results'].items():
         assert set(settings) == {'infer B=4', 'train B=4'}
         for name, forms in settings.items():
-            assert len(forms) == 6, (cell, name, forms)
+            assert len(forms) == 7, (cell, name, forms)
             for form, rates in forms.items():
                 assert rates and all(math.isfinite(r) and r > 0 for r in rates), \
                     (cell, name, form, rates)
