@@ -443,6 +443,20 @@ def test_softmax_with_a_shared_length_runs_per_sample(per_sample):
         assert 'softmax' in reason, reason
 
 
+def _last_outputs(cell, seqs):
+    """The plain loop of a wrapped Gluon RNN cell over sequences: each
+    sequence's last output."""
+    def forward():
+        outs = []
+        for seq in seqs:
+            states = cell.block.begin_state(batch_size=1)
+            for x in seq:
+                out, states = cell(x, states)
+            outs.append(out)
+        return outs
+    return forward
+
+
 @pytest.mark.parametrize('strategy', ['depth', 'agenda', 'auto'])
 @pytest.mark.parametrize('cell_type', ['LSTMCell', 'GRUCell', 'RNNCell'])
 def test_gluons_own_rnn_cells_batch(cell_type, strategy):
@@ -456,16 +470,8 @@ def test_gluons_own_rnn_cells_batch(cell_type, strategy):
     rng = np.random.RandomState(2)
     seqs = [[mx.nd.array(rng.uniform(-1, 1, (1, 4))) for _ in range(rng.randint(1, 7))]
             for _ in range(6)]
-
-    def forward():
-        outs = []
-        for seq in seqs:
-            states = cell.block.begin_state(batch_size=1)
-            for x in seq:
-                out, states = cell(x, states)
-            outs.append(out)
-        return outs
-    assert_same(run_both(forward, [cell], [x for seq in seqs for x in seq], strategy))
+    assert_same(run_both(_last_outputs(cell, seqs), [cell], [x for seq in seqs for x in seq],
+                         strategy))
     assert all(sig.batch_safe for sig in cell.signatures()), \
         [sig.reason for sig in cell.signatures()]
     assert dyb.stats()['last']['steps'] <= max(len(seq) for seq in seqs)
@@ -491,16 +497,8 @@ def test_gluons_own_rnn_cells_run_in_fast_forms(cell_type, activation):
     cell.initialize(mx.init.Uniform(0.5))
     rng = np.random.RandomState(5)
     xs = [[mx.nd.array(rng.uniform(-1, 1, (1, 3))) for _ in range(3)] for _ in range(130)]
-
-    def forward():
-        outs = []
-        for seq in xs:
-            states = cell.block.begin_state(batch_size=1)
-            for x in seq:
-                out, states = cell(x, states)
-            outs.append(out)
-        return outs
-    assert_same(run_both(forward, [cell], [x for seq in xs for x in seq], 'depth'))
+    assert_same(run_both(_last_outputs(cell, xs), [cell], [x for seq in xs for x in seq],
+                         'depth'))
     assert dyb.stats()['last']['batch_sizes'][0] == 130
     for sig in cell.signatures():
         assert sig.batch_safe, sig.reason
