@@ -155,6 +155,7 @@ class StepProgram:
                 self._narrow = self if narrow is self.symbol or \
                     narrow.list_inputs() != self.symbol.list_inputs() else \
                     StepProgram(narrow, self.feeds, self.training, rewrite_tanh=False)
+                BUILT[0] += self._narrow is not self
             return self._narrow
         if calls < TANH_BY_SIGMOID_ROWS[self.training] or not self.rewrite_tanh:
             return self
@@ -162,6 +163,7 @@ class StepProgram:
             wide = tanh_by_sigmoid(self.symbol)
             self._wide = self if wide is self.symbol else \
                 StepProgram(wide, self.feeds, self.training)
+            BUILT[0] += self._wide is not self
         return self._wide
 
 

@@ -420,7 +420,7 @@ def own_forms(symbol):
     for number, (node, mark) in enumerate(zip(nodes, marks)):
         if not mark or not mark.endswith(';slice'):
             continue
-        key, squeeze = mark.split(';')[0], mark.split(';')[3]
+        key, _, _, squeeze, _, _ = _sliced(mark)
         sources.setdefault(key, set()).add(tuple(node['inputs'][0][:2]))
         if squeeze == '1':      # read by its squeeze alone, in this graph
             mine, prefix = readers.get(number, []), mark[:-len('slice')]
@@ -436,8 +436,8 @@ def own_forms(symbol):
 
     for old, (node, mark) in enumerate(zip(nodes, marks)):
         attrs = node.get('attrs', {})
-        if mark and mark.split(';')[0] in whole:
-            key, count, axis, squeeze, output, kind = mark.split(';')
+        if mark and _sliced(mark)[0] in whole:
+            key, count, axis, squeeze, output, kind = _sliced(mark)
             if key not in made:         # its first slice (a squeeze comes after)
                 hidden = {k: v for k, v in attrs.items() if k.startswith('__') and k != SLICED}
                 out.append({'op': 'SliceChannel', 'name': key,
@@ -455,6 +455,12 @@ def own_forms(symbol):
         out.append(dict(node, inputs=inputs))
         moved[old] = len(out) - 1
     return load_graph(graph, out, [entry_for(entry) for entry in graph['heads']])
+
+
+def _sliced(mark):
+    """The fields of a :data:`SLICED` mark (the split's name may hold a
+    ';': a block's prefix is the user's to choose)."""
+    return mark.rsplit(';', 5)
 
 
 def _split_as_slices(node, number, shapes, readers, heads):

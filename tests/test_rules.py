@@ -708,6 +708,30 @@ def _flat(out):
     return [out[i] for i in range(len(out.list_outputs()))]
 
 
+class SplitSigmoid(gluon.HybridBlock):
+    def hybrid_forward(self, F, x):
+        a, b = F.split(x, num_outputs=2, axis=2)
+        return F.sigmoid(a) * b
+
+
+@pytest.mark.parametrize('calls', [2, 6])
+def test_split_of_a_block_named_with_a_semicolon(calls):
+    """A block's prefix is the user's: one holding a ';' broke the parse of
+    the split's marks when a small step ran the block's own forms (found by
+    a review: ValueError at the flush)."""
+    block = dyb.DynBatchBlock(SplitSigmoid(prefix='enc;v2_'))
+    xs = [mx.nd.array(np.random.RandomState(k).rand(1, 2, 4)) for k in range(calls)]
+    want = [block(x).asnumpy() for x in xs]
+    with dyb.batching('depth'):
+        outs = [block(x) for x in xs]
+    for got, expected in zip(outs, want):
+        np.testing.assert_allclose(got.asnumpy(), expected, rtol=1e-6)
+    from gluon_dynbatch import trace
+    (sig,) = block.signatures()
+    assert 'SliceChannel' in {node['op'] for node in
+                              json.loads(trace.own_forms(sig.symbol).tojson())['nodes']}
+
+
 class SplitRows(gluon.HybridBlock):
     def hybrid_forward(self, F, x):
         return F.split(x, num_outputs=1, axis=0) * 2
