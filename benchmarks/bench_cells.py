@@ -10,7 +10,9 @@ B pairs is 2B sentences of 1-30 tokens.  Forms, one set of weights:
 
 =====================  ======================================================
 ``per-sample``         the plain loop, eager Gluon
-``per-sample-hybrid``  the same loop, its step block hybridized
+``per-sample-hybrid``  the same loop, its step block hybridized (static
+                       buffers in inference, plain ``hybridize()`` in
+                       training)
 ``padded-fused``       what one writes by hand for sequences: the sentences
                        padded to the longest, one fused ``gluon.rnn.LSTM`` /
                        ``GRU`` layer (MXNet's CPU RNN kernel) over them,
@@ -43,6 +45,7 @@ repeat.  Writes ``cells.json`` and ``cells.md``.
 """
 import argparse
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -106,8 +109,14 @@ class Step:
         mx.random.seed(seed)
         self.step = StepBlock()
         self.step.initialize(mx.init.Xavier())
-        self.hybrid = StepBlock(prefix=self.step.prefix, params=self.step.collect_params())
-        self.hybrid.hybridize(static_alloc=True, static_shape=True)
+        # as bench_treelstm.py's hybridized form, each fastest for its mode
+        # there: static buffers for inference, plain hybridize() for training
+        self.hybrid = {}
+        for training, flags in ((False, {'static_alloc': True, 'static_shape': True}),
+                                (True, {})):
+            self.hybrid[training] = StepBlock(prefix=self.step.prefix,
+                                              params=self.step.collect_params())
+            self.hybrid[training].hybridize(**flags)
         self.dstep = dyb.DynBatchBlock(self.step)
         self.slow = dyb.DynBatchBlock(self.step)
         self.unshared = dyb.DynBatchBlock(self.step)
@@ -150,7 +159,8 @@ class Step:
                 with dyb.batching():
                     outs = [self.encode(block, ids, True) for ids in sentences]
             return dyb.concat_rows(outs), len(sentences)
-        block = self.step if form == 'per-sample' else self.hybrid
+        block = self.step if form == 'per-sample' else \
+            self.hybrid[mx.autograd.is_recording()]
         outs = []
         for ids in sentences:
             outs.append(self.encode(block, ids, False))
@@ -268,6 +278,7 @@ def measure(model, sentences, settings, repeats, budget):
             turn = forms[rep % len(forms):] + forms[:rep % len(forms)]
             offset += 997       # every form of a repeat walks the same minibatches
             for form in turn:
+                gc.collect()    # not in the next form's turn: a form's own garbage
                 pairs, start, walked = 0, time.perf_counter(), offset
                 deadline = start + budget
                 while time.perf_counter() < deadline:
