@@ -6,7 +6,7 @@ The model is a sequential encoder of SICK sentences (Tai et al.'s
 sequential LSTM baseline without its head): a sentence's tokens, embedded
 (300), go through a stock ``gluon.rnn.LSTMCell`` or ``GRUCell`` (150) one
 token at a time, and its result is its last hidden state.  A minibatch of
-B pairs is 2B sentences of 1-30 tokens.  Forms, one set of weights:
+B pairs is 2B sentences of 3-30 tokens.  Forms, one set of weights:
 
 =====================  ======================================================
 ``per-sample``         the plain loop, eager Gluon
@@ -40,7 +40,7 @@ repeat.  Writes ``cells.json`` and ``cells.md``.
 
 ::
 
-    python benchmarks/bench_cells.py            # both cells, ~2.5 min on 2 cores
+    python benchmarks/bench_cells.py            # both cells, ~4 min on 2 cores
     python benchmarks/bench_cells.py --quick    # a smoke run
 """
 import argparse
@@ -237,8 +237,9 @@ def sentences_of(items):
 
 def check(model, sentences, many, tol):
     """Every form's results and gradients on ``sentences``, and its results
-    in inference on ``many`` (steps past the sizes where programs change
-    form, several buckets), against per-sample; exits 2 on a difference."""
+    in inference on ``many`` (steps on both sides of
+    ``lower.FAST_FORMS_ROWS``, several buckets), against per-sample; exits
+    2 on a difference."""
     import numpy as np
     with model.mx.autograd.pause():
         want = model.run('per-sample', many)[0].asnumpy()

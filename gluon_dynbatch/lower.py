@@ -148,7 +148,7 @@ class StepProgram:
         calls its variant in the block's own operator forms; for one of at
         least :data:`TANH_BY_SIGMOID_ROWS` calls its variant with ``tanh``
         computed through ``sigmoid`` (this one again where the variant
-        would be the same)."""
+        would be the same, or would take other inputs)."""
         if calls < FAST_FORMS_ROWS[self.training]:
             if self._narrow is None:
                 narrow = own_forms(self.symbol)

@@ -322,13 +322,10 @@ def fast_forms(symbol, known, types):
       ``zeros_like`` or ``ones_like`` (whose backward through
       ``slice_axis`` crashes MXNet 1.9.1).
     * ``Concat`` along a negative axis names it from the front (MKLDNN's
-      kernel takes it only so: 15x faster on 2-d rows); the same values to
-      the bit.  (Along the last axis of rank 3 or more no name is fast; a
-      form that reshaped the inputs to 2-d ran ~5x faster at 2,500 rows,
-      but it changes the rows an op sees, and the passes that run a
-      block's host part once per distinct row count on every op keeping
-      one row per sample: it failed every flush of a block concatenating
-      an embedding's rows with a batched value.)
+      kernel takes it only so: on 2-d rows 4x / 15x / 26x faster at 25 /
+      256 / 2,500 rows); the same values to the bit.  Only forms that keep
+      one row per sample: the passes that run a block's host part once per
+      distinct row count on it (see ``docs/design.rst``).
 
     Gluon's own cells use the slow forms: ``LSTMCell`` both (its gates cut
     by ``SliceChannel``, three ``sigmoid`` ops and a ``tanh``), ``GRUCell``
@@ -401,8 +398,8 @@ def own_forms(symbol):
     wrote it (the ``Activation`` nodes marked :data:`EXACT` as their ops,
     the slices of a split, marked :data:`SLICED`, as one split), or
     ``symbol`` itself when it has none; a split whose slices no longer
-    read one input, or whose squeezed slices are read but by their
-    squeezes, stays sliced.  Steps of a few rows run this form
+    read one input, or whose squeezed slices are read by anything but
+    their squeezes (or not at all), stays sliced.  Steps of a few rows run this form
     (:data:`~gluon_dynbatch.lower.FAST_FORMS_ROWS`): there an op's fixed
     cost rules, and four slices are four ops where the split was one."""
     graph = json.loads(symbol.tojson())
