@@ -1,10 +1,12 @@
-"""The README's user snippet runs as written and trains."""
+"""The README's user snippet, and the quickstart's for Gluon's own cells,
+run as written and train."""
 import re
 from pathlib import Path
 
 import numpy as np
 
 README = Path(__file__).resolve().parents[1] / 'README.md'
+QUICKSTART = README.parent / 'docs' / 'quickstart.rst'
 
 
 def test_readme_snippet_runs_and_matches_unbatched():
@@ -23,3 +25,29 @@ def test_readme_snippet_runs_and_matches_unbatched():
     plain = [head(encode(l, el)[0], encode(r, er)[0]) for (l, el, r, er) in minibatch]
     for a, b in zip(lazy, plain):
         np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_quickstart_cell_snippet_runs_and_matches_unbatched():
+    import textwrap
+
+    import mxnet as mx
+
+    import gluon_dynbatch as dyb
+    blocks = [textwrap.dedent(block) for block in re.findall(
+        r'\.\. code-block:: python\n\n((?:   .*\n|\n)+)', QUICKSTART.read_text())]
+    (block,) = [b for b in blocks if 'LSTMCell' in b]
+    namespace = {}
+    exec(compile(block, 'quickstart.rst', 'exec'), namespace)
+    assert np.isfinite(namespace['loss'].asnumpy()).all()
+    assert dyb.stats()['last']['batch_sizes'] == [3, 3, 2, 2, 1, 1, 3]
+    cell, sequences = namespace['cell'], namespace['sequences']
+    grad = cell.collect_params()[cell.block.prefix + 'h2h_weight'].grad().asnumpy().copy()
+    with mx.autograd.record():
+        plain = [namespace['last_output']([seq[t:t + 1] for t in range(len(seq))])
+                 for seq in sequences]
+        loss = mx.nd.concat(*plain, dim=0).sum()
+    loss.backward()
+    np.testing.assert_allclose(namespace['loss'].asnumpy(), loss.asnumpy(), rtol=1e-5)
+    np.testing.assert_allclose(
+        grad, cell.collect_params()[cell.block.prefix + 'h2h_weight'].grad().asnumpy(),
+        rtol=1e-4, atol=1e-6)
