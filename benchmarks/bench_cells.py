@@ -202,8 +202,8 @@ class Step:
         for name, param in self.step.collect_params().items():
             if not (fused and name in self.fused_of.values()):
                 grads[name] = param.grad().asnumpy().copy()
-        for name, param in self.fused.collect_params().items():
-            if fused:
+        if fused:
+            for name, param in self.fused.collect_params().items():
                 grads[self.fused_of[name]] = param.grad().asnumpy().copy()
         for param in list(self.step.collect_params().values()) + \
                 list(self.fused.collect_params().values()):

@@ -151,20 +151,21 @@ class StepProgram:
         would be the same, or would take other inputs)."""
         if calls < FAST_FORMS_ROWS[self.training]:
             if self._narrow is None:
-                narrow = own_forms(self.symbol)
-                self._narrow = self if narrow is self.symbol or \
-                    narrow.list_inputs() != self.symbol.list_inputs() else \
-                    StepProgram(narrow, self.feeds, self.training, rewrite_tanh=False)
-                BUILT[0] += self._narrow is not self
+                self._narrow = self._variant(own_forms(self.symbol))
             return self._narrow
         if calls < TANH_BY_SIGMOID_ROWS[self.training] or not self.rewrite_tanh:
             return self
         if self._wide is None:
-            wide = tanh_by_sigmoid(self.symbol)
-            self._wide = self if wide is self.symbol else \
-                StepProgram(wide, self.feeds, self.training)
-            BUILT[0] += self._wide is not self
+            self._wide = self._variant(tanh_by_sigmoid(self.symbol))
         return self._wide
+
+    def _variant(self, symbol):
+        """The program of ``symbol``, a rewrite of this one's (this one
+        when the rewrite changed nothing or would take other inputs)."""
+        if symbol is self.symbol or symbol.list_inputs() != self.symbol.list_inputs():
+            return self
+        BUILT[0] += 1
+        return StepProgram(symbol, self.feeds, self.training, rewrite_tanh=False)
 
 
 def step_program(sig, pattern):

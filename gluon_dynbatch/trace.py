@@ -370,10 +370,9 @@ def fast_forms(symbol, known, types):
             if op in SPLIT_OPS | CONCAT_OPS else []
         slices = _split_as_slices(node, old, shapes, readers, heads) if op in SPLIT_OPS else None
         if slices is not None:
-            axis, width, squeeze, used = slices
+            count, axis, width, squeeze, used = slices
             for number in used:
-                mark = '%s;%d;%d;%d;%d;' % (name, shapes[0][axis] // width, axis, squeeze,
-                                           number)
+                mark = '%s;%d;%d;%d;%d;' % (name, count, axis, squeeze, number)
                 part = add('%s_part%d' % (name, number), 'slice_axis', inputs[:1],
                            dict(hidden, axis=str(axis), begin=str(number * width),
                                 end=str((number + 1) * width), **{SLICED: mark + 'slice'}))
@@ -461,7 +460,7 @@ def _sliced(mark):
 
 
 def _split_as_slices(node, number, shapes, readers, heads):
-    """``(axis, width, squeeze, outputs read)`` of a split that
+    """``(outputs, axis, width, squeeze, outputs read)`` of a split that
     :func:`fast_forms` may cut by slices, else None."""
     view = OpView(node['op'], node.get('attrs', {}), [True], [])
     count, axis = view.attr('num_outputs'), view.attr('axis', 1)
@@ -477,7 +476,7 @@ def _split_as_slices(node, number, shapes, readers, heads):
     if any(readers.get((number, output), set()) & {'zeros_like', 'ones_like'}
            for output in used):
         return None
-    return axis, shape[axis] // count, view.flag('squeeze_axis'), used
+    return count, axis, shape[axis] // count, view.flag('squeeze_axis'), used
 
 
 def _concat_axis(node, shapes):
