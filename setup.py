@@ -6,6 +6,14 @@ from pathlib import Path
 from setuptools import Extension, find_packages, setup
 
 HERE = Path(__file__).parent
+
+# pip resolves numpy before it reads python_requires, and numpy<1.24 fails to
+# build on 3.12 with a traceback that names neither Python nor this package
+if sys.version_info >= (3, 12):
+    sys.exit('gluon_dynbatch needs Python 3.8 to 3.11 (this is %d.%d): it pins '
+             'mxnet==1.9.1 and numpy<1.24, and numpy 1.23 has no wheel for 3.12 and '
+             'does not build there. Make the venv with python3.11 -m venv .venv'
+             % sys.version_info[:2])
 VERSION = re.search(r"__version__ = '([^']+)'",
                     (HERE / 'gluon_dynbatch' / '__init__.py').read_text()).group(1)
 
@@ -33,7 +41,7 @@ setup(
                            extra_compile_args=['-O3', '-fno-math-errno', '-ffp-contract=off',
                                                '-fexceptions'],
                            optional=True)],
-    python_requires='>=3.8',
+    python_requires='>=3.8,<3.12',
     install_requires=[
         'mxnet==1.9.1',
         'numpy>=1.16,<1.24',   # mxnet 1.9.1 breaks with numpy>=1.24
