@@ -25,6 +25,7 @@ constants follow the machine and the workload.
 import json
 import numbers
 import time
+from types import MappingProxyType
 
 import mxnet as mx
 
@@ -137,7 +138,10 @@ class CostModel:
         family's step cost; the medians over families refine the global
         constants, and the per-element slope is what a padded list element
         costs.  A single line through all steps would fold the blocks'
-        differences into the intercept."""
+        differences into the intercept.  A flush of one step has no line to
+        fit (one that reads a value after every call flushes each call)."""
+        if len(step_seconds) < 2:
+            return
         by_family = {}
         for step, seconds in zip(plan.steps, step_seconds):
             elements = sum(len(node.sig.data_names) for node in step.nodes) if step.ragged \
@@ -266,6 +270,11 @@ SAME_STEPS = 0.99
 """An agenda/depth step ratio at least this high: agenda makes depth's steps."""
 
 
+_UNDECIDED = MappingProxyType({'choice': 'depth'})
+""":attr:`Auto.last` of a flush planned without deciding (fewer than
+``small`` calls); read-only."""
+
+
 LEARN_RUNS = 3
 """Measured runs of a choice on a kind and size of graph before
 :meth:`Auto.wants_step_times` stops timing each of its flushes."""
@@ -291,7 +300,8 @@ class Auto(Strategy):
       is found out.
     * Flushes of fewer than ``small`` nodes (calls after merged repeats) are
       planned by depth without deciding: the decision itself would cost
-      more than it could save.
+      more than it could save.  So are flushes where every call is a step
+      of its own (chains), planned per sample.
     * A cached plan is considered only for a graph whose summary (calls per
       depth and family) matches one whose plan was stored: plans are stored
       for summaries seen twice, so graphs that never repeat pay nothing for
@@ -351,6 +361,7 @@ class Auto(Strategy):
         self.last = {}
         self._seen = {}      # summary fingerprint -> steps of its stored plan (None: seen once)
         self._ratios = {}    # set of families -> agenda steps / depth steps
+        self._same_sizes = {}   # set of families -> did the last probe find equal step sizes?
         self._run_factors = {}  # (set of families, size) -> {strategy: measured / predicted}
         self._last_run = {}     # ((set of families, size), strategy) -> flush it last ran
         self._repeating = {}    # fingerprint -> _Repeating, for summaries with a stored plan
@@ -386,18 +397,31 @@ class Auto(Strategy):
             return self._plan(nodes, summary)
 
     def _plan(self, nodes, summary):
-        self.last_compile_s = 0.0
+        state = self._thread_state()
+        state.compile_s = 0.0
         if len(nodes) < self.small:
             # Deciding costs more than any choice could save on a graph this
             # small (depth's analysis is a few microseconds): plan by depth.
+            # (One thread-state lookup here and none in observe: a loop that
+            # reads a value after every call flushes ~35 us calls one by one,
+            # and auto's bookkeeping was 4 us of each.)
             self.choices['depth'] = self.choices.get('depth', 0) + 1
-            self.last = {'choice': 'depth'}
+            state.last = _UNDECIDED
             return STRATEGIES['depth'].plan(nodes)
         summary = summary or summarize(nodes)
         self._flushes += 1
         fingerprint = summary['fingerprint']
         groups = dict(fingerprint[0])
         kind = frozenset(family for _, family in groups)    # which blocks are in play
+        if summary['depth_steps'] >= len(nodes) and self._ratios.get(kind, 1.0) >= SAME_STEPS:
+            # Every call is a step of its own (a chain): depth makes the
+            # per-sample steps, and agenda too where it was not seen to save
+            # steps on this kind of graph.  Predicting, probing and exploring
+            # among equal plans cost ~2 ms a flush of 1,000 chained calls
+            # (auto 1.10x per-sample).
+            self.choices['per-sample'] = self.choices.get('per-sample', 0) + 1
+            self.last = {'choice': 'per-sample', 'kind': kind}
+            return STRATEGIES['per-sample'].plan(nodes)
         raw = self.model.predict(len(nodes), summary['depth_steps'],
                                  self._seen.get(fingerprint), groups, self._ratios.get(kind))
         # run factors are learned per kind of graph and size (calls, within a
@@ -435,7 +459,7 @@ class Auto(Strategy):
         if 'cached' not in predictions:
             # (a summary with a stored plan was seen before: a probe would
             # learn nothing new)
-            self._probe(nodes, summary, name, kind)
+            self._probe(nodes, summary, name, plan, kind)
         self.choices[name] = self.choices.get(name, 0) + 1
         # a repeating summary's decision runs: the cached plan's trials and
         # the rival's run count only when timed (see _cached_measured_best)
@@ -488,14 +512,20 @@ class Auto(Strategy):
     def _pooled(self, factors, sized):
         """``factors`` with one factor for depth and agenda, the mean of
         theirs, where agenda makes depth's steps on this kind of graph (its
-        learned step ratio at least :data:`SAME_STEPS`): the two then run the
-        same steps, and only their analysis differs.  Learned apart, the
-        noise in the two factors chose between equal plans: at SICK
-        minibatch 4 auto ran agenda's (five times depth's analysis per
-        node) in 59 of 64 flushes, 1.08x the best fixed strategy."""
-        ratio = self._ratios.get(sized[0]) if isinstance(sized, tuple) else None
+        learned step ratio at least :data:`SAME_STEPS`, and steps of the
+        same sizes at the last probe): the two then run the same steps, and
+        only their analysis differs.  Learned apart, the noise in the two
+        factors chose between equal plans: at SICK minibatch 4 auto ran
+        agenda's (five times depth's analysis per node) in 59 of 64 flushes,
+        1.08x the best fixed strategy.  Equal step counts alone are not
+        enough: on a random DAG whose unread calls depth moves to its last
+        step (52 rows gathered from six steps; agenda's steps are 32 rows
+        each, read from one), agenda ran 20% faster in as many steps, and
+        the pooled factor hid it (auto 1.25x agenda)."""
+        kind = sized[0] if isinstance(sized, tuple) else None
+        ratio = self._ratios.get(kind)
         same = [factors[name] for name in ('depth', 'agenda') if name in factors]
-        if ratio is None or ratio < SAME_STEPS or not same:
+        if ratio is None or ratio < SAME_STEPS or not same or not self._same_sizes.get(kind, True):
             return factors
         pooled = sum(same) / len(same)
         return dict(factors, depth=pooled, agenda=pooled)
@@ -604,7 +634,7 @@ class Auto(Strategy):
             self._seen[fingerprint] = None
         return plan
 
-    def _probe(self, nodes, summary, chosen, kind):
+    def _probe(self, nodes, summary, chosen, chosen_plan, kind):
         """Time the other of depth/agenda (planned, not run) on the first
         flush of each kind of graph (set of block families) and now and then
         after, so agenda's step saving is known per kind of graph.  A kind
@@ -618,6 +648,9 @@ class Auto(Strategy):
         setup, start = SETUP[0], time.perf_counter()
         plan = STRATEGIES[other].plan(nodes)
         self.model.observe_analysis(other, time.perf_counter() - start, len(nodes), setup=setup)
+        if chosen in ('depth', 'agenda'):
+            self._same_sizes[kind] = sorted(plan.batch_sizes()) == \
+                sorted(chosen_plan.batch_sizes())
         gap = self.probe_every
         if other == 'agenda':
             self._observe_agenda(len(plan.steps), summary['depth_steps'], kind)
@@ -634,6 +667,8 @@ class Auto(Strategy):
         self._ratios[kind] = old + 0.3 * (ratio - old)
 
     def observe(self, plan, step_seconds, analyse_s, nodes):
+        if len(plan.steps) < 2 and self.last is _UNDECIDED:
+            return      # nothing to learn: no decision, no line to fit
         with PLANNING:
             self._observe(plan, step_seconds, analyse_s, nodes)
 

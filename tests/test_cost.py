@@ -13,7 +13,7 @@ from gluon_dynbatch.lower import BUILT
 from gluon_dynbatch.plan import count_groups_py, summarize
 from gluon_dynbatch.models import ChildSumTreeLSTMCell
 
-from helpers import DenseAddLists, random_tree
+from helpers import DenseAddLists, assert_same, random_tree, run_both
 
 
 def record_trees(cell, trees):
@@ -604,6 +604,99 @@ def test_depth_and_agenda_share_a_run_factor_where_agenda_saves_no_steps():
     auto._run_factors[sized] = {'agenda': 0.9}                  # one measured: both get it
     corrected = auto._corrected(raw, sized)
     assert corrected['depth'][1] == corrected['agenda'][1] == pytest.approx(2.7)
+
+
+def test_depth_and_agenda_keep_their_own_factors_where_their_steps_differ_in_size():
+    """Equal step counts are not equal plans: on random DAGs whose unread
+    calls depth moves to its last step, agenda ran 20% faster in as many
+    steps, and a pooled factor hid it (auto 1.25x agenda).  The probe
+    compares the two plans' step sizes; pooling needs them equal."""
+    from mxnet import gluon
+    import random
+
+    class Pair(gluon.HybridBlock):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            with self.name_scope():
+                self.dense = nn.Dense(4, in_units=8)
+
+        def hybrid_forward(self, F, a, b):
+            return F.tanh(self.dense(F.concat(a, b, dim=1)))
+
+    leaf = dyb.DynBatchBlock(nn.Dense(4, in_units=4))
+    pair = dyb.DynBatchBlock(Pair())
+    leaf.initialize()
+    pair.initialize()
+    auto = dyb.Auto(model=dyb.CostModel(), small=1)
+    rng = random.Random(5)
+    with dyb.batching(auto):
+        hs = [leaf(mx.nd.ones((1, 4)) * i) for i in range(16)]
+        for _ in range(5):          # random wiring: some calls are read by none
+            hs = [pair(hs[rng.randrange(16)], hs[rng.randrange(16)]) for _ in range(16)]
+    kind = auto.last['kind']
+    assert auto._same_sizes[kind] is False      # probed on the first flush of its kind
+    sized = (kind, 7)
+    raw = {'depth': (0.1, 3.0), 'agenda': (0.4, 3.0)}
+    auto._ratios[kind] = 1.0                    # as many steps as depth...
+    auto._run_factors[sized] = {'depth': 1.1, 'agenda': 0.9}
+    corrected = auto._corrected(raw, sized)     # ...but each keeps its factor
+    assert corrected['depth'][1] == pytest.approx(3.3)
+    assert corrected['agenda'][1] == pytest.approx(2.7)
+    auto._same_sizes[kind] = True
+    corrected = auto._corrected(raw, sized)
+    assert corrected['depth'][1] == corrected['agenda'][1] == pytest.approx(3.0)
+
+
+def test_auto_plans_a_chain_per_sample_without_deciding():
+    """Every call a step of its own: depth makes the per-sample steps, so
+    auto neither predicts nor probes (that cost ~2 ms a flush of 1,000
+    chained calls).  Where agenda was seen to save steps on that kind of
+    graph, it decides as before."""
+    block = dyb.DynBatchBlock(nn.Dense(3, in_units=3, activation='tanh'))
+    block.initialize()
+
+    def chain(n=40):
+        x = mx.nd.ones((1, 3))
+        for _ in range(n):
+            x = block(x)
+        return [x]
+
+    auto = dyb.Auto(model=dyb.CostModel(), small=1)
+    assert_same(run_both(chain, [block], strategy=auto))
+    assert auto.choices == {'per-sample': 1} and 'predicted_ms' not in auto.last
+    assert not auto._next_probe and not auto._run_factors      # nothing probed or learned
+    kind = auto.last['kind']
+    auto._ratios[kind] = 0.5
+    assert_same(run_both(chain, [block], strategy=auto))
+    assert auto.last['kind'] == kind and 'predicted_ms' in auto.last
+
+
+@pytest.mark.parametrize('strategy', ['depth', 'agenda', 'auto'])
+def test_a_value_read_after_every_call_flushes_calls_one_by_one(strategy):
+    """Each flush holds one call, which every strategy runs alone, planned
+    without grouping (a few microseconds of a ~35 us flush); auto learns
+    nothing from it and says so without a new record."""
+    block = dyb.DynBatchBlock(nn.Dense(3, in_units=3, activation='tanh'))
+    block.initialize()
+
+    def read_each(n=6):
+        x = mx.nd.ones((1, 3))
+        for _ in range(n):
+            x = block(x)
+            x.asnumpy()
+        return [x]
+
+    if strategy == 'auto':
+        strategy = dyb.Auto(model=dyb.CostModel(), small=2)
+        before = strategy.model.to_dict()
+    dyb.reset_stats()
+    assert_same(run_both(read_each, [block], strategy=strategy))
+    stats = dyb.stats()
+    assert stats['flushes'] == 6 and stats['steps'] == 6
+    if not isinstance(strategy, str):
+        assert strategy.choices == {'depth': 6} and strategy.model.to_dict() == before
+        with pytest.raises(TypeError):
+            strategy.last['choice'] = 'agenda'      # shared by such flushes: read-only
 
 
 def test_run_factors_are_learned_per_size_of_graph():
