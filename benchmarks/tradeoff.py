@@ -126,12 +126,13 @@ def settings(args):
         cfg = dict(sick_sizes=[1, 4, 16, 64], repeat_size=16, repeats=3, pairs_per_size=24,
                    warm_batches=[(1, 10), (4, 4), (16, 2)],
                    chains=(8, 60), bushy_trees=12, dag_nodes=150, cap=1500, synthetic_repeats=3,
-                   same_repeats=3)
+                   same_repeats=3, long_chain=(80, 100), read_each=20, layered_dag=(8, 3))
     else:
         cfg = dict(sick_sizes=[1, 4, 16, 64, 256, 1024], repeat_size=256, repeats=7,
                    pairs_per_size=256, warm_batches=[(1, 30), (4, 15), (16, 8), (64, 3)],
                    chains=(32, 200), bushy_trees=64, dag_nodes=600, cap=4500,
-                   synthetic_repeats=31, same_repeats=21)
+                   synthetic_repeats=31, same_repeats=21, long_chain=(800, 1000), read_each=50,
+                   layered_dag=(32, 6))
     if args.repeats:
         cfg['repeats'] = args.repeats
     if args.per_sample_cap is not None:
@@ -297,8 +298,9 @@ class ChainsWorkload(Workload):
     """``n`` chains of random lengths of a Dense+tanh cell, each followed by a
     common head of ``head_layers`` calls of another Dense block."""
 
-    def __init__(self, mx, dyb, n_chains, max_len, seed, head_layers=4, n_batches=1):
-        super().__init__('chains')
+    def __init__(self, mx, dyb, n_chains, max_len, seed, head_layers=4, n_batches=1,
+                 min_len=1, name='chains'):
+        super().__init__(name)
         self.mx = mx
         self.cell = _dense_block(mx, 'chain_cell', SYN_HIDDEN, SYN_HIDDEN)
         self.head = _dense_block(mx, 'chain_head', SYN_HIDDEN, SYN_HIDDEN)
@@ -310,11 +312,11 @@ class ChainsWorkload(Workload):
         self.dyb = dyb
         import numpy as np
         rng = np.random.RandomState(seed)
-        self.note = '%d chains of lengths 1..%d, head of %d layers, hidden %d' % (
-            n_chains, max_len, head_layers, SYN_HIDDEN)
+        self.note = '%d chain%s of lengths %d..%d, head of %d layers, hidden %d' % (
+            n_chains, 's' if n_chains > 1 else '', min_len, max_len, head_layers, SYN_HIDDEN)
 
         def make():
-            lengths = rng.randint(1, max_len + 1, size=n_chains)
+            lengths = rng.randint(min_len, max_len + 1, size=n_chains)
             x = rng.uniform(-1, 1, (n_chains, SYN_HIDDEN)).astype('float32')
             rows = [mx.nd.array(x[i:i + 1]) for i in range(n_chains)]
             return {'lengths': [int(v) for v in lengths], 'x': rows}
@@ -342,6 +344,42 @@ class ChainsWorkload(Workload):
         with self.dyb.batching(strategy):
             outs = self._forward(self.dcell, self.dhead, batch)
         return self.dyb.concat_rows(outs).asnumpy()
+
+
+class ReadEachWorkload(Workload):
+    """A chain of ``length`` calls of a Dense+tanh cell whose loop reads
+    every value as it goes (as a data-dependent stop or a printed score
+    does): every flush holds one call, and nothing can batch."""
+
+    def __init__(self, mx, dyb, length, seed, n_batches=1):
+        super().__init__('read each call')
+        import numpy as np
+        self.mx, self.dyb, self.length = mx, dyb, length
+        self.cell = _dense_block(mx, 'read_cell', SYN_HIDDEN, SYN_HIDDEN)
+        self.cell.initialize(mx.init.Xavier())
+        self.dcell = dyb.DynBatchBlock(self.cell)
+        self.dblocks = [self.dcell]
+        rng = np.random.RandomState(seed + 3)
+        self.warmup = [mx.nd.array(rng.uniform(-1, 1, (1, SYN_HIDDEN)))]
+        self.batches = [mx.nd.array(rng.uniform(-1, 1, (1, SYN_HIDDEN)))
+                        for _ in range(n_batches)]
+        self.note = 'a chain of %d calls, each value read (asnumpy) before the next call, ' \
+                    'hidden %d' % (length, SYN_HIDDEN)
+
+    def nodes(self, batch):
+        return self.length
+
+    def _forward(self, cell, h):
+        for _ in range(self.length):
+            h = cell(h)
+            h.asnumpy()
+        return h
+
+    def run(self, strategy, batch):
+        if strategy == PLAIN:
+            return self._forward(self.cell, batch).asnumpy()
+        with self.dyb.batching(strategy):
+            return self._forward(self.dcell, batch).asnumpy()
 
 
 class BushyWorkload(Workload):
@@ -453,6 +491,57 @@ class DagWorkload(Workload):
         return self.dyb.concat_rows(outs).asnumpy()
 
 
+class LayeredDagWorkload(Workload):
+    """``width`` sources (a Dense over host rows), then ``layers`` layers of
+    ``width`` calls, each the mean of two random calls of the layer before;
+    calls no later call reads run too.  Depth moves those to its last step
+    (a wide step gathering from every layer); agenda runs each layer in one
+    step, of as many steps.  Output: the last layer."""
+
+    def __init__(self, mx, dyb, width, layers, seed, n_batches=1):
+        super().__init__('layered dag')
+        import numpy as np
+        _, MeanNode = _make_blocks(mx)
+        self.mx, self.dyb = mx, dyb
+        self.src = _dense_block(mx, 'layer_src', SYN_HIDDEN, SYN_HIDDEN)
+        self.block = MeanNode(SYN_HIDDEN, prefix='layer_')
+        for b in (self.src, self.block):
+            b.initialize(mx.init.Xavier())
+        self.dsrc, self.dblock = dyb.DynBatchBlock(self.src), dyb.DynBatchBlock(self.block)
+        self.dblocks = [self.dsrc, self.dblock]
+        self.width, self.layers = width, layers
+        rng = np.random.RandomState(seed + 4)
+
+        def make():
+            wiring = [rng.randint(0, width, size=(width, 2)).tolist() for _ in range(layers)]
+            x = rng.uniform(-1, 1, (width, SYN_HIDDEN)).astype('float32')
+            host = [x[i:i + 1] for i in range(width)]
+            return {'wiring': wiring, 'host': host, 'dev': [mx.nd.array(r) for r in host]}
+        self.warmup = [make()]
+        self.batches = [make() for _ in range(n_batches)]
+        self.note = '%d sources, then %d layers of %d calls each averaging two random calls ' \
+                    'of the layer before, new wiring every minibatch, hidden %d' % (
+                        width, layers, width, SYN_HIDDEN)
+
+    def nodes(self, batch):
+        return self.width * (self.layers + 1)
+
+    def _forward(self, src, block, rows, batch):
+        values = [src(r) for r in rows]
+        for layer in batch['wiring']:
+            values = [block([values[a], values[b]]) for a, b in layer]
+        return values
+
+    def run(self, strategy, batch):
+        mx = self.mx
+        if strategy == PLAIN:
+            outs = self._forward(self.src, self.block, batch['dev'], batch)
+            return mx.nd.concat(*outs, dim=0).asnumpy()
+        with self.dyb.batching(strategy):
+            outs = self._forward(self.dsrc, self.dblock, batch['host'], batch)
+        return self.dyb.concat_rows(outs).asnumpy()
+
+
 def load_sick(args):
     """Shuffled SICK test pairs, vocab size and embedding matrix: the same
     data, order and embeddings as benchmarks/bench_treelstm.py."""
@@ -504,6 +593,13 @@ def build_workloads(mx, dyb, args, cfg):
     workloads.append(ChainsWorkload(mx, dyb, n_chains, max_len, args.seed, n_batches=reps))
     workloads.append(BushyWorkload(mx, dyb, cfg['bushy_trees'], args.seed, n_batches=reps))
     workloads.append(DagWorkload(mx, dyb, cfg['dag_nodes'], args.seed, n_batches=reps))
+    # where little or nothing batches: auto must not cost more than it saves
+    low, high = cfg['long_chain']
+    workloads.append(ChainsWorkload(mx, dyb, 1, high, args.seed, head_layers=0, n_batches=reps,
+                                    min_len=low, name='long chain'))
+    workloads.append(ReadEachWorkload(mx, dyb, cfg['read_each'], args.seed, n_batches=reps))
+    width, layers = cfg['layered_dag']
+    workloads.append(LayeredDagWorkload(mx, dyb, width, layers, args.seed, n_batches=reps))
     return workloads, model, warm_pool
 
 

@@ -467,6 +467,7 @@ class Auto(Strategy):
                                        self._repeat(fingerprint).cached_runs < self.cached_trials)
         self.last = {'choice': name, 'predicted_ms': sum(predictions[name]), 'deciding': deciding,
                      'raw_run_ms': raw[name][1], 'built': BUILT[0],
+                     'unpriced': kind - self.model.family_step_us.keys(),
                      'depth_steps': summary['depth_steps'], 'kind': kind, 'sized': sized,
                      'fingerprint': fingerprint,
                      'predictions_ms': {k: round(sum(v), 3) for k, v in predictions.items()}}
@@ -558,6 +559,17 @@ class Auto(Strategy):
         sized = self.last['sized']
         self._last_run[(sized, name)] = self._flushes
         if run_ms is None or BUILT[0] != self.last['built'] or self.last['raw_run_ms'] <= 0:
+            return
+        unpriced = self.last.get('unpriced')
+        if unpriced and not unpriced.isdisjoint(self.model.family_step_us):
+            # this flush's steps priced a family for the first time: its
+            # prediction used the default step cost (ragged chains' 30 us
+            # steps priced as a Tree-LSTM's 300: 85 ms predicted, 8 ms run,
+            # a factor of 0.1 clipped to 0.5), and the factor would scale
+            # the informed predictions after it: depth's then priced its
+            # runs at 5 ms where they took 8, a near-tie with agenda's 6 that
+            # a run of tradeoff.py lost (auto ran depth in 29 of 31
+            # flushes, 1.28x agenda)
             return
         ratio = min(2.0, max(0.5, run_ms / self.last['raw_run_ms']))
         self._run_counts[(sized, name)] = self._run_counts.get((sized, name), 0) + 1

@@ -699,6 +699,32 @@ def test_a_value_read_after_every_call_flushes_calls_one_by_one(strategy):
             strategy.last['choice'] = 'agenda'      # shared by such flushes: read-only
 
 
+def test_no_run_factor_is_learned_from_a_flush_that_first_priced_its_blocks():
+    """A flush of blocks whose step cost is not learned yet is predicted at
+    the default step cost (a Tree-LSTM's, ten times a small cell's); a
+    factor learned from it would scale every informed prediction after it
+    (clipped to 0.5 where the truth was 0.1: depth priced 40% low on
+    ragged chains).  The next flush, priced by what the first measured,
+    teaches one."""
+    block = dyb.DynBatchBlock(nn.Dense(3, in_units=3, activation='tanh'))
+    block.initialize()
+    auto = dyb.Auto(model=dyb.CostModel(), small=1, explore_within=0)
+
+    def ragged_chains():
+        with dyb.batching(auto):
+            for length in range(1, 9):
+                x = mx.nd.ones((1, 3))
+                for _ in range(length):
+                    x = block(x)
+        return auto.last['unpriced'], auto.last['sized']
+
+    unpriced, sized = ragged_chains()
+    assert unpriced and unpriced <= set(auto.model.family_step_us)   # priced by this flush
+    assert not auto._run_factors.get(sized)
+    unpriced, sized = ragged_chains()
+    assert not unpriced and auto._run_factors[sized]
+
+
 def test_run_factors_are_learned_per_size_of_graph():
     """A run factor corrects predictions for graphs of the size (calls,
     within a factor of two) it was measured on, not for others: the step
