@@ -6,6 +6,7 @@ and returns lazy results; nothing is computed.  The scope runs what was
 recorded, batched, when it exits or when a lazy value is read.  Outside any
 scope a wrapped block is just the block it wraps.
 """
+import copy
 import gc
 import itertools
 import numbers
@@ -698,15 +699,21 @@ def check_padding_is_neutral(dblock, sig, padded):
             flat_short, flat_long = [], []
             flatten([short_out], flat_short)
             flatten([long_out], flat_long)
+            # outputs are compared in order: a list output as long as a list
+            # argument shifts every output after it
+            shifted = '' if len(flat_short) == len(flat_long) else (
+                ' (it returns %d arrays for the shorter lists and %d padded: a list output '
+                'as long as a list argument moves the outputs after it, so return such lists '
+                'last)' % (len(flat_short), len(flat_long)))
             for a, b in zip(flat_short, flat_long):
                 a, b = a.asnumpy(), b.asnumpy()
                 if a.shape != b.shape:
                     raise InputError(
                         'block %s declares pad_lists, but padding its list arguments with '
-                        'zeros from %s to %s changes the shape of its output from %s to %s. '
+                        'zeros from %s to %s changes the shape of its output from %s to %s%s. '
                         'Pass pad_lists=False to DynBatchBlock (calls of different list '
                         'lengths then run as separate groups).' % (
-                            dblock.block.name, sig.fmt, padded.fmt, a.shape, b.shape))
+                            dblock.block.name, sig.fmt, padded.fmt, a.shape, b.shape, shifted))
                 # float32 rounding, which longer sums order differently, grows
                 # with the values (random parameters make larger ones: ~3e-7
                 # of the largest output at a Tree-LSTM's sizes)
@@ -717,9 +724,10 @@ def check_padding_is_neutral(dblock, sig, padded):
                     raise InputError(
                         'block %s declares pad_lists, but padding its list arguments with '
                         'zeros from %s to %s changes its output (inputs drawn from [%g, %g], '
-                        '%s). Pass pad_lists=False to DynBatchBlock (calls of different list '
+                        '%s)%s. Pass pad_lists=False to DynBatchBlock (calls of different list '
                         'lengths then run as separate groups).' % (
-                            dblock.block.name, sig.fmt, padded.fmt, low, high, parameters))
+                            dblock.block.name, sig.fmt, padded.fmt, low, high, parameters,
+                            shifted))
         # the other arguments zero here: they may be ids, which a gradient
         # lookup checks (the values above are clipped)
         elements = _list_elements(sig.fmt, leaves)
@@ -876,11 +884,27 @@ class DynBatchBlock(Block):
         if pad_lists is None:
             pad_lists = getattr(block, 'dynbatch_pad_lists', False)
         self.pad_lists = pad_lists
-        self._signatures = {}
-        self._families = {}
-        self._pad_checked = set()
-        self._padded = {}       # tuple of signatures -> their padded signature
-        self._warned = False    # PerSampleWarning given
+        self.__dict__.update(self._untraced())
+
+    def __deepcopy__(self, memo):
+        """A copy whose wrapped block (parameters included) is a deep copy,
+        and which has traced nothing yet: traced signatures hold MXNet
+        CachedOps and per-thread state, which cannot be copied (deepcopy
+        failed once the block had run in a scope), and the copy traces its
+        own at its first calls (a target network, a best-so-far snapshot)."""
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        traced = self._untraced()
+        for name, value in self.__dict__.items():
+            twin.__dict__[name] = traced[name] if name in traced else copy.deepcopy(value, memo)
+        return twin
+
+    @staticmethod
+    def _untraced():
+        """The state of a block that has traced nothing (set in __init__)."""
+        return {'_signatures': {}, '_families': {}, '_pad_checked': set(),
+                '_padded': {},       # tuple of signatures -> their padded signature
+                '_warned': False}    # PerSampleWarning given
 
     def __call__(self, *args, **kwargs):
         # Replaced by its C version where the extension is built (see
@@ -912,8 +936,11 @@ class DynBatchBlock(Block):
             if nesting != 0 and len(set(shapes[pos:pos + width])) > 1:
                 raise InputError(
                     'block %s, argument #%d is a list of arrays of different shapes %s; the '
-                    'arrays of one list argument must share a shape. Pass arrays of other '
-                    'shapes as separate arguments.'
+                    'arrays of one list argument must share a shape (a list is gathered as one '
+                    '(N, K, ...) array). Pass arrays of other shapes as separate arguments: '
+                    'for a block that takes such a list, e.g. a state [r, c] of '
+                    'gluon.contrib.rnn.LSTMPCell, wrap a HybridBlock whose hybrid_forward(F, '
+                    'x, r, c) calls it with [r, c] (see the quickstart).'
                     % (self.block.name, item, sorted(set(shapes[pos:pos + width]))))
             pos += width
         # One trace at a time: Gluon's name scopes and ``with ctx`` keep their

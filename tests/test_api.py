@@ -1190,3 +1190,31 @@ def test_an_argument_returned_unchanged_is_that_argument(accelerated, how):
         np.testing.assert_allclose(again.asnumpy(), out.asnumpy())
     finally:
         accel.enable(True)
+
+
+def test_a_used_block_deep_copies_into_an_independent_one():
+    """copy.deepcopy of a DynBatchBlock that has run in a scope (its traced
+    signatures hold CachedOps and per-thread state, which failed to copy): the
+    copy has its own parameters, equal at first, traces its own signatures,
+    and each batches with its own weights (a target network, a snapshot)."""
+    import copy
+
+    cell = dyb.DynBatchBlock(rnn.LSTMCell(6, input_size=4))
+    cell.initialize()
+    x = mx.nd.random.normal(shape=(1, 4))
+
+    def run(block):
+        with dyb.batching():
+            outs = [block(x * i, block.block.begin_state(batch_size=1))[0] for i in range(3)]
+        return dyb.concat_rows(outs).asnumpy()
+
+    before = run(cell)
+    twin = copy.deepcopy(cell)
+    assert not twin._signatures and twin.block is not cell.block
+    np.testing.assert_array_equal(run(twin), before)
+    assert twin._signatures and not set(map(id, twin._signatures.values())) & \
+        set(map(id, cell._signatures.values()))
+    for param in twin.collect_params().values():
+        param.set_data(param.data() * 0)
+    np.testing.assert_array_equal(run(cell), before)           # the original is untouched
+    assert not np.allclose(run(twin), before)

@@ -51,3 +51,26 @@ def test_quickstart_cell_snippet_runs_and_matches_unbatched():
     np.testing.assert_allclose(
         grad, cell.collect_params()[cell.block.prefix + 'h2h_weight'].grad().asnumpy(),
         rtol=1e-4, atol=1e-6)
+
+
+def test_quickstart_split_state_snippet_batches_and_matches_unbatched():
+    """The wrapper for a list argument that mixes shapes (LSTMPCell's
+    [r, c]): it runs batched, with no per-sample warning, and equals the
+    unbatched loop."""
+    import textwrap
+    import warnings
+
+    import gluon_dynbatch as dyb
+    blocks = [textwrap.dedent(block) for block in re.findall(
+        r'\.\. code-block:: python\n\n((?:   .*\n|\n)+)', QUICKSTART.read_text())]
+    (block,) = [b for b in blocks if 'LSTMPCell' in b]
+    namespace = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', dyb.PerSampleWarning)
+        exec(compile(block, 'quickstart.rst', 'exec'), namespace)
+    assert dyb.stats()['last']['batch_sizes'] == [3, 3, 2, 2, 1, 1, 3]
+    batched = dyb.concat_rows(namespace['outs']).asnumpy()
+    assert batched.shape == (3, 4)
+    plain = [namespace['last_output']([seq[t:t + 1] for t in range(len(seq))]).asnumpy()
+             for seq in namespace['sequences']]
+    np.testing.assert_allclose(batched, np.concatenate(plain), rtol=1e-5, atol=1e-6)

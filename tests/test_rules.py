@@ -277,10 +277,24 @@ class GatedChildren(gluon.HybridBlock):
         return x
 
 
+class MessagesFirst(gluon.HybridBlock):
+    """A zero child sends a zero message, but the messages, one per child,
+    come first: padded, they move the sum after them (found by a review:
+    the error blamed the values; returning the sum first passes)."""
+    dynbatch_pad_lists = True
+
+    def hybrid_forward(self, F, x, hs):
+        msgs = [F.relu(h) for h in hs]
+        return msgs, F.tanh(x + F.add_n(*msgs))
+
+
 @pytest.mark.parametrize('block_class,match', [
     (ConcatOfChildren, r'declares pad_lists.*changes the shape of its output from \(1, 8\) '
                        r'to \(1, 12\)'),
-    (GatedChildren, r'declares pad_lists.*changes its output \(inputs drawn from \[-8, 8\]'),
+    (GatedChildren, r'declares pad_lists.*changes its output \(inputs drawn from \[-8, 8\]'
+                    r'[^(]*\)\. Pass'),
+    (MessagesFirst, r'it returns 2 arrays for the shorter lists and 3 padded.*return such '
+                    r'lists last'),
 ])
 def test_wrong_pad_lists_claims_found_by_a_review_are_caught(block_class, match):
     """A block whose output shape follows the list length failed the check
