@@ -6,7 +6,6 @@ and returns lazy results; nothing is computed.  The scope runs what was
 recorded, batched, when it exits or when a lazy value is read.  Outside any
 scope a wrapped block is just the block it wraps.
 """
-import copy
 import gc
 import itertools
 import numbers
@@ -694,17 +693,24 @@ def check_padding_is_neutral(dblock, sig, padded):
                      dblock.block(*regroup(padded.fmt, longer)[0]), 'its parameters', False),
                     (_run_symbol(short_op, sig, leaves, params),
                      _run_symbol(long_op, padded, longer, params), 'random parameters', True)]
+        # Outputs are compared flat, in order, as batched steps hand them
+        # out: a list output as long as a list argument moves every output
+        # after it.  Where that alone fails the check, the error says so.
+        shifted = ''
+        nested = [runs[0][:2], [out[0] if one.out_fmt == 0 else regroup(one.out_fmt, out)[0]
+                                for one, out in zip((sig, padded), runs[1][:2])]]
+        if all(_same_when_nested(*pair) for pair in nested):
+            count = [[], []]
+            flatten([runs[0][0]], count[0])
+            flatten([runs[0][1]], count[1])
+            shifted = ' (it returns %d arrays for the shorter lists and %d padded: a list ' \
+                      'output as long as a list argument moves the outputs after it, so ' \
+                      'return such lists last)' % (len(count[0]), len(count[1]))
         # (the symbols' outputs come flat, in the order flatten() gives the block's)
         for short_out, long_out, parameters, relative in runs:
             flat_short, flat_long = [], []
             flatten([short_out], flat_short)
             flatten([long_out], flat_long)
-            # outputs are compared in order: a list output as long as a list
-            # argument shifts every output after it
-            shifted = '' if len(flat_short) == len(flat_long) else (
-                ' (it returns %d arrays for the shorter lists and %d padded: a list output '
-                'as long as a list argument moves the outputs after it, so return such lists '
-                'last)' % (len(flat_short), len(flat_long)))
             for a, b in zip(flat_short, flat_long):
                 a, b = a.asnumpy(), b.asnumpy()
                 if a.shape != b.shape:
@@ -756,6 +762,27 @@ def check_padding_is_neutral(dblock, sig, padded):
                     'random parameters), though not its output. Pass pad_lists=False to '
                     'DynBatchBlock (calls of different list lengths then run as separate '
                     'groups).' % (dblock.block.name, sig.fmt, padded.fmt, what, low, high))
+
+
+def _same_when_nested(short, long):
+    """Whether the block's outputs for the shorter and the padded lists
+    differ only in the length of list outputs: equal, output by output,
+    where the two nestings overlap, and longer somewhere."""
+    pairs, longer = [], [False]
+
+    def walk(a, b):
+        nested = isinstance(a, (list, tuple)), isinstance(b, (list, tuple))
+        if nested == (True, True):
+            longer[0] |= len(b) > len(a)
+            return all(walk(x, y) for x, y in zip(a, b))
+        if nested == (False, False):
+            pairs.append((a, b))
+            return True
+        return False
+    return walk(short, long) and longer[0] and all(
+        a.shape == b.shape and np.allclose(
+            a.asnumpy(), b.asnumpy(), rtol=1e-5, equal_nan=True,
+            atol=1e-5 * np.nanmax(np.abs(a.asnumpy()), initial=0.1)) for a, b in pairs)
 
 
 def _random_parameters(sig, padded, dtype, rng):
@@ -886,17 +913,28 @@ class DynBatchBlock(Block):
         self.pad_lists = pad_lists
         self.__dict__.update(self._untraced())
 
-    def __deepcopy__(self, memo):
-        """A copy whose wrapped block (parameters included) is a deep copy,
-        and which has traced nothing yet: traced signatures hold MXNet
-        CachedOps and per-thread state, which cannot be copied (deepcopy
-        failed once the block had run in a scope), and the copy traces its
-        own at its first calls (a target network, a best-so-far snapshot)."""
+    def __getstate__(self):
+        """Pickled and deep-copied without what it traced: traced signatures
+        hold MXNet CachedOps and per-thread state, which cannot be copied
+        (copying failed once the block had run in a scope).  A copy traces
+        its own at its first calls (a target network, a best-so-far
+        snapshot)."""
+        return dict(self.__dict__, **self._untraced())
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        # a copied parameter's gradient buffer is not marked for autograd
+        # (plain Gluon blocks copy so too, and backward then fails with
+        # "Cannot differentiate node"): give the copy's parameters their own
+        for param in self.collect_params().values():
+            if param._data is not None:   # pylint: disable=protected-access
+                param._init_grad()        # pylint: disable=protected-access
+
+    def __copy__(self):
+        """A shallow copy shares the parameters (and their gradients, which
+        :meth:`__setstate__` would reset) but, as a copy, traces its own."""
         twin = type(self).__new__(type(self))
-        memo[id(self)] = twin
-        traced = self._untraced()
-        for name, value in self.__dict__.items():
-            twin.__dict__[name] = traced[name] if name in traced else copy.deepcopy(value, memo)
+        twin.__dict__.update(self.__getstate__())
         return twin
 
     @staticmethod

@@ -300,8 +300,8 @@ class Auto(Strategy):
       is found out.
     * Flushes of fewer than ``small`` nodes (calls after merged repeats) are
       planned by depth without deciding: the decision itself would cost
-      more than it could save.  So are flushes where every call is a step
-      of its own (chains), planned per sample.
+      more than it could save.  So are chains of one block (every call a
+      step of its own), planned per sample: no strategy can batch them.
     * A cached plan is considered only for a graph whose summary (calls per
       depth and family) matches one whose plan was stored: plans are stored
       for summaries seen twice, so graphs that never repeat pay nothing for
@@ -413,12 +413,13 @@ class Auto(Strategy):
         fingerprint = summary['fingerprint']
         groups = dict(fingerprint[0])
         kind = frozenset(family for _, family in groups)    # which blocks are in play
-        if summary['depth_steps'] >= len(nodes) and self._ratios.get(kind, 1.0) >= SAME_STEPS:
-            # Every call is a step of its own (a chain): depth makes the
-            # per-sample steps, and agenda too where it was not seen to save
-            # steps on this kind of graph.  Predicting, probing and exploring
-            # among equal plans cost ~2 ms a flush of 1,000 chained calls
-            # (auto 1.10x per-sample).
+        if summary['depth_steps'] >= len(nodes) and len(kind) == 1 and not fingerprint[1]:
+            # Every call is a step of its own, of one block, all batch-safe:
+            # each call then reads the one before (a chain), so no strategy
+            # can batch any of it.  Predicting, probing and exploring among
+            # equal plans cost ~2 ms a flush of 1,000 chained calls (auto
+            # 1.10x per-sample).  (With two blocks, chains out of phase make
+            # one step per call by depth and half as many by agenda.)
             self.choices['per-sample'] = self.choices.get('per-sample', 0) + 1
             self.last = {'choice': 'per-sample', 'kind': kind}
             return STRATEGIES['per-sample'].plan(nodes)

@@ -35,7 +35,8 @@ def stats():
     the most recent flush (nodes, steps, batch_sizes, ``*_ms``, strategy).
     ``choices`` counts the flushes ``auto`` planned by each strategy;
     ``predicted_ms`` and ``actual_ms`` total those it decided by the cost
-    model (those of 32 nodes or more, see :class:`~gluon_dynbatch.Auto`).
+    model (not those under 32 nodes, nor chains of one block, see
+    :class:`~gluon_dynbatch.Auto`).
     ``nodes`` counts the calls that ran; ``repeated_calls`` those that
     reused an earlier call's results instead (equal host arguments, see
     :meth:`~gluon_dynbatch.block.BatchingScope.record`); ``programs_built``

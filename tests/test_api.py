@@ -1218,3 +1218,32 @@ def test_a_used_block_deep_copies_into_an_independent_one():
         param.set_data(param.data() * 0)
     np.testing.assert_array_equal(run(cell), before)           # the original is untouched
     assert not np.allclose(run(twin), before)
+
+
+def test_copies_and_pickles_of_a_used_block_train_on_their_own():
+    """A deep copy or an unpickled DynBatchBlock trains (a copied parameter's
+    gradient is not marked for autograd: backward failed, as it does for a
+    plain Gluon block), with gradients equal to the original's; a shallow
+    copy shares the parameters and leaves their gradients alone."""
+    import copy
+    import pickle
+
+    block = dyb.DynBatchBlock(nn.Dense(3, in_units=3))
+    block.initialize()
+
+    def weight_grad(wrapper):
+        with autograd.record():
+            with dyb.batching():
+                ys = [wrapper(mx.nd.ones((1, 3)) * i) for i in range(4)]
+            loss = dyb.concat_rows(ys).sum()
+        loss.backward()
+        return wrapper.block.weight.grad().asnumpy().copy()
+
+    expected = weight_grad(block)
+    for twin in (copy.deepcopy(block), pickle.loads(pickle.dumps(block))):
+        assert twin.block.weight is not block.block.weight
+        np.testing.assert_allclose(weight_grad(twin), expected, rtol=1e-6)
+    shallow = copy.copy(block)
+    assert shallow.block is block.block and not shallow._signatures
+    np.testing.assert_array_equal(block.block.weight.grad().asnumpy(), expected)
+    np.testing.assert_allclose(weight_grad(shallow), expected, rtol=1e-6)

@@ -288,7 +288,24 @@ class MessagesFirst(gluon.HybridBlock):
         return msgs, F.tanh(x + F.add_n(*msgs))
 
 
+class MessagesLastNotNeutral(gluon.HybridBlock):
+    """Its list output comes last, but a zero child's message is
+    relu(bias): the values fail, and the error must not blame the order."""
+    dynbatch_pad_lists = True
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.dense = gluon.nn.Dense(4, in_units=4)
+
+    def hybrid_forward(self, F, x, hs):
+        msgs = [F.relu(self.dense(h)) for h in hs]
+        return F.tanh(x + F.add_n(*msgs)), msgs
+
+
 @pytest.mark.parametrize('block_class,match', [
+    (MessagesLastNotNeutral, r'changes its output \(inputs drawn from \[-1, 1\], random '
+                             r'parameters\)\. Pass'),
     (ConcatOfChildren, r'declares pad_lists.*changes the shape of its output from \(1, 8\) '
                        r'to \(1, 12\)'),
     (GatedChildren, r'declares pad_lists.*changes its output \(inputs drawn from \[-8, 8\]'
@@ -301,6 +318,7 @@ def test_wrong_pad_lists_claims_found_by_a_review_are_caught(block_class, match)
     with numpy's broadcasting error; one that a zero row changes only for
     inputs past 3 passed it, and its batched results were wrong."""
     block = dyb.DynBatchBlock(block_class())
+    block.initialize()
     x = mx.nd.full((1, 4), 5.0)
     kids = [mx.nd.full((1, 4), 1.0), mx.nd.full((1, 4), 2.0)]
     with pytest.raises(dyb.InputError, match=match):
