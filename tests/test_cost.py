@@ -635,6 +635,10 @@ def test_depth_and_agenda_keep_their_own_factors_where_their_steps_differ_in_siz
             hs = [pair(hs[rng.randrange(16)], hs[rng.randrange(16)]) for _ in range(16)]
     kind = auto.last['kind']
     assert auto._same_sizes[kind] is False      # probed on the first flush of its kind
+    from gluon_dynbatch.cost import _alike
+    assert not _alike([32] * 7, [32, 30, 24, 30, 26, 30, 52])   # the review's DAG: 18% moved
+    assert _alike([100, 60, 40], [61, 99, 40])      # random trees: a row here and there
+    assert not _alike([100, 100], [100, 50, 50])    # as many calls, other steps
     sized = (kind, 7)
     raw = {'depth': (0.1, 3.0), 'agenda': (0.4, 3.0)}
     auto._ratios[kind] = 1.0                    # as many steps as depth...
