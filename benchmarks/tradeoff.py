@@ -312,8 +312,9 @@ class ChainsWorkload(Workload):
         self.dyb = dyb
         import numpy as np
         rng = np.random.RandomState(seed)
-        self.note = '%d chain%s of lengths %d..%d, head of %d layers, hidden %d' % (
-            n_chains, 's' if n_chains > 1 else '', min_len, max_len, head_layers, SYN_HIDDEN)
+        self.note = '%d chain%s of lengths %d..%d, %s, hidden %d' % (
+            n_chains, 's' if n_chains > 1 else '', min_len, max_len,
+            'head of %d layers' % head_layers if head_layers else 'no head', SYN_HIDDEN)
 
         def make():
             lengths = rng.randint(min_len, max_len + 1, size=n_chains)

@@ -24,7 +24,9 @@ constants follow the machine and the workload.
 """
 import json
 import numbers
+import statistics
 import time
+from collections import deque
 from types import MappingProxyType
 
 import mxnet as mx
@@ -275,6 +277,11 @@ _UNDECIDED = MappingProxyType({'choice': 'depth'})
 ``small`` calls); read-only."""
 
 
+RUN_WINDOW = 5
+"""Measured / predicted run ratios whose median is a strategy's run factor
+on a kind and size of graph (:meth:`Auto._observe_run`)."""
+
+
 LEARN_RUNS = 3
 """Measured runs of a choice on a kind and size of graph before
 :meth:`Auto.wants_step_times` stops timing each of its flushes."""
@@ -363,6 +370,7 @@ class Auto(Strategy):
         self._ratios = {}    # set of families -> agenda steps / depth steps
         self._same_sizes = {}   # set of families -> did the last probe find equal step sizes?
         self._run_factors = {}  # (set of families, size) -> {strategy: measured / predicted}
+        self._run_ratios = {}   # ((set of families, size), strategy) -> its last ratios
         self._last_run = {}     # ((set of families, size), strategy) -> flush it last ran
         self._repeating = {}    # fingerprint -> _Repeating, for summaries with a stored plan
         self._next_probe = {}   # kind of graph -> flush number of its next probe
@@ -537,8 +545,9 @@ class Auto(Strategy):
         """Run the runner-up among depth/agenda (moving it to the front of
         ``ranked``) when it is predicted within ``explore_within`` (10%) of
         the best and has not run on this kind and size of graph yet, or not
-        for ``16 * probe_every`` flushes: otherwise a near-tie that the
-        prediction gets wrong is never found out."""
+        for ``probe_every`` flushes: otherwise a near-tie that the
+        prediction gets wrong is never found out (at most one flush in
+        ``probe_every`` runs a plan predicted up to 10% slower)."""
         factors = self._run_factors.get(sized)
         best = ranked[0]
         if not self.explore_within or not factors or best not in ('depth', 'agenda'):
@@ -548,16 +557,22 @@ class Auto(Strategy):
                 sum(predictions[other]) > (1 + self.explore_within) * sum(predictions[best]):
             return
         last_run = self._last_run.get((sized, other))
-        if last_run is None or self._flushes - last_run >= 16 * self.probe_every:
+        if last_run is None or self._flushes - last_run >= self.probe_every:
             ranked.remove(other)
             ranked.insert(0, other)
 
     def _observe_run(self, name, run_ms):
         """Move the run factor of ``name`` on this kind and size of graph
         toward measured / predicted (``run_ms`` None: the flush was not
-        timed).  Flushes that built a step program are skipped (building one
-        costs more than whole steps), and each ratio is clipped to [0.5, 2]:
-        one outlier cannot lock a strategy out."""
+        timed): the median of its last :data:`RUN_WINDOW` ratios.  Flushes
+        that built a step program are skipped (building one costs more than
+        whole steps), and each ratio is clipped to [0.5, 2].  A median, so
+        that one slow run cannot lock a strategy out: a moving average (0.3
+        a run) moved by a third of an outlier's excess, enough to price the
+        faster of two close plans above the other, which then ran until
+        :meth:`_explore` tried the first again (one tradeoff.py run had
+        auto run depth in 10 of 31 flushes on a layered DAG where agenda
+        was 12% faster, 1.14x agenda)."""
         sized = self.last['sized']
         self._last_run[(sized, name)] = self._flushes
         if run_ms is None or BUILT[0] != self.last['built'] or self.last['raw_run_ms'] <= 0:
@@ -575,9 +590,11 @@ class Auto(Strategy):
             return
         ratio = min(2.0, max(0.5, run_ms / self.last['raw_run_ms']))
         self._run_counts[(sized, name)] = self._run_counts.get((sized, name), 0) + 1
-        factors = self._run_factors.setdefault(sized, {})
-        old = factors.get(name, ratio)
-        factors[name] = old + 0.3 * (ratio - old)
+        ratios = self._run_ratios.get((sized, name))
+        if ratios is None:
+            ratios = self._run_ratios[(sized, name)] = deque(maxlen=RUN_WINDOW)
+        ratios.append(ratio)
+        self._run_factors.setdefault(sized, {})[name] = statistics.median(ratios)
 
     def _repeat(self, fingerprint):
         record = self._repeating.get(fingerprint)

@@ -568,12 +568,25 @@ def test_auto_scales_run_predictions_by_what_it_measured(monkeypatch):
     auto.explore_within = 0.1
     auto._explore(ranked, auto._corrected(close, 'k'), 'k')
     assert ranked[0] == 'agenda'
+    ranked = ['depth', 'agenda', 'per-sample']
+    auto._last_run[('k', 'agenda')] = auto._flushes            # it ran just now
+    auto._explore(ranked, auto._corrected(close, 'k'), 'k')
+    assert ranked[0] == 'depth'
+    auto._flushes += auto.probe_every                           # and again after 16 flushes
+    auto._explore(ranked, auto._corrected(close, 'k'), 'k')
+    assert ranked[0] == 'agenda'
 
     auto.last = {'sized': 'k', 'built': lower.BUILT[0], 'raw_run_ms': 10.0}
     auto._observe_run('agenda', 100.0)              # an outlier: clipped to 2
     assert auto._run_factors['k']['agenda'] == 2.0
-    auto._observe_run('agenda', 5.0)
-    assert auto._run_factors['k']['agenda'] == pytest.approx(2.0 + 0.3 * (0.5 - 2.0))
+    auto._observe_run('agenda', 5.0)                # the median of the runs so far
+    assert auto._run_factors['k']['agenda'] == pytest.approx((2.0 + 0.5) / 2)
+    auto._observe_run('agenda', 5.0)                # the outlier no longer counts
+    assert auto._run_factors['k']['agenda'] == pytest.approx(0.5)
+    for _ in range(5):
+        auto._observe_run('agenda', 8.0)            # only the last five do
+    auto._observe_run('agenda', 100.0)
+    assert auto._run_factors['k']['agenda'] == pytest.approx(0.8)
     auto.last['built'] -= 1                         # a step program was built meanwhile
     auto._observe_run('depth', 50.0)
     assert auto._run_factors['k']['depth'] == 0.5
