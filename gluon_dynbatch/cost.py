@@ -543,18 +543,26 @@ class Auto(Strategy):
 
     def _explore(self, ranked, predictions, sized):
         """Run the runner-up among depth/agenda (moving it to the front of
-        ``ranked``) when it is predicted within ``explore_within`` (10%) of
-        the best and has not run on this kind and size of graph yet, or not
-        for ``probe_every`` flushes: otherwise a near-tie that the
-        prediction gets wrong is never found out (at most one flush in
-        ``probe_every`` runs a plan predicted up to 10% slower)."""
+        ``ranked``) when it has not run on this kind and size of graph for
+        ``probe_every`` flushes (or ever) and either is predicted within
+        ``explore_within`` (10%) of the best or has fewer than
+        :data:`LEARN_RUNS` measured runs here: otherwise a near-tie that
+        the prediction gets wrong is never found out, and one slow first
+        run (its factor clipped at 2) would lock a strategy out for good
+        (one process had auto run depth in 192 of 200 flushes of a layered
+        DAG where agenda was 1.17x faster; near-tie exploring could not
+        undo that).  At most one flush in ``probe_every`` runs a plan
+        predicted up to 10% slower, and a few more a slower one while it
+        is measured."""
         factors = self._run_factors.get(sized)
         best = ranked[0]
         if not self.explore_within or not factors or best not in ('depth', 'agenda'):
             return
         other = 'agenda' if best == 'depth' else 'depth'
-        if other not in predictions or \
-                sum(predictions[other]) > (1 + self.explore_within) * sum(predictions[best]):
+        if other not in predictions:
+            return
+        if sum(predictions[other]) > (1 + self.explore_within) * sum(predictions[best]) and \
+                self._run_counts.get((sized, other), 0) >= LEARN_RUNS:
             return
         last_run = self._last_run.get((sized, other))
         if last_run is None or self._flushes - last_run >= self.probe_every:

@@ -9,6 +9,7 @@ from mxnet.gluon import nn
 
 import gluon_dynbatch as dyb
 from gluon_dynbatch import accel, lower
+from gluon_dynbatch.cost import LEARN_RUNS
 from gluon_dynbatch.lower import BUILT
 from gluon_dynbatch.plan import count_groups_py, summarize
 from gluon_dynbatch.models import ChildSumTreeLSTMCell
@@ -558,7 +559,11 @@ def test_auto_scales_run_predictions_by_what_it_measured(monkeypatch):
     auto._run_factors['k'] = {'depth': 0.5}
     assert auto._corrected(raw, 'k') == {'depth': (1.0, 5.0), 'agenda': (3.0, 5.0),
                                          'per-sample': (0.1, 50.0)}
-    ranked = ['depth', 'agenda', 'per-sample']      # agenda 8.0 vs depth 6.0: not close
+    ranked = ['depth', 'agenda', 'per-sample']      # agenda 8.0 vs depth 6.0: not close,
+    auto._explore(ranked, auto._corrected(raw, 'k'), 'k')
+    assert ranked[0] == 'agenda'                    # but measured fewer than LEARN_RUNS times
+    ranked = ['depth', 'agenda', 'per-sample']
+    auto._run_counts[('k', 'agenda')] = LEARN_RUNS  # measured enough: left alone
     auto._explore(ranked, auto._corrected(raw, 'k'), 'k')
     assert ranked[0] == 'depth'
     close = dict(raw, agenda=(1.5, 10.0))           # within 10%, never run: try it
