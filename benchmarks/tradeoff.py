@@ -440,21 +440,42 @@ class BushyWorkload(Workload):
         return self.dyb.concat_rows(outs).asnumpy()
 
 
-class DagWorkload(Workload):
-    """A random DAG: ``n_src`` source nodes (a Dense over host rows), then
-    ``n`` nodes each averaging 1..3 random earlier nodes.  Output: the sinks."""
+class _MeanGraph(Workload):
+    """Sources (a Dense over host rows) feeding calls of a block that
+    averages its list of inputs: the random-DAG workloads, which differ in
+    their wiring (``_forward``)."""
 
-    def __init__(self, mx, dyb, n_nodes, seed, n_src=16, n_batches=1):
-        super().__init__('dag')
-        import numpy as np
+    def __init__(self, mx, dyb, name, prefix):
+        super().__init__(name)
         _, MeanNode = _make_blocks(mx)
         self.mx, self.dyb = mx, dyb
-        self.src = _dense_block(mx, 'dag_src', SYN_HIDDEN, SYN_HIDDEN)
-        self.block = MeanNode(SYN_HIDDEN, prefix='dag_')
+        self.src = _dense_block(mx, prefix + 'src', SYN_HIDDEN, SYN_HIDDEN)
+        self.block = MeanNode(SYN_HIDDEN, prefix=prefix)
         for b in (self.src, self.block):
             b.initialize(mx.init.Xavier())
         self.dsrc, self.dblock = dyb.DynBatchBlock(self.src), dyb.DynBatchBlock(self.block)
         self.dblocks = [self.dsrc, self.dblock]
+
+    def _forward(self, src, block, rows, batch):
+        raise NotImplementedError
+
+    def run(self, strategy, batch):
+        mx = self.mx
+        if strategy == PLAIN:
+            outs = self._forward(self.src, self.block, batch['dev'], batch)
+            return mx.nd.concat(*outs, dim=0).asnumpy()
+        with self.dyb.batching(strategy):
+            outs = self._forward(self.dsrc, self.dblock, batch['host'], batch)
+        return self.dyb.concat_rows(outs).asnumpy()
+
+
+class DagWorkload(_MeanGraph):
+    """A random DAG: ``n_src`` source nodes (a Dense over host rows), then
+    ``n`` nodes each averaging 1..3 random earlier nodes.  Output: the sinks."""
+
+    def __init__(self, mx, dyb, n_nodes, seed, n_src=16, n_batches=1):
+        super().__init__(mx, dyb, 'dag', 'dag_')
+        import numpy as np
         rng = np.random.RandomState(seed + 2)
 
         def make():
@@ -482,17 +503,8 @@ class DagWorkload(Workload):
             values.append(block([values[j] for j in r]))
         return [values[j] for j in batch['sinks']]
 
-    def run(self, strategy, batch):
-        mx = self.mx
-        if strategy == PLAIN:
-            outs = self._forward(self.src, self.block, batch['dev'], batch)
-            return mx.nd.concat(*outs, dim=0).asnumpy()
-        with self.dyb.batching(strategy):
-            outs = self._forward(self.dsrc, self.dblock, batch['host'], batch)
-        return self.dyb.concat_rows(outs).asnumpy()
 
-
-class LayeredDagWorkload(Workload):
+class LayeredDagWorkload(_MeanGraph):
     """``width`` sources (a Dense over host rows), then ``layers`` layers of
     ``width`` calls, each the mean of two random calls of the layer before;
     calls no later call reads run too.  Depth moves those to its last step
@@ -500,16 +512,8 @@ class LayeredDagWorkload(Workload):
     step, of as many steps.  Output: the last layer."""
 
     def __init__(self, mx, dyb, width, layers, seed, n_batches=1):
-        super().__init__('layered dag')
+        super().__init__(mx, dyb, 'layered dag', 'layer_')
         import numpy as np
-        _, MeanNode = _make_blocks(mx)
-        self.mx, self.dyb = mx, dyb
-        self.src = _dense_block(mx, 'layer_src', SYN_HIDDEN, SYN_HIDDEN)
-        self.block = MeanNode(SYN_HIDDEN, prefix='layer_')
-        for b in (self.src, self.block):
-            b.initialize(mx.init.Xavier())
-        self.dsrc, self.dblock = dyb.DynBatchBlock(self.src), dyb.DynBatchBlock(self.block)
-        self.dblocks = [self.dsrc, self.dblock]
         self.width, self.layers = width, layers
         rng = np.random.RandomState(seed + 4)
 
@@ -532,15 +536,6 @@ class LayeredDagWorkload(Workload):
         for layer in batch['wiring']:
             values = [block([values[a], values[b]]) for a, b in layer]
         return values
-
-    def run(self, strategy, batch):
-        mx = self.mx
-        if strategy == PLAIN:
-            outs = self._forward(self.src, self.block, batch['dev'], batch)
-            return mx.nd.concat(*outs, dim=0).asnumpy()
-        with self.dyb.batching(strategy):
-            outs = self._forward(self.dsrc, self.dblock, batch['host'], batch)
-        return self.dyb.concat_rows(outs).asnumpy()
 
 
 def load_sick(args):
