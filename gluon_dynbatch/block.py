@@ -918,7 +918,12 @@ class DynBatchBlock(Block):
         hold MXNet CachedOps and per-thread state, which cannot be copied
         (copying failed once the block had run in a scope).  A copy traces
         its own at its first calls (a target network, a best-so-far
-        snapshot)."""
+        snapshot).  A hybridized block that ran outside a scope drops its
+        CachedOp (it is made again at its next such call), which Gluon
+        cannot copy either."""
+        clear = getattr(self.block, '_clear_cached_op', None)
+        if clear is not None:
+            clear()
         return dict(self.__dict__, **self._untraced())
 
     def __setstate__(self, state):

@@ -440,7 +440,10 @@ class Auto(Strategy):
         sized = (kind, len(nodes).bit_length())
         predictions = self._corrected(raw, sized)
         ranked = sorted(predictions, key=lambda k: sum(predictions[k]))
-        self._explore(ranked, predictions, sized)
+        if 'cached' not in predictions:
+            # (a repeating summary is decided by measured totals, and the
+            # run that times the best other strategy must be that one)
+            self._explore(ranked, predictions, sized)
         verdict = self._cached_measured_best(fingerprint) if 'cached' in predictions else False
         if verdict is not False:    # True: run it; None: time the best other
             ranked.remove('cached')
@@ -533,13 +536,18 @@ class Auto(Strategy):
         agenda's steps are 32 rows each, read from one), agenda ran 20%
         faster in as many steps, and the pooled factor hid it (auto 1.25x
         agenda)."""
-        kind = sized[0] if isinstance(sized, tuple) else None
-        ratio = self._ratios.get(kind)
         same = [factors[name] for name in ('depth', 'agenda') if name in factors]
-        if ratio is None or ratio < SAME_STEPS or not same or not self._same_sizes.get(kind, True):
+        if not same or not self._same_plans(sized):
             return factors
         pooled = sum(same) / len(same)
         return dict(factors, depth=pooled, agenda=pooled)
+
+    def _same_plans(self, sized):
+        """Whether agenda makes depth's steps on this kind of graph (see
+        :meth:`_pooled`)."""
+        kind = sized[0] if isinstance(sized, tuple) else None
+        ratio = self._ratios.get(kind)
+        return ratio is not None and ratio >= SAME_STEPS and self._same_sizes.get(kind, True)
 
     def _explore(self, ranked, predictions, sized):
         """Run the runner-up among depth/agenda (moving it to the front of
@@ -553,10 +561,13 @@ class Auto(Strategy):
         DAG where agenda was 1.17x faster; near-tie exploring could not
         undo that).  At most one flush in ``probe_every`` runs a plan
         predicted up to 10% slower, and a few more a slower one while it
-        is measured."""
+        is measured.  Where the two share a run factor (:meth:`_pooled`),
+        their runs price both alike and only analysis tells them apart:
+        nothing to find out."""
         factors = self._run_factors.get(sized)
         best = ranked[0]
-        if not self.explore_within or not factors or best not in ('depth', 'agenda'):
+        if not self.explore_within or not factors or best not in ('depth', 'agenda') \
+                or self._same_plans(sized):
             return
         other = 'agenda' if best == 'depth' else 'depth'
         if other not in predictions:

@@ -1223,8 +1223,10 @@ def test_a_used_block_deep_copies_into_an_independent_one():
 def test_copies_and_pickles_of_a_used_block_train_on_their_own():
     """A deep copy or an unpickled DynBatchBlock trains (a copied parameter's
     gradient is not marked for autograd: backward failed, as it does for a
-    plain Gluon block), with gradients equal to the original's; a shallow
-    copy shares the parameters and leaves their gradients alone."""
+    plain Gluon block), with gradients equal to the original's, also once
+    the block is hybridized and ran outside a scope (its CachedOp is
+    dropped, not copied); a shallow copy shares the parameters and leaves
+    their gradients alone."""
     import copy
     import pickle
 
@@ -1243,6 +1245,10 @@ def test_copies_and_pickles_of_a_used_block_train_on_their_own():
     for twin in (copy.deepcopy(block), pickle.loads(pickle.dumps(block))):
         assert twin.block.weight is not block.block.weight
         np.testing.assert_allclose(weight_grad(twin), expected, rtol=1e-6)
+    block.block.hybridize()
+    outside = block(mx.nd.ones((1, 3))).asnumpy()    # a CachedOp, which Gluon cannot copy
+    for twin in (copy.deepcopy(block), pickle.loads(pickle.dumps(block))):
+        np.testing.assert_allclose(twin(mx.nd.ones((1, 3))).asnumpy(), outside, rtol=1e-6)
     shallow = copy.copy(block)
     assert shallow.block is block.block and not shallow._signatures
     np.testing.assert_array_equal(block.block.weight.grad().asnumpy(), expected)
