@@ -368,7 +368,8 @@ class Auto(Strategy):
         self.last = {}
         self._seen = {}      # summary fingerprint -> steps of its stored plan (None: seen once)
         self._ratios = {}    # set of families -> agenda steps / depth steps
-        self._same_sizes = {}   # set of families -> did the last probe find equal step sizes?
+        self._same_sizes = {}   # set of families -> were depth's and agenda's steps alike
+                                # (_alike) at the last probe?
         self._run_factors = {}  # (set of families, size) -> {strategy: measured / predicted}
         self._run_ratios = {}   # ((set of families, size), strategy) -> its last ratios
         self._last_run = {}     # ((set of families, size), strategy) -> flush it last ran
@@ -410,9 +411,10 @@ class Auto(Strategy):
         if len(nodes) < self.small:
             # Deciding costs more than any choice could save on a graph this
             # small (depth's analysis is a few microseconds): plan by depth.
-            # (One thread-state lookup here and none in observe: a loop that
-            # reads a value after every call flushes ~35 us calls one by one,
-            # and auto's bookkeeping was 4 us of each.)
+            # (One thread-state lookup here and one in observe, which then
+            # returns: a loop that reads a value after every call flushes
+            # ~35 us calls one by one, and auto's bookkeeping was 4 us of
+            # each.)
             self.choices['depth'] = self.choices.get('depth', 0) + 1
             state.last = _UNDECIDED
             return STRATEGIES['depth'].plan(nodes)
