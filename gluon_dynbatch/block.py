@@ -693,19 +693,6 @@ def check_padding_is_neutral(dblock, sig, padded):
                      dblock.block(*regroup(padded.fmt, longer)[0]), 'its parameters', False),
                     (_run_symbol(short_op, sig, leaves, params),
                      _run_symbol(long_op, padded, longer, params), 'random parameters', True)]
-        # Outputs are compared flat, in order, as batched steps hand them
-        # out: a list output as long as a list argument moves every output
-        # after it.  Where that alone fails the check, the error says so.
-        shifted = ''
-        nested = [runs[0][:2], [out[0] if one.out_fmt == 0 else regroup(one.out_fmt, out)[0]
-                                for one, out in zip((sig, padded), runs[1][:2])]]
-        if all(_same_when_nested(*pair) for pair in nested):
-            count = [[], []]
-            flatten([runs[0][0]], count[0])
-            flatten([runs[0][1]], count[1])
-            shifted = ' (it returns %d arrays for the shorter lists and %d padded: a list ' \
-                      'output as long as a list argument moves the outputs after it, so ' \
-                      'return such lists last)' % (len(count[0]), len(count[1]))
         # (the symbols' outputs come flat, in the order flatten() gives the block's)
         for short_out, long_out, parameters, relative in runs:
             flat_short, flat_long = [], []
@@ -719,7 +706,8 @@ def check_padding_is_neutral(dblock, sig, padded):
                         'zeros from %s to %s changes the shape of its output from %s to %s%s. '
                         'Pass pad_lists=False to DynBatchBlock (calls of different list '
                         'lengths then run as separate groups).' % (
-                            dblock.block.name, sig.fmt, padded.fmt, a.shape, b.shape, shifted))
+                            dblock.block.name, sig.fmt, padded.fmt, a.shape, b.shape,
+                            _shifted_outputs(runs, sig, padded)))
                 # float32 rounding, which longer sums order differently, grows
                 # with the values (random parameters make larger ones: ~3e-7
                 # of the largest output at a Tree-LSTM's sizes)
@@ -733,7 +721,7 @@ def check_padding_is_neutral(dblock, sig, padded):
                         '%s)%s. Pass pad_lists=False to DynBatchBlock (calls of different list '
                         'lengths then run as separate groups).' % (
                             dblock.block.name, sig.fmt, padded.fmt, low, high, parameters,
-                            shifted))
+                            _shifted_outputs(runs, sig, padded)))
         # the other arguments zero here: they may be ids, which a gradient
         # lookup checks (the values above are clipped)
         elements = _list_elements(sig.fmt, leaves)
@@ -762,6 +750,23 @@ def check_padding_is_neutral(dblock, sig, padded):
                     'random parameters), though not its output. Pass pad_lists=False to '
                     'DynBatchBlock (calls of different list lengths then run as separate '
                     'groups).' % (dblock.block.name, sig.fmt, padded.fmt, what, low, high))
+
+
+def _shifted_outputs(runs, sig, padded):
+    """For a failed padding check, ``' (...)'`` when the outputs differ only
+    in that a list output grew (else ``''``).  Outputs are compared flat,
+    in order, as batched steps hand them out: a list output as long as a
+    list argument moves every output after it."""
+    nested = [runs[0][:2], [out[0] if one.out_fmt == 0 else regroup(one.out_fmt, out)[0]
+                            for one, out in zip((sig, padded), runs[1][:2])]]
+    if not all(_same_when_nested(*pair) for pair in nested):
+        return ''
+    counts = [[], []]
+    flatten([runs[0][0]], counts[0])
+    flatten([runs[0][1]], counts[1])
+    return (' (it returns %d arrays for the shorter lists and %d padded: a list output as '
+            'long as a list argument moves the outputs after it, so return such lists last)'
+            % (len(counts[0]), len(counts[1])))
 
 
 def _same_when_nested(short, long):
@@ -924,7 +929,7 @@ class DynBatchBlock(Block):
         clear = getattr(self.block, '_clear_cached_op', None)
         if clear is not None:
             clear()
-        return dict(self.__dict__, **self._untraced())
+        return self._shared_state()
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -939,8 +944,12 @@ class DynBatchBlock(Block):
         """A shallow copy shares the parameters (and their gradients, which
         :meth:`__setstate__` would reset) but, as a copy, traces its own."""
         twin = type(self).__new__(type(self))
-        twin.__dict__.update(self.__getstate__())
+        twin.__dict__.update(self._shared_state())
         return twin
+
+    def _shared_state(self):
+        """This block's attributes, with what it traced left out."""
+        return dict(self.__dict__, **self._untraced())
 
     @staticmethod
     def _untraced():

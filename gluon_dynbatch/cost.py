@@ -279,7 +279,9 @@ _UNDECIDED = MappingProxyType({'choice': 'depth'})
 
 RUN_WINDOW = 5
 """Measured / predicted run ratios whose median is a strategy's run factor
-on a kind and size of graph (:meth:`Auto._observe_run`)."""
+on a kind and size of graph (:meth:`Auto._observe_run`); their count is
+also how many measured runs it has there, so it is at least
+:data:`LEARN_RUNS`."""
 
 
 LEARN_RUNS = 3
@@ -378,7 +380,6 @@ class Auto(Strategy):
         self._probe_gap = {}    # kind of graph -> flushes between its probes
         self._flushes = 0
         self._asked = 0         # flushes that asked wants_step_times
-        self._run_counts = {}   # ((set of families, size), strategy) -> measured runs
 
     @property
     def model(self):
@@ -503,7 +504,7 @@ class Auto(Strategy):
         last = self.last
         choice, sized = last.get('choice'), last.get('sized')
         if sized is not None and choice in ('depth', 'agenda', 'per-sample') \
-                and self._run_counts.get((sized, choice), 0) < LEARN_RUNS:
+                and self._measured_runs(sized, choice) < LEARN_RUNS:
             return True
         return bool(last.get('deciding')) or self._asked % every == 0
 
@@ -575,7 +576,7 @@ class Auto(Strategy):
         if other not in predictions:
             return
         if sum(predictions[other]) > (1 + self.explore_within) * sum(predictions[best]) and \
-                self._run_counts.get((sized, other), 0) >= LEARN_RUNS:
+                self._measured_runs(sized, other) >= LEARN_RUNS:
             return
         last_run = self._last_run.get((sized, other))
         if last_run is None or self._flushes - last_run >= self.probe_every:
@@ -610,12 +611,16 @@ class Auto(Strategy):
             # flushes, 1.28x agenda)
             return
         ratio = min(2.0, max(0.5, run_ms / self.last['raw_run_ms']))
-        self._run_counts[(sized, name)] = self._run_counts.get((sized, name), 0) + 1
         ratios = self._run_ratios.get((sized, name))
         if ratios is None:
             ratios = self._run_ratios[(sized, name)] = deque(maxlen=RUN_WINDOW)
         ratios.append(ratio)
         self._run_factors.setdefault(sized, {})[name] = statistics.median(ratios)
+
+    def _measured_runs(self, sized, name):
+        """Measured runs of ``name`` on this kind and size of graph, up to
+        :data:`RUN_WINDOW` (at least :data:`LEARN_RUNS`, all that is asked)."""
+        return len(self._run_ratios.get((sized, name), ()))
 
     def _repeat(self, fingerprint):
         record = self._repeating.get(fingerprint)

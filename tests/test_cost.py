@@ -563,7 +563,7 @@ def test_auto_scales_run_predictions_by_what_it_measured(monkeypatch):
     auto._explore(ranked, auto._corrected(raw, 'k'), 'k')
     assert ranked[0] == 'agenda'                    # but measured fewer than LEARN_RUNS times
     ranked = ['depth', 'agenda', 'per-sample']
-    auto._run_counts[('k', 'agenda')] = LEARN_RUNS  # measured enough: left alone
+    auto._run_ratios[('k', 'agenda')] = [1.0] * LEARN_RUNS     # measured enough: left alone
     auto._explore(ranked, auto._corrected(raw, 'k'), 'k')
     assert ranked[0] == 'depth'
     close = dict(raw, agenda=(1.5, 10.0))           # within 10%, never run: try it
@@ -581,6 +581,7 @@ def test_auto_scales_run_predictions_by_what_it_measured(monkeypatch):
     auto._explore(ranked, auto._corrected(close, 'k'), 'k')
     assert ranked[0] == 'agenda'
 
+    auto._run_ratios.clear()                        # (the runs made up above)
     auto.last = {'sized': 'k', 'built': lower.BUILT[0], 'raw_run_ms': 10.0}
     auto._observe_run('agenda', 100.0)              # an outlier: clipped to 2
     assert auto._run_factors['k']['agenda'] == 2.0
