@@ -137,6 +137,39 @@ def _block_name(block):
     return '%s (%s)' % (block.name, type(block).__name__)
 
 
+def _trace_failure(block, fmt, shapes, err):
+    """The message for a block whose tracing raised ``err``, naming the
+    per-sample argument shapes (lists as lists) it was traced for.  An
+    MXNetError is MXNet refusing an operator's parameters or shapes (a
+    size of 0, lists of different lengths), which the same call outside a
+    scope meets too; anything else is most often code that does not
+    hybridize."""
+    text = str(err)
+    name = type(err).__name__
+    if text.startswith(name + ':'):     # MXNetError repeats its own name
+        text = text[len(name) + 1:].strip()
+    message = ('block %s could not be traced for arguments of per-sample shapes %s: its '
+               'hybrid_forward, called with F=mx.sym and Symbols for arguments, raised %s: %s.'
+               % (_block_name(block), _shapes_text(regroup(fmt, list(shapes))[0]), name, text))
+    if isinstance(err, mx.base.MXNetError):
+        return message + (' MXNet refused an operator of the block for these arguments: the '
+                          'same call outside a scope fails the same way. Check the sizes the '
+                          'block was built with and the arguments (list lengths included).')
+    return message + (' If the block runs outside a scope, it does not hybridize, which a '
+                      'DynBatchBlock needs: no .shape, .asnumpy() or other NDArray-only calls '
+                      'on its arguments, and no Python branches on their values (check: '
+                      'block.hybridize(), then one call outside any scope).')
+
+
+def _shapes_text(args):
+    """``((1, 4), [(1, 3), (1, 3)], [])`` for arguments nested as lists."""
+    def one(arg):
+        if isinstance(arg, list):
+            return '[%s]' % ', '.join(one(a) for a in arg)
+        return str(tuple(arg))
+    return '(%s)' % ', '.join(one(a) for a in args)
+
+
 def trace_signature(sig_id, block, fmt, shapes, dtypes):
     """Trace ``block`` for arguments of nesting ``fmt`` and per-sample leaf
     ``shapes``/``dtypes``; see :class:`TracedSignature`."""
@@ -149,13 +182,7 @@ def trace_signature(sig_id, block, fmt, shapes, dtypes):
     except InputError:
         raise
     except Exception as err:    # pylint: disable=broad-except
-        raise InputError(
-            'block %s could not be traced: its hybrid_forward, called with F=mx.sym and '
-            'Symbols for arguments, raised %s: %s. If the block runs outside a scope, it does '
-            'not hybridize, which a DynBatchBlock needs: no .shape, .asnumpy() or other '
-            'NDArray-only calls on its arguments, and no Python branches on their values '
-            '(check: block.hybridize(), then one call outside any scope).'
-            % (_block_name(block), type(err).__name__, err)) from err
+        raise InputError(_trace_failure(block, fmt, shapes, err)) from err
     out_leaves = []
     out_fmt = flatten(out if isinstance(out, (list, tuple)) else [out], out_leaves)
     if not isinstance(out, (list, tuple)):

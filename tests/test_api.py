@@ -644,6 +644,27 @@ def test_error_a_block_that_does_not_hybridize_names_it():
     np.testing.assert_array_equal(block(mx.nd.ones((1, 3))).asnumpy(), 1)   # eager: fine
 
 
+def test_error_an_operator_mxnet_refuses_names_the_shapes():
+    """A call MXNet refuses while tracing (children's h and c lists of
+    different lengths: add_n of no arguments) names the per-sample shapes,
+    lists as lists, and says the same call fails outside a scope, not that
+    the block does not hybridize (it does); MXNetError is named once."""
+    cell = dyb.DynBatchBlock(ChildSumTreeLSTMCell(4, input_size=3))
+    cell.initialize()
+    with dyb.batching():
+        with pytest.raises(dyb.InputError) as info:
+            cell(mx.nd.ones((1, 3)), [mx.nd.ones((1, 4))], [])
+    message = str(info.value)
+    assert re.search(r'childsumtreelstmcell\d+ \(ChildSumTreeLSTMCell\) could not be traced '
+                     r'for arguments of per-sample shapes \(\(1, 3\), \[\(1, 4\)\], \[\]\)',
+                     message)
+    assert 'raised MXNetError: value 0 for Parameter num_args' in message
+    assert 'MXNetError: MXNetError' not in message
+    assert 'fails the same way' in message and 'hybridize' not in message
+    with pytest.raises(mx.base.MXNetError):      # as the message says
+        cell(mx.nd.ones((1, 3)), [mx.nd.ones((1, 4))], [])
+
+
 class _SoftmaxOutputWithoutLabel(gluon.HybridBlock):
     def hybrid_forward(self, F, x):
         return F.SoftmaxOutput(x)
