@@ -232,6 +232,25 @@ def test_script_malformed_data_and_bad_paths_fail_clearly(sick_dir, tmp_path):
         assert re.search(message, proc.stderr) and 'Traceback' not in proc.stderr
 
 
+@pytest.mark.parametrize('argv, message', [
+    (['--hidden-size', '0'], r'--hidden-size: 0; give a number >= 1'),
+    (['--sim-hidden-size', '-5'], r'--sim-hidden-size: -5; give a number >= 1'),
+    (['--embed-size', '0'], r'--embed-size: 0'),
+    (['--threads', '0'], r'--threads: 0'),
+    (['--lr', 'nan'], r'--lr: nan; give a number > 0'),
+    (['--wd', '-1'], r'--wd: -1; give a number >= 0'),
+    (['--epochs', 'x'], r"--epochs: 'x' is not a whole number"),
+    (['--test-limit', '-1'], r'--test-limit: -1; give a number >= 0')])
+def test_script_rejects_bad_numbers_before_loading_anything(argv, message, tmp_path):
+    """Sizes of 0 ended in a trace failure's traceback, a negative one in
+    Gluon's bare AssertionError, and --threads 0 was exported as
+    OMP_NUM_THREADS (found by a review): argparse refuses them, exit 2."""
+    proc = _run_script(*argv, '--out', tmp_path / 'out', timeout=120)
+    assert proc.returncode == 2
+    assert re.search(message, proc.stderr), proc.stderr
+    assert 'Traceback' not in proc.stderr and not (tmp_path / 'out').exists()
+
+
 def test_script_rejects_unknown_strategy(sick_dir, tmp_path):
     proc = _run_script('--data', sick_dir, '--strategy', 'nope', '--out', tmp_path,
                        timeout=120)
@@ -256,6 +275,10 @@ def test_script_frozen_glove_embeddings(example, sick_dir, tmp_path):
     assert results['settings']['embeddings'] == str(glove)
     run = results['runs']['dynbatch']
     assert run['pretrained_found'] == len(words) - 1
+    # the model's embedding size is the file's, and the header says so
+    assert results['settings']['embed_size'] == 8
+    assert '%s (8-d, %d of %d tokens found)' % (glove, len(words) - 1,
+                                                 results['settings']['vocab_size']) in proc.stdout
     _check_run(run, 1)
 
     _, vocab = example.load_data(sick_dir, 1, 1, 1)

@@ -32,6 +32,27 @@ DEFAULT_EPOCHS = 10
 DEFAULT_TRAIN_LIMIT = 0  # 0: all 4500 training pairs
 
 
+def _number(kind, least, strict=False):
+    """An argparse type: ``kind`` (int or float), finite and at least
+    ``least`` (above it with ``strict``), else argparse's own error (exit 2,
+    before MXNet loads: ``--threads`` is exported at once)."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError('%r is not %s' % (
+                text, 'a whole number' if kind is int else 'a number')) from None
+        if not math.isfinite(value) or value < least or (strict and value == least):
+            raise argparse.ArgumentTypeError('%s; give a number %s %g' % (
+                text, '>' if strict else '>=', least))
+        return value
+    parse.__name__ = kind.__name__      # argparse names the type in its messages
+    return parse
+
+
+POSITIVE, COUNT = _number(int, 1), _number(int, 0)
+
+
 def build_parser():
     """The command-line options (built without importing MXNet, so that
     ``--threads`` can configure it before it loads)."""
@@ -47,33 +68,36 @@ def build_parser():
                         'order, and plots the two learning curves together')
     p.add_argument('--strategy', default='depth',
                    help='dynbatch grouping strategy (one of gluon_dynbatch.STRATEGIES)')
-    p.add_argument('--epochs', type=int, default=DEFAULT_EPOCHS)
-    p.add_argument('--batch-size', type=int, default=25)
-    p.add_argument('--eval-batch-size', type=int, default=256,
+    p.add_argument('--epochs', type=POSITIVE, default=DEFAULT_EPOCHS, help='training epochs')
+    p.add_argument('--batch-size', type=POSITIVE, default=25,
+                   help='pairs per batching scope (and per optimizer step) in training')
+    p.add_argument('--eval-batch-size', type=POSITIVE, default=256,
                    help='pairs per batching scope when evaluating')
-    p.add_argument('--lr', type=float, default=0.05, help='Adagrad learning rate')
+    p.add_argument('--lr', type=_number(float, 0, strict=True), default=0.05, help='Adagrad learning rate')
     p.add_argument('--optimizer', choices=('fusedadagrad', 'adagrad'), default='fusedadagrad',
                    help="Adagrad as gluon_dynbatch.FusedAdaGrad (one op per parameter) or "
                         "MXNet's own (the same update, ~10 ops per dense parameter)")
-    p.add_argument('--wd', type=float, default=1e-4,
+    p.add_argument('--wd', type=_number(float, 0), default=1e-4,
                    help='weight decay (L2) on every parameter but the embeddings')
-    p.add_argument('--seed', type=int, default=0)
-    p.add_argument('--embed-size', type=int, default=300,
+    p.add_argument('--seed', type=COUNT, default=0, help='seeds weights, data order and random embeddings')
+    p.add_argument('--embed-size', type=POSITIVE, default=300,
                    help='size of random embeddings (a --embeddings file sets its own)')
-    p.add_argument('--hidden-size', type=int, default=150)
-    p.add_argument('--sim-hidden-size', type=int, default=50)
+    p.add_argument('--hidden-size', type=POSITIVE, default=150,
+                   help="size of the Tree-LSTM's hidden state")
+    p.add_argument('--sim-hidden-size', type=POSITIVE, default=50,
+                   help='hidden units of the similarity head')
     p.add_argument('--embeddings', default=None,
                    help='GloVe-format text file (word v1 v2 ...) to initialise embeddings')
     p.add_argument('--freeze-embeddings', action='store_true',
                    help='do not train the embeddings (Tai et al. froze GloVe)')
-    p.add_argument('--train-limit', type=int, default=DEFAULT_TRAIN_LIMIT,
+    p.add_argument('--train-limit', type=COUNT, default=DEFAULT_TRAIN_LIMIT,
                    help='use only the first N training pairs (0: all)')
-    p.add_argument('--dev-limit', type=int, default=0, help='first N dev pairs (0: all)')
-    p.add_argument('--test-limit', type=int, default=0, help='first N test pairs (0: all)')
-    p.add_argument('--threads', type=int, default=1,
+    p.add_argument('--dev-limit', type=COUNT, default=0, help='first N dev pairs (0: all)')
+    p.add_argument('--test-limit', type=COUNT, default=0, help='first N test pairs (0: all)')
+    p.add_argument('--threads', type=POSITIVE, default=1,
                    help='OpenMP threads (sets OMP_NUM_THREADS before MXNet loads)')
-    p.add_argument('--out', default=None, help='output folder (default runs/sick-<mode>)')
-    p.add_argument('--no-progress', action='store_true', help='no tqdm progress bars')
+    p.add_argument('--out', default=None, help='output folder (None: runs/sick-<mode>)')
+    p.add_argument('--no-progress', action='store_true', help='no tqdm progress bars (there are none when stderr is not a terminal)')
     return p
 
 
@@ -330,7 +354,9 @@ def epoch_orders(n, epochs, seed):
 def run(mode, args, data, vocab, out_dir, log=print, embeddings=None):
     """Train ``mode`` for ``args.epochs`` from the seed, keep the best dev
     checkpoint, reload it and evaluate on test.  Returns a results dict."""
-    progress = not args.no_progress
+    # bars redraw a line with \r: where stderr is a file or a pipe they would
+    # pile up among the epoch lines
+    progress = not args.no_progress and sys.stderr.isatty()
     model, n_found = build_model(vocab, args, embeddings=embeddings)
     trainer = make_trainer(model, args)
     ckpt = os.path.join(out_dir, '%s-' % mode)
@@ -463,6 +489,9 @@ def plot_curves(runs, path, title):
         else:
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     for ax in axes:
+        # plain tick labels: an offset (``1e-8+1.3565``) makes differences in
+        # the eighth digit, e.g. one epoch of two modes, look large
+        ax.ticklabel_format(axis='y', useOffset=False)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=9)
     fig.suptitle(title, fontsize=12)
@@ -487,14 +516,6 @@ def main(args):
         data_dir = find_sick_dir(args.data)
     except FileNotFoundError as err:
         print('error: %s' % err, file=sys.stderr)
-        return 2
-    if args.epochs < 1 or args.batch_size < 1 or args.eval_batch_size < 1:
-        print('error: --epochs, --batch-size and --eval-batch-size must be at least 1',
-              file=sys.stderr)
-        return 2
-    if min(args.train_limit, args.dev_limit, args.test_limit) < 0:
-        print('error: --train-limit, --dev-limit and --test-limit must be >= 0 (0: all)',
-              file=sys.stderr)
         return 2
     if args.strategy not in dyb.STRATEGIES:
         print('error: unknown --strategy %r; choose one of %s'
@@ -522,9 +543,12 @@ def main(args):
     except (OSError, ValueError) as err:
         print('error: %s' % err, file=sys.stderr)
         return 2
+    matrix, n_found = embeddings
+    # the size the model uses: an --embeddings file sets its own
     settings = dict(vars(args), data=str(data_dir), out=out_dir, modes=modes,
                     n_train=len(data['train']), n_dev=len(data['dev']),
-                    n_test=len(data['test']), vocab_size=len(vocab))
+                    n_test=len(data['test']), vocab_size=len(vocab),
+                    embed_size=int(matrix.shape[1]))
     env = environment()
     print('Tree-LSTM on SICK relatedness')
     print('  data      %s  (train %d, dev %d, test %d pairs; vocab %d)'
@@ -533,7 +557,9 @@ def main(args):
           % (args.mode, args.strategy, args.epochs, args.batch_size, args.optimizer, args.lr,
              args.wd, args.seed))
     print('  model     embed %s%s, hidden %d, similarity hidden %d, %d classes'
-          % (args.embeddings or 'random %d-d' % args.embed_size,
+          % ('%s (%d-d, %d of %d tokens found)' % (args.embeddings, matrix.shape[1], n_found,
+                                                     len(vocab))
+             if args.embeddings else 'random %d-d' % args.embed_size,
              ' (frozen)' if args.freeze_embeddings else '', args.hidden_size,
              args.sim_hidden_size, NUM_CLASSES))
     print('  runtime   threads %s  engine %s  MXNET_ENGINE_TYPE=%s  OMP_NUM_THREADS=%s  '

@@ -430,7 +430,7 @@ def _vocab_lines(path: Path, tokens: set) -> Tuple[List[str], int]:
              if len(parts) > 1 and not header(number, parts)]
     if not sizes:
         raise ValueError('embedding file {} holds no vectors (lines of a word and its '
-                         'numbers)'.format(path))
+                         'numbers, separated by single spaces as in GloVe)'.format(path))
     dim = max(sizes, key=sizes.count)      # ties: the first line's
     picked, seen = [], set()
     with open(path, 'rb') as f:
