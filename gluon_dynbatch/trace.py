@@ -577,10 +577,16 @@ def _infer_shapes(block, symbol, known, shapes):
     try:
         arg_shapes, out_shapes, aux_shapes = _quiet(symbol, 'infer_shape')(**known)
     except mx.base.MXNetError as err:
+        hint = ''
+        if 'elemwise_op_common' in str(err):     # an element-wise op met unequal shapes
+            hint = (' If they are right, the block relies on NDArray\'s implicit broadcasting '
+                    '(x + y of shapes (1, 4) and (1, 1)), which its Symbol form does not do '
+                    '(block.hybridize() fails the same way): write F.broadcast_add, '
+                    'F.broadcast_mul and the like.')
         raise InputError(
             'block %s cannot take per-sample inputs of shapes %s: %s. Check the argument '
-            'shapes (each with a leading batch axis of 1) against the block\'s parameters.'
-            % (_block_name(block), list(shapes), _first_error_line(err))) from None
+            'shapes (each with a leading batch axis of 1) against the block\'s parameters.%s'
+            % (_block_name(block), list(shapes), _first_error_line(err), hint)) from None
     if out_shapes is None or any(s is None or 0 in s for s in out_shapes):
         raise InputError('block %s: output shapes cannot be inferred from inputs %s; '
                          'give its layers their input sizes (e.g. in_units).'

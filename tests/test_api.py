@@ -644,6 +644,24 @@ def test_error_a_block_that_does_not_hybridize_names_it():
     np.testing.assert_array_equal(block(mx.nd.ones((1, 3))).asnumpy(), 1)   # eager: fine
 
 
+class _ImplicitBroadcast(gluon.HybridBlock):
+    def hybrid_forward(self, F, x):  # pylint: disable=arguments-differ
+        return x + F.sum(x, axis=1, keepdims=True)    # (1, 4) + (1, 1): NDArray only
+
+
+def test_error_implicit_broadcasting_is_named():
+    """``+`` of shapes (1, 4) and (1, 1) runs per sample (NDArray
+    broadcasts) but not as a Symbol; the error blamed the argument shapes
+    alone (found by a review) and now names implicit broadcasting."""
+    block = dyb.DynBatchBlock(_ImplicitBroadcast())
+    np.testing.assert_array_equal(block(mx.nd.ones((1, 4))).asnumpy(), 5)     # eager: fine
+    with dyb.batching():
+        with pytest.raises(dyb.InputError, match=r'implicitbroadcast\d+ .*cannot take per-sample '
+                           r'inputs of shapes \[\(1, 4\)\].*implicit broadcasting.*'
+                           r'F\.broadcast_add'):
+            block(mx.nd.ones((1, 4)))
+
+
 def test_error_an_operator_mxnet_refuses_names_the_shapes():
     """A call MXNet refuses while tracing (children's h and c lists of
     different lengths: add_n of no arguments) names the per-sample shapes,
