@@ -276,6 +276,14 @@ _UNDECIDED = MappingProxyType({'choice': 'depth'})
 """:attr:`Auto.last` of a flush planned without deciding (fewer than
 ``small`` calls); read-only."""
 
+_REPLAYED = MappingProxyType({'choice': 'cached'})
+""":attr:`Auto.last` of a small flush that replays a stored plan
+(:meth:`Auto._replayed`); read-only."""
+
+REPLAY_STEPS = 3
+"""Small flushes of at least this many steps by depth replay a stored plan
+when their structure comes back (:meth:`Auto._replayed`)."""
+
 
 RUN_WINDOW = 5
 """Measured / predicted run ratios whose median is a strategy's run factor
@@ -303,7 +311,8 @@ class Auto(Strategy):
       seen before.
     * Each strategy's predicted run time is scaled by a factor learned per
       kind of graph from its measured runs (:meth:`_corrected`; depth and
-      agenda share theirs where agenda makes depth's steps); a runner-up
+      agenda share theirs where agenda makes depth's steps, and depth then
+      runs: it does as well for less); a runner-up
       among depth/agenda predicted within ``explore_within`` (10%) runs
       now and then (:meth:`_explore`), so a near-tie the model gets wrong
       is found out.
@@ -311,6 +320,8 @@ class Auto(Strategy):
       planned by depth without deciding: the decision itself would cost
       more than it could save.  So are chains of one block (every call a
       step of its own), planned per sample: no strategy can batch them.
+      A small flush of :data:`REPLAY_STEPS` or more steps whose structure
+      comes back replays a stored plan (:meth:`_replayed`).
     * A cached plan is considered only for a graph whose summary (calls per
       depth and family) matches one whose plan was stored: plans are stored
       for summaries seen twice, so graphs that never repeat pay nothing for
@@ -364,6 +375,9 @@ class Auto(Strategy):
         self.cached_trials = cached_trials
         self.small = small
         self.cached = STRATEGIES['cached']
+        # small flushes' plans, replayed and never compiled (see _replayed)
+        self.replay = CachedPlan(capacity=memory, compile_after=float('inf'))
+        self._small_seen = {}   # structure key of a small flush seen once -> None
         self.probe_every = probe_every
         self.memory = memory
         self.choices = {}
@@ -416,6 +430,12 @@ class Auto(Strategy):
             # returns: a loop that reads a value after every call flushes
             # ~35 us calls one by one, and auto's bookkeeping was 4 us of
             # each.)
+            plan = self._replayed(nodes, summary) if summary is not None and \
+                summary['depth_steps'] >= REPLAY_STEPS else None
+            if plan is not None:
+                self.choices['cached'] = self.choices.get('cached', 0) + 1
+                state.last = _REPLAYED
+                return plan
             self.choices['depth'] = self.choices.get('depth', 0) + 1
             state.last = _UNDECIDED
             return STRATEGIES['depth'].plan(nodes)
@@ -443,6 +463,17 @@ class Auto(Strategy):
         sized = (kind, len(nodes).bit_length())
         predictions = self._corrected(raw, sized)
         ranked = sorted(predictions, key=lambda k: sum(predictions[k]))
+        if 'depth' in predictions and self._same_plans(sized) and \
+                ranked.index('agenda') < ranked.index('depth'):
+            # Where agenda makes depth's steps, depth's plan does as well for
+            # less: its analysis is never slower per node, and reading the
+            # results after it cost less (at SICK minibatch 4 agenda's took
+            # 0.06-0.1 ms more of a 2.1 ms flush over three runs), which the
+            # model does not price.  Their predictions then differ only by
+            # the learned analysis costs, whose noise once had auto run
+            # agenda in 64 of 64 flushes there (1.07-1.10x depth).
+            ranked.remove('agenda')
+            ranked.insert(ranked.index('depth') + 1, 'agenda')
         if 'cached' not in predictions:
             # (a repeating summary is decided by measured totals, and the
             # run that times the best other strategy must be that one)
@@ -486,6 +517,33 @@ class Auto(Strategy):
                      'depth_steps': summary['depth_steps'], 'kind': kind, 'sized': sized,
                      'fingerprint': fingerprint,
                      'predictions_ms': {k: round(sum(v), 3) for k, v in predictions.items()}}
+        return plan
+
+    def _replayed(self, nodes, summary):
+        """The plan of a small flush whose structure (the scope's tape
+        wrote its key; None without the C recorder) was seen before, from
+        :attr:`replay`, a :class:`~.plan.CachedPlan` that stores it on the
+        second sighting, learns its recipes on the third and replays them
+        after; None on a first sighting.  A replay finds each step's rows
+        from its recipes, with no analysis: an LSTM cell over 20 tokens at
+        minibatch 1 ran 0.89x depth's time, 8 leaves summed in a chain of
+        7 calls 0.78x; one or two steps gain nothing (a single call ran
+        1.05x).  Compiling the whole flush was no faster than replaying
+        it, and its one-time cost (milliseconds) outweighed what the few
+        runs of most small structures could save: SICK pairs one at a time
+        ran 1.13x depth's time, compiled, over two passes of the test
+        split; with replays auto ran them at depth's median speed."""
+        key = summary.get('structure')
+        if key is None:
+            return None
+        if key not in self._small_seen and key not in self.replay.cache:
+            if len(self._small_seen) >= self.memory:
+                self._small_seen.clear()        # forget, and count afresh
+            self._small_seen[key] = None
+            return None
+        self._small_seen.pop(key, None)
+        plan = self.replay.plan(nodes, summary, key)
+        self.last_compile_s = 0.0
         return plan
 
     def wants_step_times(self, every):
