@@ -348,7 +348,8 @@ class Auto(Strategy):
     probe_every : int
         Flushes between probes of the strategy not chosen (>= 1).
     memory : int
-        How many flush summaries it remembers for the plan cache.
+        How many flush summaries it remembers for the plan cache, and how
+        many structures of small flushes (seen once, and stored).
     small, cached_trials, explore_within
         As described above.
     """
@@ -432,13 +433,13 @@ class Auto(Strategy):
             # each.)
             plan = self._replayed(nodes, summary) if summary is not None and \
                 summary['depth_steps'] >= REPLAY_STEPS else None
-            if plan is not None:
+            if plan is not None and plan.strategy == 'cached':
                 self.choices['cached'] = self.choices.get('cached', 0) + 1
                 state.last = _REPLAYED
                 return plan
             self.choices['depth'] = self.choices.get('depth', 0) + 1
             state.last = _UNDECIDED
-            return STRATEGIES['depth'].plan(nodes)
+            return plan or STRATEGIES['depth'].plan(nodes)
         summary = summary or summarize(nodes)
         self._flushes += 1
         fingerprint = summary['fingerprint']
@@ -463,8 +464,8 @@ class Auto(Strategy):
         sized = (kind, len(nodes).bit_length())
         predictions = self._corrected(raw, sized)
         ranked = sorted(predictions, key=lambda k: sum(predictions[k]))
-        if 'depth' in predictions and self._same_plans(sized) and \
-                ranked.index('agenda') < ranked.index('depth'):
+        first, second = ranked.index('agenda'), ranked.index('depth')
+        if first < second and self._same_plans(sized):
             # Where agenda makes depth's steps, depth's plan does as well for
             # less: its analysis is never slower per node, and reading the
             # results after it cost less (at SICK minibatch 4 agenda's took
@@ -472,8 +473,7 @@ class Auto(Strategy):
             # model does not price.  Their predictions then differ only by
             # the learned analysis costs, whose noise once had auto run
             # agenda in 64 of 64 flushes there (1.07-1.10x depth).
-            ranked.remove('agenda')
-            ranked.insert(ranked.index('depth') + 1, 'agenda')
+            ranked[first], ranked[second] = 'depth', 'agenda'
         if 'cached' not in predictions:
             # (a repeating summary is decided by measured totals, and the
             # run that times the best other strategy must be that one)
@@ -523,8 +523,10 @@ class Auto(Strategy):
         """The plan of a small flush whose structure (the scope's tape
         wrote its key; None without the C recorder) was seen before, from
         :attr:`replay`, a :class:`~.plan.CachedPlan` that stores it on the
-        second sighting, learns its recipes on the third and replays them
-        after; None on a first sighting.  A replay finds each step's rows
+        second sighting (that flush runs depth's plan, and counts as depth),
+        learns its recipes on the third and replays them after, planning
+        anew by depth on every ``probe_every``-th replay (kept if it has
+        fewer steps); None on a first sighting.  A replay finds each step's rows
         from its recipes, with no analysis: an LSTM cell over 20 tokens at
         minibatch 1 ran 0.89x depth's time, 8 leaves summed in a chain of
         7 calls 0.78x; one or two steps gain nothing (a single call ran
@@ -542,9 +544,15 @@ class Auto(Strategy):
             self._small_seen[key] = None
             return None
         self._small_seen.pop(key, None)
-        plan = self.replay.plan(nodes, summary, key)
-        self.last_compile_s = 0.0
-        return plan
+        entry = self.replay.cache.get(key)
+        if entry is not None and entry.hits and entry.hits % self.probe_every == 0:
+            # as _refreshed: the stored plan was made with the costs of its
+            # time (padded groups split or not), so now and then plan anew
+            fresh = STRATEGIES['depth'].plan(nodes)
+            if len(fresh.steps) < len(entry.steps):
+                self.replay.store(key, fresh)       # its recipes learned anew
+                return fresh
+        return self.replay.plan(nodes, summary, key)
 
     def wants_step_times(self, every):
         """Flushes whose measurement is still missing: depth, agenda or

@@ -95,8 +95,8 @@ def run_compiled(plan):
     distinct = [group.distinct(ctx) for group in groups]
     inputs = []
     for kind, what in program.feeds:
-        if kind == 'param':
-            inputs.append(what.data(ctx))
+        if kind == 'param':                 # (a weak reference, see flush_program)
+            inputs.append(what().data(ctx))
         elif kind == 'const':
             inputs.append(what)
         elif kind == 'hoist_rows':

@@ -53,6 +53,7 @@ row layout of every output does not).
 import json
 import re
 import threading
+import weakref
 
 import mxnet as mx
 import numpy as np
@@ -772,7 +773,7 @@ def _take_along(out, moved, source, name, index=INVERSE):
 
 class FlushProgram:
     """A whole plan compiled into one CachedOp: ``feeds`` says per input
-    whether it is a parameter, a constant (a recorded gather index or a zero
+    whether it is a parameter (a weak reference to it), a constant (a recorded gather index or a zero
     row), host rows to read from the flush (``('host', (step, item))``), a
     hoisted group's distinct host rows (``('hoist_rows', (group, k))``) or
     its inverse (``('hoist_inverse', group)``); ``out_counts`` says how many
@@ -890,7 +891,10 @@ def flush_program(steps, recipes, hoists=()):
         symbol = program(**{name: value for name, value in bind.items() if name in wanted})
         outputs.append([symbol[i] for i in range(len(symbol.list_outputs()))])
     group = mx.sym.Group([out for outs in outputs for out in outs])
-    feeds = [('param', params[name]) if name in params else spec[name]
+    # parameters by weak reference: a program kept by a plan cache must not
+    # keep a dropped model's parameters alive (its plan, whose signatures
+    # are gone, is never run again: see CachedPlan)
+    feeds = [('param', weakref.ref(params[name])) if name in params else spec[name]
              for name in group.list_inputs()]
     return FlushProgram(group, feeds, [len(outs) for outs in outputs],
                         [members for _, members in hoists], ctx)

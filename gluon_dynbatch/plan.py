@@ -21,6 +21,7 @@ family when the block allows zero-padded lists (``pad_lists``).
 """
 import threading
 import time
+import weakref
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -458,7 +459,13 @@ class CachedPlan(Strategy):
     (it is in use again): one that comes back less often would be dropped
     again before its next hit, and evaluating a fixed split of 197
     minibatches again and again recompiled every one each time (~8 ms
-    each), so ``auto`` ran 0.5x ``depth``."""
+    each), so ``auto`` ran 0.5x ``depth``.
+
+    A stored plan holds its signatures by weak reference, and a compiled
+    program its parameters: a cache lives as long as the process (the
+    shared ``'cached'`` and ``'auto'`` strategies), and must not keep a
+    model the user dropped in memory; a plan whose blocks are gone is
+    dropped when its structure comes back."""
     name = 'cached'
 
     def __init__(self, fallback=None, capacity=4096, compile_after=2, max_compiled=64,
@@ -497,6 +504,10 @@ class CachedPlan(Strategy):
             key, entry = self.lookup(nodes, summary)
         else:
             entry = self.cache.get(key)
+        sigs = None if entry is None else [sig() for sig, _, _ in entry.steps]
+        if sigs is not None and None in sigs:   # a block it ran is gone: so is the plan
+            self._drop(key)
+            entry = None
         if entry is None:
             self.misses += 1
             plan = self.fallback.plan(nodes)
@@ -511,7 +522,8 @@ class CachedPlan(Strategy):
         if entry.dropped and self.hits - entry.last_hit <= self.max_compiled:
             entry.dropped = False           # in use again (see the class)
         entry.last_hit = self.hits
-        steps = tuple(BatchStep(sig, rows(nodes), ragged) for sig, rows, ragged in entry.steps)
+        steps = tuple(BatchStep(sig, rows(nodes), ragged)
+                      for sig, (_, rows, ragged) in zip(sigs, entry.steps))
         if autograd.is_recording():
             # never compiled for training: one program's backward writes a
             # (zero) gradient to every parameter it reads, and a Trainer then
@@ -549,16 +561,20 @@ class CachedPlan(Strategy):
         step) to be learned by its first hit."""
         calls = sum(len(step.nodes) for step in plan.steps)
         if key in self.cache:                  # replacing a stale plan
-            self.compiled.pop(key, None)
-            self.calls -= self.cache.pop(key).calls
+            self._drop(key)
         while self.cache and (len(self.cache) >= self.capacity or
                               self.calls + calls > self.max_calls):
-            old_key = next(iter(self.cache))
-            self.calls -= self.cache.pop(old_key).calls
-            self.compiled.pop(old_key, None)
-        self.cache[key] = _Entry([(step.sig, _picker([n.pos for n in step.nodes]), step.ragged)
-                                  for step in plan.steps], [None] * len(plan.steps), calls)
+            self._drop(next(iter(self.cache)))
+        # signatures by weak reference: a plan must not keep the blocks it
+        # ran (and their parameters) alive after the user dropped them
+        self.cache[key] = _Entry([(weakref.ref(step.sig), _picker([n.pos for n in step.nodes]),
+                                   step.ragged) for step in plan.steps],
+                                 [None] * len(plan.steps), calls)
         self.calls += calls
+
+    def _drop(self, key):
+        self.calls -= self.cache.pop(key).calls
+        self.compiled.pop(key, None)
 
 
 def _picker(positions):
@@ -571,7 +587,8 @@ def _picker(positions):
 
 
 class _Entry:
-    """A cached plan: steps as (signature, picker of its nodes, ragged), recipes, how
+    """A cached plan: steps as (weak reference to the signature, picker of
+    its nodes, ragged), recipes, how
     often it was reused and when last (the strategy's hit count then), its
     compiled program once there is one, whether that program was dropped
     (see :class:`CachedPlan`), and its number of calls."""

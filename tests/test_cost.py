@@ -312,6 +312,42 @@ def test_a_miss_runs_as_its_fallback_and_the_first_hit_learns_recipes():
     assert learned == [0, steps, steps]
 
 
+@pytest.mark.parametrize('make', [lambda: dyb.CachedPlan(compile_after=1),
+                                  lambda: dyb.Auto(model=dyb.CostModel())],
+                         ids=['compiled cached plan', 'auto replaying small flushes'])
+@pytest.mark.parametrize('train', [False, True])
+def test_stored_plans_do_not_keep_dropped_blocks_alive(make, train):
+    """The cached strategies live as long as the process (the shared
+    ``'auto'`` and ``'cached'`` ones): a plan they stored held its
+    signatures, so the blocks and parameters of a model the user dropped
+    stayed in memory (found by a review).  They now hold signatures by
+    weak reference, and a compiled program its parameters; a plan whose
+    blocks are gone is dropped when its structure comes back."""
+    import gc
+    import weakref
+    strategy = make()
+
+    def use_a_model():
+        node, rng, trees, enc = small_tree_lstm(20, 6, 5, (3, 7))
+        for _ in range(4):
+            ids = rng.randint(0, 20, 12).astype(np.float32)
+            with autograd.record(train_mode=train) if train else autograd.pause():
+                with dyb.batching(strategy, merge_repeats=False):
+                    got = [enc(t, ids)[0] for t in trees]
+                dyb.concat_rows(got).wait_to_read()
+        return (weakref.ref(node), weakref.ref(node.cell.i2h.weight),
+                dyb.stats()['last']['strategy'])
+
+    node, weight, last = use_a_model()
+    assert last == ('cached' if train else 'cached-compiled') if isinstance(
+        strategy, dyb.CachedPlan) else last == 'cached'
+    gc.collect()
+    assert node() is None and weight() is None
+    node, weight, _ = use_a_model()     # same structure, new blocks: correct, and dropped
+    gc.collect()
+    assert node() is None and weight() is None
+
+
 def test_a_dropped_compiled_plan_replays_its_recipes_until_it_is_in_use_again():
     """More structures reused in turn than compiled programs are kept (a
     fixed evaluation split, minibatch after minibatch): each is compiled
@@ -731,6 +767,14 @@ def test_where_agenda_makes_depths_steps_depth_runs():
     with dyb.batching(auto):
         record_trees(cell, batches[0])
     assert auto.last['choice'] == 'agenda'
+    # depth takes agenda's place, not the one after it (a review: a
+    # strategy ranked between them ran)
+    auto._same_sizes[kind] = True
+    auto._corrected = lambda raw, sized: {'agenda': (0.0, 1.0), 'per-sample': (0.0, 1.05),
+                                          'depth': (0.0, 1.1)}
+    with dyb.batching(auto):
+        record_trees(cell, batches[0])
+    assert auto.last['choice'] == 'depth'
 
 
 def test_a_repeating_summary_is_not_explored(monkeypatch):
@@ -817,13 +861,24 @@ def test_auto_replays_small_flushes_that_come_back():
             block.weight.set_data(block.weight.data() * 0.5)
         assert_same(run_both(tree, [block], strategy=auto))
         plans.append(dyb.stats()['last']['strategy'])
+    # the storing flush runs depth's plan, and counts as depth
     assert plans == ['depth', 'cached-miss:depth', 'cached', 'cached', 'cached']
-    assert auto.choices == {'depth': 1, 'cached': 4} and auto.last['choice'] == 'cached'
+    assert auto.choices == {'depth': 2, 'cached': 3} and auto.last['choice'] == 'cached'
     assert len(auto.replay.cache) == 1 and not auto.replay.compiled    # never compiled
-    with dyb.batching(auto):                    # inference replays too
+    with dyb.batching(auto):                    # inference replays recipes learned in training
         out = tree()[0]
     np.testing.assert_allclose(out.data.asnumpy(), tree()[0].asnumpy(), rtol=1e-5, atol=1e-6)
     assert dyb.stats()['last']['strategy'] == 'cached' and not auto.replay.compiled
+    for sighting in range(4):   # recipes learned in inference, replayed in training
+        if sighting < 3:
+            with dyb.batching(auto):
+                out = tree(3)[0]
+            np.testing.assert_allclose(out.data.asnumpy(), tree(3)[0].asnumpy(), rtol=1e-5,
+                                       atol=1e-6)
+        else:
+            assert_same(run_both(lambda: tree(3), [block], strategy=auto))
+        plans.append(dyb.stats()['last']['strategy'])
+    assert plans[5:] == ['depth', 'cached-miss:depth', 'cached', 'cached']
     for _ in range(3):          # two steps: planned by depth every time
         assert_same(run_both(lambda: tree(2), [block], strategy=auto))
         assert dyb.stats()['last']['strategy'] == 'depth'

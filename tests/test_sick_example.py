@@ -241,7 +241,7 @@ def test_script_malformed_data_and_bad_paths_fail_clearly(sick_dir, tmp_path):
     (['--wd', '-1'], r'--wd: -1; give a number >= 0'),
     (['--epochs', 'x'], r"--epochs: 'x' is not a whole number"),
     (['--test-limit', '-1'], r'--test-limit: -1; give a number >= 0')])
-def test_script_rejects_bad_numbers_before_loading_anything(argv, message, tmp_path):
+def test_script_rejects_bad_numbers_with_a_message(argv, message, tmp_path):
     """Sizes of 0 ended in a trace failure's traceback, a negative one in
     Gluon's bare AssertionError, and --threads 0 was exported as
     OMP_NUM_THREADS (found by a review): argparse refuses them, exit 2."""
