@@ -464,8 +464,8 @@ class Auto(Strategy):
         sized = (kind, len(nodes).bit_length())
         predictions = self._corrected(raw, sized)
         ranked = sorted(predictions, key=lambda k: sum(predictions[k]))
-        first, second = ranked.index('agenda'), ranked.index('depth')
-        if first < second and self._same_plans(sized):
+        if 'agenda' in predictions and 'depth' in predictions and self._same_plans(sized) \
+                and ranked.index('agenda') < ranked.index('depth'):
             # Where agenda makes depth's steps, depth's plan does as well for
             # less: its analysis is never slower per node, and reading the
             # results after it cost less (at SICK minibatch 4 agenda's took
@@ -473,6 +473,7 @@ class Auto(Strategy):
             # model does not price.  Their predictions then differ only by
             # the learned analysis costs, whose noise once had auto run
             # agenda in 64 of 64 flushes there (1.07-1.10x depth).
+            first, second = ranked.index('agenda'), ranked.index('depth')
             ranked[first], ranked[second] = 'depth', 'agenda'
         if 'cached' not in predictions:
             # (a repeating summary is decided by measured totals, and the

@@ -465,7 +465,7 @@ class CachedPlan(Strategy):
     program its parameters: a cache lives as long as the process (the
     shared ``'cached'`` and ``'auto'`` strategies), and must not keep a
     model the user dropped in memory; a plan whose blocks are gone is
-    dropped when its structure comes back."""
+    dropped at the next lookup or store."""
     name = 'cached'
 
     def __init__(self, fallback=None, capacity=4096, compile_after=2, max_compiled=64,
@@ -483,6 +483,7 @@ class CachedPlan(Strategy):
         self.max_compiled = max_compiled
         self.cache = {}
         self.compiled = OrderedDict()      # key -> entry holding a program, in use order
+        self._gone = []     # keys of entries a signature of which was freed (see store)
         self.hits = self.misses = 0
         self.last_compile_s = 0.0
 
@@ -500,12 +501,14 @@ class CachedPlan(Strategy):
 
     def _plan(self, nodes, summary, key):
         self.last_compile_s = 0.0
+        if self._gone:
+            self._drop_gone()
         if key is None:
             key, entry = self.lookup(nodes, summary)
         else:
             entry = self.cache.get(key)
         sigs = None if entry is None else [sig() for sig, _, _ in entry.steps]
-        if sigs is not None and None in sigs:   # a block it ran is gone: so is the plan
+        if sigs is not None and None in sigs:   # freed since _drop_gone: drop it now
             self._drop(key)
             entry = None
         if entry is None:
@@ -560,21 +563,42 @@ class CachedPlan(Strategy):
         """Remember ``plan`` under structure ``key``, its recipes (None per
         step) to be learned by its first hit."""
         calls = sum(len(step.nodes) for step in plan.steps)
+        if self._gone:
+            self._drop_gone()
         if key in self.cache:                  # replacing a stale plan
             self._drop(key)
         while self.cache and (len(self.cache) >= self.capacity or
                               self.calls + calls > self.max_calls):
             self._drop(next(iter(self.cache)))
         # signatures by weak reference: a plan must not keep the blocks it
-        # ran (and their parameters) alive after the user dropped them
-        self.cache[key] = _Entry([(weakref.ref(step.sig), _picker([n.pos for n in step.nodes]),
-                                   step.ragged) for step in plan.steps],
+        # ran (and their parameters) alive after the user dropped them; a
+        # freed one notes the key (and nothing else: the callback may run
+        # in any thread, at any allocation) for _drop_gone.  Keys are never
+        # reused (signature ids only grow), so such a plan cannot be met again
+        gone = self._gone
+
+        def freed(_, key=key):
+            gone.append(key)
+        self.cache[key] = _Entry([(weakref.ref(step.sig, freed),
+                                   _picker([n.pos for n in step.nodes]), step.ragged)
+                                  for step in plan.steps],
                                  [None] * len(plan.steps), calls)
         self.calls += calls
 
     def _drop(self, key):
         self.calls -= self.cache.pop(key).calls
         self.compiled.pop(key, None)
+
+    def _drop_gone(self):
+        """Drop the plans whose blocks were freed: their compiled programs
+        hold memory (static buffers, constants on the device) and would
+        otherwise wait to be pushed out by newer plans (a review measured
+        8-24 MB a dropped Tree-LSTM of hidden size 512)."""
+        while self._gone:
+            key = self._gone.pop()
+            entry = self.cache.get(key)
+            if entry is not None and any(sig() is None for sig, _, _ in entry.steps):
+                self._drop(key)
 
 
 def _picker(positions):

@@ -321,31 +321,40 @@ def test_stored_plans_do_not_keep_dropped_blocks_alive(make, train):
     ``'auto'`` and ``'cached'`` ones): a plan they stored held its
     signatures, so the blocks and parameters of a model the user dropped
     stayed in memory (found by a review).  They now hold signatures by
-    weak reference, and a compiled program its parameters; a plan whose
-    blocks are gone is dropped when its structure comes back."""
+    weak reference, and a compiled program its parameters; the plans of a
+    freed model are dropped at the next lookup (a second review: their
+    keys never come back, and compiled programs hold device memory)."""
     import gc
     import weakref
     strategy = make()
+    cache = strategy if isinstance(strategy, dyb.CachedPlan) else strategy.replay
+    kept = []
 
     def use_a_model():
         node, rng, trees, enc = small_tree_lstm(20, 6, 5, (3, 7))
+        kept.append(node)
         for _ in range(4):
             ids = rng.randint(0, 20, 12).astype(np.float32)
             with autograd.record(train_mode=train) if train else autograd.pause():
                 with dyb.batching(strategy, merge_repeats=False):
                     got = [enc(t, ids)[0] for t in trees]
                 dyb.concat_rows(got).wait_to_read()
-        return (weakref.ref(node), weakref.ref(node.cell.i2h.weight),
-                dyb.stats()['last']['strategy'])
+        return weakref.ref(node), weakref.ref(node.cell.i2h.weight)
 
-    node, weight, last = use_a_model()
-    assert last == ('cached' if train else 'cached-compiled') if isinstance(
-        strategy, dyb.CachedPlan) else last == 'cached'
-    gc.collect()
-    assert node() is None and weight() is None
-    node, weight, _ = use_a_model()     # same structure, new blocks: correct, and dropped
-    gc.collect()
-    assert node() is None and weight() is None
+    def freed(refs):
+        kept.clear()
+        gc.collect()
+        return all(ref() is None for ref in refs)
+
+    first = use_a_model()
+    assert dyb.stats()['last']['strategy'] == \
+        ('cached-compiled' if cache is strategy and not train else 'cached')
+    assert len(cache.cache) == 1 and freed(first)
+    second = use_a_model()      # the same structure, new blocks: the first plan is dropped
+    assert len(cache.cache) == 1 and cache.calls == next(iter(cache.cache.values())).calls
+    assert all(sig() is not None for sig, _, _ in next(iter(cache.cache.values())).steps)
+    assert len(cache.compiled) == (0 if train or cache is not strategy else 1)
+    assert freed(second)
 
 
 def test_a_dropped_compiled_plan_replays_its_recipes_until_it_is_in_use_again():
@@ -889,6 +898,50 @@ def test_auto_replays_small_flushes_that_come_back():
             assert dyb.stats()['last']['strategy'] == 'depth'
     finally:
         accel.enable(True)
+
+
+@pytest.mark.skipif(accel.Tape is None, reason='structure keys come from the C recorder')
+@pytest.mark.parametrize('train', [False, True])
+def test_a_replayed_small_plan_is_planned_anew_now_and_then(monkeypatch, train):
+    """A small flush's plan is stored early, with the costs known then
+    (here a tiny step cost: padded groups split into many steps); every
+    ``probe_every``-th replay plans by depth again and, with fewer steps,
+    runs and stores that plan (its recipes learned at the next sighting).
+    Values and gradients stay per-sample's throughout (a review: nothing
+    tested the refresh)."""
+    from gluon_dynbatch import plan as plan_module
+    from gluon_dynbatch.plan import PADDING_COST
+    monkeypatch.setattr(plan_module, 'RAGGED', False)       # padded groups: split or not
+    monkeypatch.setitem(PADDING_COST, 'family_step_us', {})
+    monkeypatch.setitem(PADDING_COST, 'step_us', 0.001)
+    cell = dyb.DynBatchBlock(ChildSumTreeLSTMCell(4, 3))
+    cell.initialize()
+    rng = np.random.RandomState(11)
+    trees = [random_tree(rng, n, 6) for n in (6, 8, 10)]
+    model = dyb.CostModel()
+    monkeypatch.setattr(model, 'observe_steps', lambda plan, seconds: None)    # costs fixed
+    auto = dyb.Auto(model=model, probe_every=2)
+    want = [o.asnumpy() for o in record_trees(cell, trees)]
+    ran = []
+    for sighting in range(8):
+        if sighting == 3:
+            PADDING_COST['step_us'] = 1e9                   # now steps cost: fewer of them
+        if train:
+            assert_same(run_both(lambda: record_trees(cell, trees), [cell], strategy=auto))
+        else:
+            with dyb.batching(auto):
+                got = record_trees(cell, trees)
+            for a, b in zip(got, want):
+                np.testing.assert_allclose(a.asnumpy(), b, rtol=1e-5, atol=1e-6)
+        last = dyb.stats()['last']
+        (entry,) = auto.replay.cache.values() if sighting else (None,)
+        ran.append((last['strategy'], last['steps'], entry and len(entry.steps)))
+    split, fewer = ran[1][2], ran[4][1]
+    assert fewer < split
+    assert ran == [('depth', split, None), ('cached-miss:depth', split, split),
+                   ('cached', split, split), ('cached', split, split),
+                   ('depth', fewer, fewer), ('cached', fewer, fewer),
+                   ('cached', fewer, fewer), ('cached', fewer, fewer)]
 
 
 @pytest.mark.parametrize('strategy', ['depth', 'agenda', 'auto'])
