@@ -17,7 +17,15 @@ Workloads (inference; every output is brought to the host with ``asnumpy``):
 * ``dag`` - a random DAG: each node averages 1..3 random earlier nodes
   (three signatures, no padding), hidden 64;
 * ``sick-repeat B=n`` - the *same* SICK minibatch again and again, where a
-  cached plan can be reused.
+  cached plan can be reused;
+* where little or nothing batches, so that ``auto`` must not cost more than
+  it saves: ``long chain`` (800-1,000 calls of one block), ``read each
+  call`` (a chain whose loop reads every value: one-call flushes),
+  ``layered dag`` (32 calls wide, 6 deep, new random wiring each
+  minibatch: depth moves unread calls to one wide last step, agenda runs
+  each layer in one) and ``repeated small`` (Gluon's ``LSTMCell`` over
+  one sequence of 12, 16 or 20 tokens at a time: small flushes whose
+  structure comes back, which ``auto`` replays).
 
 Per workload and strategy (every strategy of ``gluon_dynbatch.STRATEGIES``,
 plus ``plain``: the same per-sample code called outside any scope, i.e. plain
@@ -126,13 +134,14 @@ def settings(args):
         cfg = dict(sick_sizes=[1, 4, 16, 64], repeat_size=16, repeats=3, pairs_per_size=24,
                    warm_batches=[(1, 10), (4, 4), (16, 2)],
                    chains=(8, 60), bushy_trees=12, dag_nodes=150, cap=1500, synthetic_repeats=3,
-                   same_repeats=3, long_chain=(80, 100), read_each=20, layered_dag=(8, 3))
+                   same_repeats=3, long_chain=(80, 100), read_each=20, layered_dag=(8, 3),
+                   repeated_small=(6, 8))
     else:
         cfg = dict(sick_sizes=[1, 4, 16, 64, 256, 1024], repeat_size=256, repeats=7,
                    pairs_per_size=256, warm_batches=[(1, 30), (4, 15), (16, 8), (64, 3)],
                    chains=(32, 200), bushy_trees=64, dag_nodes=600, cap=4500,
                    synthetic_repeats=31, same_repeats=21, long_chain=(800, 1000), read_each=50,
-                   layered_dag=(32, 6))
+                   layered_dag=(32, 6), repeated_small=(12, 16, 20))
     if args.repeats:
         cfg['repeats'] = args.repeats
     if args.per_sample_cap is not None:
@@ -383,6 +392,52 @@ class ReadEachWorkload(Workload):
             return self._forward(self.dcell, batch).asnumpy()
 
 
+class RepeatedSmallWorkload(Workload):
+    """Gluon's own ``LSTMCell`` over one sequence at a time (minibatch 1)
+    whose length is one of a few: every flush is small (under
+    ``Auto.small`` calls, planned without deciding) and its structure
+    comes back, so ``auto`` replays stored plans where ``depth`` plans
+    every flush anew; a chain, so nothing batches."""
+
+    def __init__(self, mx, dyb, lengths, seed, n_batches=1):
+        super().__init__('repeated small')
+        import numpy as np
+        self.mx, self.dyb = mx, dyb
+        self.cell = mx.gluon.rnn.LSTMCell(SYN_HIDDEN, input_size=SYN_HIDDEN,
+                                          prefix='repeated_lstm_')
+        self.cell.initialize(mx.init.Xavier())
+        self.dcell = dyb.DynBatchBlock(self.cell)
+        self.dblocks = [self.dcell]
+        self.zeros = mx.nd.zeros((1, SYN_HIDDEN))
+        rng = np.random.RandomState(seed + 5)
+
+        def make():
+            x = rng.uniform(-1, 1, (int(rng.choice(lengths)), SYN_HIDDEN)).astype('float32')
+            return [mx.nd.array(x[i:i + 1]) for i in range(len(x))]
+        # every length seen twice before timing: its plan is stored
+        self.warmup = [make() for _ in range(3 * len(lengths))]
+        self.batches = [make() for _ in range(n_batches)]
+        self.note = 'a Gluon LSTMCell over one sequence of %s tokens (one of these lengths, ' \
+                    'at random), minibatch 1, hidden %d' % (
+                        '/'.join(str(n) for n in lengths), SYN_HIDDEN)
+
+    def nodes(self, batch):
+        return len(batch)
+
+    def _forward(self, cell, tokens):
+        states = [self.zeros, self.zeros]
+        for x in tokens:
+            out, states = cell(x, states)
+        return out
+
+    def run(self, strategy, batch):
+        if strategy == PLAIN:
+            return self._forward(self.cell, batch).asnumpy()
+        with self.dyb.batching(strategy):
+            out = self._forward(self.dcell, batch)
+        return out.asnumpy()
+
+
 class BushyWorkload(Workload):
     """Shallow trees (root, 2 more levels) of arity up to 8; node inputs are
     host numpy rows (as token ids are for the Tree-LSTM)."""
@@ -596,6 +651,8 @@ def build_workloads(mx, dyb, args, cfg):
     workloads.append(ReadEachWorkload(mx, dyb, cfg['read_each'], args.seed, n_batches=reps))
     width, layers = cfg['layered_dag']
     workloads.append(LayeredDagWorkload(mx, dyb, width, layers, args.seed, n_batches=reps))
+    workloads.append(RepeatedSmallWorkload(mx, dyb, cfg['repeated_small'], args.seed,
+                                           n_batches=reps))
     return workloads, model, warm_pool
 
 

@@ -27,7 +27,7 @@ def test_tradeoff_quick(tmp_path):
     assert {'sick', 'sick-repeat', 'synthetic'} <= kinds
     names = {w['name'] for w in res['workloads']}
     assert {'sick B=1', 'chains', 'bushy', 'dag', 'long chain', 'read each call',
-            'layered dag'} <= names
+            'layered dag', 'repeated small'} <= names
 
     for w in res['workloads']:
         cells = w['strategies']
@@ -46,7 +46,7 @@ def test_tradeoff_quick(tmp_path):
         # per-sample runs one call per step; batching strategies fewer,
         # except where nothing can batch
         assert cells['per-sample']['steps'] == cells['per-sample']['nodes']
-        if w['name'] in ('long chain', 'read each call'):
+        if w['name'] in ('long chain', 'read each call', 'repeated small'):
             assert cells['depth']['steps'] == cells['per-sample']['steps']
         else:
             assert cells['depth']['steps'] < cells['per-sample']['steps']
