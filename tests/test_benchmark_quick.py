@@ -151,6 +151,7 @@ def test_quick_cells_benchmark(tmp_path):
     run_benchmark('bench_cells.py', '--quick', '--out', tmp_path)
     res = json.loads((tmp_path / 'cells.json').read_text())
     assert set(res['results']) == {'LSTMCell', 'GRUCell'}
+    assert res['config']['processes'] == 'one per cell'     # merged from two processes
     for cell, settings in res['results'].items():
         assert set(settings) == {'infer B=4', 'train B=4'}
         for name, forms in settings.items():
