@@ -549,8 +549,8 @@ class Auto(Strategy):
         if entry is not None and entry.hits and entry.hits % self.probe_every == 0:
             # as _refreshed: the stored plan was made with the costs of its
             # time (padded groups split or not), so now and then plan anew
-            fresh = STRATEGIES['depth'].plan(nodes)
-            if len(fresh.steps) < len(entry.steps):
+            fresh = _fewer_steps(nodes, entry)
+            if fresh is not None:
                 self.replay.store(key, fresh)       # its recipes learned anew
                 return fresh
         return self.replay.plan(nodes, summary, key)
@@ -730,8 +730,8 @@ class Auto(Strategy):
         record = self._repeat(fingerprint)
         if record.sightings % self.probe_every:
             return None
-        fresh = STRATEGIES['depth'].plan(nodes)
-        if len(fresh.steps) >= len(entry.steps):
+        fresh = _fewer_steps(nodes, entry)
+        if fresh is None:
             return None
         record.best_ms.pop('cached', None)
         record.cached_runs = 0
@@ -830,6 +830,14 @@ class Auto(Strategy):
             self._observe_run(name, sum(step_seconds) * 1e3 if timed else None)
         if name == 'agenda':
             self._observe_agenda(len(plan.steps), self.last['depth_steps'], self.last['kind'])
+
+
+def _fewer_steps(nodes, entry):
+    """Depth's plan of ``nodes`` now, if it has fewer steps than the
+    stored plan ``entry`` (made with the costs known when it was stored),
+    else None."""
+    fresh = STRATEGIES['depth'].plan(nodes)
+    return fresh if len(fresh.steps) < len(entry.steps) else None
 
 
 def _alike(sizes, others):

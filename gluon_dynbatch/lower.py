@@ -773,10 +773,11 @@ def _take_along(out, moved, source, name, index=INVERSE):
 
 class FlushProgram:
     """A whole plan compiled into one CachedOp: ``feeds`` says per input
-    whether it is a parameter (a weak reference to it), a constant (a recorded gather index or a zero
-    row), host rows to read from the flush (``('host', (step, item))``), a
-    hoisted group's distinct host rows (``('hoist_rows', (group, k))``) or
-    its inverse (``('hoist_inverse', group)``); ``out_counts`` says how many
+    whether it is a parameter (a weak reference to it), a constant (a
+    recorded gather index or a zero row), host rows to read from the flush
+    (``('host', (step, item))``), a hoisted group's distinct host rows
+    (``('hoist_rows', (group, k))``) or its inverse (``('hoist_inverse',
+    group)``); ``out_counts`` says how many
     of the outputs belong to each step, ``hoists`` per hoisted group its
     members ``(step, host items, rows)``.  Only for inference: see
     :class:`~.plan.CachedPlan`."""

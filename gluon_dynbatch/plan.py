@@ -507,10 +507,6 @@ class CachedPlan(Strategy):
             key, entry = self.lookup(nodes, summary)
         else:
             entry = self.cache.get(key)
-        sigs = None if entry is None else [sig() for sig, _, _ in entry.steps]
-        if sigs is not None and None in sigs:   # freed since _drop_gone: drop it now
-            self._drop(key)
-            entry = None
         if entry is None:
             self.misses += 1
             plan = self.fallback.plan(nodes)
@@ -525,8 +521,8 @@ class CachedPlan(Strategy):
         if entry.dropped and self.hits - entry.last_hit <= self.max_compiled:
             entry.dropped = False           # in use again (see the class)
         entry.last_hit = self.hits
-        steps = tuple(BatchStep(sig, rows(nodes), ragged)
-                      for sig, (_, rows, ragged) in zip(sigs, entry.steps))
+        # (alive: the key names this flush's signatures, which its nodes hold)
+        steps = tuple(BatchStep(sig(), rows(nodes), ragged) for sig, rows, ragged in entry.steps)
         if autograd.is_recording():
             # never compiled for training: one program's backward writes a
             # (zero) gradient to every parameter it reads, and a Trainer then
@@ -612,10 +608,10 @@ def _picker(positions):
 
 class _Entry:
     """A cached plan: steps as (weak reference to the signature, picker of
-    its nodes, ragged), recipes, how
-    often it was reused and when last (the strategy's hit count then), its
-    compiled program once there is one, whether that program was dropped
-    (see :class:`CachedPlan`), and its number of calls."""
+    its nodes, ragged), recipes, how often it was reused and when last (the
+    strategy's hit count then), its compiled program once there is one,
+    whether that program was dropped (see :class:`CachedPlan`), and its
+    number of calls."""
     __slots__ = ('steps', 'recipes', 'hits', 'last_hit', 'program', 'uncompilable', 'dropped',
                  'calls')
 

@@ -73,13 +73,15 @@ def build_parser():
                    help='pairs per batching scope (and per optimizer step) in training')
     p.add_argument('--eval-batch-size', type=POSITIVE, default=256,
                    help='pairs per batching scope when evaluating')
-    p.add_argument('--lr', type=_number(float, 0, strict=True), default=0.05, help='Adagrad learning rate')
+    p.add_argument('--lr', type=_number(float, 0, strict=True), default=0.05,
+                   help='Adagrad learning rate')
     p.add_argument('--optimizer', choices=('fusedadagrad', 'adagrad'), default='fusedadagrad',
                    help="Adagrad as gluon_dynbatch.FusedAdaGrad (one op per parameter) or "
                         "MXNet's own (the same update, ~10 ops per dense parameter)")
     p.add_argument('--wd', type=_number(float, 0), default=1e-4,
                    help='weight decay (L2) on every parameter but the embeddings')
-    p.add_argument('--seed', type=COUNT, default=0, help='seeds weights, data order and random embeddings')
+    p.add_argument('--seed', type=COUNT, default=0,
+                   help='seeds weights, data order and random embeddings')
     p.add_argument('--embed-size', type=POSITIVE, default=300,
                    help='size of random embeddings (a --embeddings file sets its own)')
     p.add_argument('--hidden-size', type=POSITIVE, default=150,
@@ -97,7 +99,8 @@ def build_parser():
     p.add_argument('--threads', type=POSITIVE, default=1,
                    help='OpenMP threads (sets OMP_NUM_THREADS before MXNet loads)')
     p.add_argument('--out', default=None, help='output folder (None: runs/sick-<mode>)')
-    p.add_argument('--no-progress', action='store_true', help='no tqdm progress bars (there are none when stderr is not a terminal)')
+    p.add_argument('--no-progress', action='store_true',
+                   help='no tqdm progress bars (there are none when stderr is not a terminal)')
     return p
 
 
