@@ -21,10 +21,12 @@ import time
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results'))
-    p.add_argument('--data', default=None)
-    p.add_argument('--seed', type=int, default=0)
-    p.add_argument('--repeats', type=int, default=3)
+    p.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results'),
+                   help='folder for arity.json (default: benchmarks/results)')
+    p.add_argument('--data', default=None,
+                   help='SICK folder (else $GLUON_DYNBATCH_SICK, else ../shared/data/sick)')
+    p.add_argument('--seed', type=int, default=0, help='data order and parameters')
+    p.add_argument('--repeats', type=int, default=3, help='timed repeats per variant')
     p.add_argument('--pairs', type=int, default=1000, help='pairs per timed repeat')
     args = p.parse_args()
     os.environ.setdefault('MXNET_ENGINE_TYPE', 'NaiveEngine')

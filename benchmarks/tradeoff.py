@@ -110,8 +110,9 @@ def build_parser():
                    help='largest graph (nodes) on which plain and per-sample run '
                         '(default 4500; quick 1500)')
     p.add_argument('--tol', type=float, default=1e-4, help='output equality tolerance')
-    p.add_argument('--seed', type=int, default=0)
-    p.add_argument('--no-plot', action='store_true')
+    p.add_argument('--seed', type=int, default=0,
+                   help='data order, synthetic graphs and parameters')
+    p.add_argument('--no-plot', action='store_true', help='write no PNG')
     p.add_argument('--no-static-copy', action='store_true',
                    help='do not copy the PNG to docs/_static/tradeoff.png')
     return p

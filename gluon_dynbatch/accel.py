@@ -1,6 +1,6 @@
 """Optional C fast paths for the work done once per recorded call.
 
-Recording costs ~3 us a call in Python, and the per-node work of planning
+Recording costs ~2.5 us a call in Python, and the per-node work of planning
 and running a flush about as much again: together a third of a batched SICK
 minibatch of 256.  ``_speedups.c`` does the common case of the hot
 functions in C:

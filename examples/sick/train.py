@@ -110,7 +110,7 @@ def configure_env(threads):
     default, named explicitly) unless ``MXNET_ENGINE_TYPE`` is already set.
     With one thread its worker runs the operators on the second core while
     Python records the next steps: the fastest setting for ``auto`` in the
-    five latest settings sweeps on the 2-core development VM,
+    four latest settings sweeps on the 2-core development VM,
     and this script's training ran 1.55x faster than under the NaiveEngine
     (1,141-1,296 against 774-826 pairs/s), with the same losses."""
     os.environ['OMP_NUM_THREADS'] = str(threads)
