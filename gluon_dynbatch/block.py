@@ -459,6 +459,20 @@ def private_scope(strategy):
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
+def _per_sample_advice(reason):
+    """What a user can do about a block that runs per sample for
+    ``reason`` (``check_batch_safe``'s), as a sentence or ''."""
+    if 'has no batching rule' in reason:
+        return ('If that op acts on each row alone, register a rule '
+                '(gluon_dynbatch.register_batching_rule); not for an op that mixes rows, '
+                'as BatchNorm does in training. ')
+    if reason.startswith('an output does not depend'):
+        return ('An output computed from parameters or constants alone is the same for '
+                'every sample: compute it outside the block (or in a block of its own, '
+                'called once). ')
+    return ''
+
+
 def _user_stacklevel():
     """``stacklevel`` for a warning given here that points at the user's
     line: the first frame outside gluon_dynbatch (the C recorder adds no
@@ -698,16 +712,16 @@ def check_padding_is_neutral(dblock, sig, padded):
             flat_short, flat_long = [], []
             flatten([short_out], flat_short)
             flatten([long_out], flat_long)
-            for a, b in zip(flat_short, flat_long):
+            for out, (a, b) in enumerate(zip(flat_short, flat_long)):
                 a, b = a.asnumpy(), b.asnumpy()
                 if a.shape != b.shape:
                     raise InputError(
                         'block %s declares pad_lists, but padding its list arguments with '
-                        'zeros from %s to %s changes the shape of its output from %s to %s%s. '
+                        'zeros (%s) changes the shape of its output %d from %s to %s%s. '
                         'Pass pad_lists=False to DynBatchBlock (calls of different list '
                         'lengths then run as separate groups).' % (
-                            dblock.block.name, sig.fmt, padded.fmt, a.shape, b.shape,
-                            _shifted_outputs(runs, sig, padded)))
+                            dblock.block.name, _padding_text(sig.fmt, padded.fmt), out,
+                            a.shape, b.shape, _shifted_outputs(runs, sig, padded)))
                 # float32 rounding, which longer sums order differently, grows
                 # with the values (random parameters make larger ones: ~3e-7
                 # of the largest output at a Tree-LSTM's sizes)
@@ -717,11 +731,11 @@ def check_padding_is_neutral(dblock, sig, padded):
                 if not np.allclose(a, b, rtol=1e-5, atol=atol, equal_nan=True):
                     raise InputError(
                         'block %s declares pad_lists, but padding its list arguments with '
-                        'zeros from %s to %s changes its output (inputs drawn from [%g, %g], '
+                        'zeros (%s) changes its output %d (inputs drawn from [%g, %g], '
                         '%s)%s. Pass pad_lists=False to DynBatchBlock (calls of different list '
                         'lengths then run as separate groups).' % (
-                            dblock.block.name, sig.fmt, padded.fmt, low, high, parameters,
-                            _shifted_outputs(runs, sig, padded)))
+                            dblock.block.name, _padding_text(sig.fmt, padded.fmt), out, low,
+                            high, parameters, _shifted_outputs(runs, sig, padded)))
         # the other arguments zero here: they may be ids, which a gradient
         # lookup checks (the values above are clipped)
         elements = _list_elements(sig.fmt, leaves)
@@ -746,10 +760,20 @@ def check_padding_is_neutral(dblock, sig, padded):
             if not np.allclose(a, b, rtol=1e-5, atol=atol, equal_nan=True):
                 raise InputError(
                     'block %s declares pad_lists, but padding its list arguments with zeros '
-                    'from %s to %s changes the gradient of %s (inputs drawn from [%g, %g], '
-                    'random parameters), though not its output. Pass pad_lists=False to '
+                    '(%s) changes the gradient of %s (inputs drawn from [%g, %g], random '
+                    'parameters), though not its output. Pass pad_lists=False to '
                     'DynBatchBlock (calls of different list lengths then run as separate '
-                    'groups).' % (dblock.block.name, sig.fmt, padded.fmt, what, low, high))
+                    'groups).' % (dblock.block.name, _padding_text(sig.fmt, padded.fmt), what,
+                                  low, high))
+
+
+def _padding_text(short, long):
+    """``'argument #1 from 1 to 3 arrays'`` for the list arguments whose
+    lengths differ between nestings ``short`` and ``long`` (numbered from
+    0, as the other errors number arguments)."""
+    return ', '.join('argument #%d from %d to %d %s' % (
+        i, len(a), len(b), 'arrays' if all(x == 0 for x in a + b) else 'items')
+        for i, (a, b) in enumerate(zip(short, long)) if a != b)
 
 
 def _shifted_outputs(runs, sig, padded):
@@ -1017,9 +1041,9 @@ class DynBatchBlock(Block):
         if not sig.batch_safe and not self._warned:
             self._warned = True
             warnings.warn(PerSampleWarning(
-                'block %s runs per sample (correct, but one call at a time): %s. If that op acts '
-                'on each row alone, register a rule (gluon_dynbatch.register_batching_rule); '
-                'DYNBATCH_DEBUG=2 prints each flush\'s plan.' % (self.block.name, sig.reason)),
+                'block %s runs per sample (correct, but one call at a time): %s. %s'
+                'DYNBATCH_DEBUG=2 prints each flush\'s plan.'
+                % (self.block.name, sig.reason, _per_sample_advice(sig.reason))),
                 stacklevel=_user_stacklevel())
         return sig
 

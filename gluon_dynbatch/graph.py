@@ -58,8 +58,8 @@ def recorded():
 class LazyValue:
     """A block call's output that may not be computed yet.
 
-    Its ``shape`` (per sample, leading axis 1), ``dtype`` and ``context`` are
-    known at once (they are its signature's).  Reading ``.data`` or
+    Its ``shape`` (per sample, leading axis 1), ``ndim``, ``size``, ``dtype``
+    and ``context`` are known at once (they are its signature's).  Reading ``.data`` or
     ``.asnumpy()`` inside a scope runs the pending calls first (batched) and
     recording then goes on.  It is no NDArray: arithmetic, comparisons,
     ``bool()`` and indexing raise a TypeError that says how to get one.
@@ -87,6 +87,19 @@ class LazyValue:
     def context(self):
         """The MXNet context the value is computed on."""
         return self._node.sig.ctx
+
+    @property
+    def ndim(self):
+        """``len(self.shape)``, as NDArray's."""
+        return len(self.shape)
+
+    @property
+    def size(self):
+        """The number of elements, as NDArray's."""
+        size = 1
+        for dim in self.shape:
+            size *= dim
+        return size
 
     @property
     def ready(self):

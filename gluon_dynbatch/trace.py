@@ -148,10 +148,14 @@ def _trace_failure(block, fmt, shapes, err):
     name = type(err).__name__
     if text.startswith(name + ':'):     # MXNetError repeats its own name
         text = text[len(name) + 1:].strip()
+    text = text.rstrip('.')
     message = ('block %s could not be traced for arguments of per-sample shapes %s: its '
                'hybrid_forward, called with F=mx.sym and Symbols for arguments, raised %s: %s.'
                % (_block_name(block), _shapes_text(regroup(fmt, list(shapes))[0]), name, text))
-    if isinstance(err, mx.base.MXNetError):
+    # (NotImplementedForSymbol, an NDArray-only call on a Symbol, is an
+    # MXNetError too, but the block's doing, not MXNet's refusal)
+    if isinstance(err, mx.base.MXNetError) and \
+            not isinstance(err, mx.base.NotImplementedForSymbol):
         return message + (' MXNet refused an operator of the block for these arguments: the '
                           'same call outside a scope fails the same way. Check the sizes the '
                           'block was built with and the arguments (list lengths included).')
@@ -588,10 +592,38 @@ def _infer_shapes(block, symbol, known, shapes):
             'shapes (each with a leading batch axis of 1) against the block\'s parameters.%s'
             % (_block_name(block), list(shapes), _first_error_line(err), hint)) from None
     if out_shapes is None or any(s is None or 0 in s for s in out_shapes):
-        raise InputError('block %s: output shapes cannot be inferred from inputs %s; '
-                         'give its layers their input sizes (e.g. in_units).'
-                         % (_block_name(block), list(shapes)))
+        unknown = _first_unknown_shape(symbol, known)
+        if unknown is None:
+            advice = 'give its layers their input sizes (e.g. in_units).'
+        else:
+            advice = ('the first unknown shape is the output of its op %s (%s), whose inputs '
+                      'are known: its output shape depends on the input values (as '
+                      'contrib.boolean_mask\'s does), which batching must know ahead of the '
+                      'data. Call the block outside the scope, or move that op out of it.'
+                      % unknown)
+        raise InputError('block %s: output shapes cannot be inferred from inputs %s; %s'
+                         % (_block_name(block), list(shapes), advice))
     return arg_shapes, [tuple(s) for s in out_shapes], aux_shapes
+
+
+def _first_unknown_shape(symbol, known):
+    """``(op, node name)`` of the first op in ``symbol`` whose inputs all
+    have known shapes but whose output shape is unknown (an output shape
+    that depends on the data, not a deferred parameter size), else None."""
+    try:
+        nodes, _, by_name = _parse_graph(symbol, known)
+    except mx.base.MXNetError:
+        return None
+
+    def known_shape(entry):
+        shape = _entry_shape(nodes, entry, by_name)
+        return shape is not None and 0 not in shape
+
+    for index, node in enumerate(nodes):
+        if node['op'] != 'null' and all(known_shape(e) for e in node['inputs']) \
+                and not known_shape([index, 0, 0]):
+            return node['op'], node['name']
+    return None
 
 
 def _finish_deferred_init(block, symbol, arg_shapes, aux_shapes, params):

@@ -1,6 +1,7 @@
 """Behaviour of the user-facing API: laziness, scopes, plans, parameters,
 and the errors each misuse gets."""
 import contextlib
+import os
 import re
 import sys
 import threading
@@ -33,6 +34,7 @@ def test_recording_is_lazy_and_knows_shapes():
         y = block(mx.nd.ones((1, 3)))
         assert isinstance(y, dyb.LazyValue) and not y.ready
         assert y.shape == (1, 4) and y.dtype == np.float32
+        assert (y.ndim, y.size) == (2, 4)       # as NDArray's
         assert dyb.stats()['flushes'] == 0
     assert y.ready and y.data.shape == (1, 4)
     assert dyb.stats()['flushes'] == 1
@@ -642,6 +644,99 @@ def test_error_a_block_that_does_not_hybridize_names_it():
             block(mx.nd.ones((1, 3)))
     assert isinstance(info.value.__cause__, AttributeError)
     np.testing.assert_array_equal(block(mx.nd.ones((1, 3))).asnumpy(), 1)   # eager: fine
+
+
+class _ReadsNumpy(gluon.HybridBlock):
+    def hybrid_forward(self, F, x):  # pylint: disable=arguments-differ
+        return x * float(x.asnumpy().sum())        # NDArray-only: .asnumpy()
+
+
+def test_error_asnumpy_in_hybrid_forward_is_named_as_not_hybridizing():
+    """``.asnumpy()`` on a Symbol raises NotImplementedForSymbol, an
+    MXNetError: the message said MXNet refused an operator and that the
+    call fails outside a scope too (found by a review), where it runs."""
+    block = dyb.DynBatchBlock(_ReadsNumpy())
+    np.testing.assert_array_equal(block(mx.nd.ones((1, 4))).asnumpy(), 4)    # eager: fine
+    with dyb.batching():
+        with pytest.raises(dyb.InputError) as info:
+            block(mx.nd.ones((1, 4)))
+    message = str(info.value)
+    assert 'NotImplementedForSymbol' in message and 'does not hybridize' in message
+    assert 'fails the same way' not in message and '..' not in message
+
+
+class _DataDependentShape(gluon.HybridBlock):
+    def hybrid_forward(self, F, x):  # pylint: disable=arguments-differ
+        return F.contrib.boolean_mask(x, F.ones((1,)))
+
+
+def test_error_an_output_shape_that_depends_on_the_data_names_the_op():
+    """An op whose output shape depends on the values (boolean_mask) was
+    met with advice to give the block's layers their input sizes (found by
+    a review); the error now names the op."""
+    block = dyb.DynBatchBlock(_DataDependentShape())
+    np.testing.assert_array_equal(block(mx.nd.ones((1, 4))).asnumpy(), 1)    # eager: fine
+    with dyb.batching():
+        with pytest.raises(dyb.InputError, match=r'output shapes cannot be inferred.*'
+                           r'op _contrib_boolean_mask \(\w+\).*depends on the input values'):
+            block(mx.nd.ones((1, 4)))
+
+
+class _DeferredDense(gluon.HybridBlock):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        with self.name_scope():
+            self.dense = nn.Dense(3, flatten=False)
+
+    def hybrid_forward(self, F, x):  # pylint: disable=arguments-differ
+        return self.dense(F.reshape(F.contrib.boolean_mask(x, F.ones((1,))), (1, -1)))
+
+
+def test_error_unknown_shape_advice_follows_the_cause():
+    """Where an op past a data-dependent shape is a layer without input
+    sizes, the data-dependent op is still the one named (it comes first)."""
+    block = dyb.DynBatchBlock(_DeferredDense())
+    block.initialize()
+    with dyb.batching():
+        with pytest.raises(dyb.InputError, match=r'_contrib_boolean_mask'):
+            block(mx.nd.ones((1, 4)))
+
+
+class _ConstantOutput(gluon.HybridBlock):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        with self.name_scope():
+            self.const = self.params.get('const', shape=(1, 4))
+
+    def hybrid_forward(self, F, x, const):  # pylint: disable=arguments-differ
+        return x + 1, const * 2
+
+
+class _WithBatchNorm(gluon.HybridBlock):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        with self.name_scope():
+            self.norm = nn.BatchNorm(in_channels=4)
+
+    def hybrid_forward(self, F, x):  # pylint: disable=arguments-differ
+        return self.norm(x)
+
+
+@pytest.mark.parametrize('block_type, advice, not_advice', [
+    (_ConstantOutput, 'compute it outside the block', 'register a rule'),
+    (_WithBatchNorm, 'register a rule.*not for an op that mixes rows, as BatchNorm', None)])
+def test_per_sample_warning_advice_fits_the_reason(block_type, advice, not_advice):
+    """The warning for a block that runs per sample gave the same 'register
+    a rule' advice whatever the reason (found by a review): an output of
+    parameters alone needs none, and BatchNorm mixes rows in training."""
+    block = dyb.DynBatchBlock(block_type())
+    block.initialize()
+    with pytest.warns(dyb.PerSampleWarning) as caught:
+        with dyb.batching():
+            block(mx.nd.ones((1, 4)))
+    message = str(caught[0].message)
+    assert re.search(advice, message)
+    assert not_advice is None or not_advice not in message
 
 
 class _ImplicitBroadcast(gluon.HybridBlock):
@@ -1292,3 +1387,48 @@ def test_copies_and_pickles_of_a_used_block_train_on_their_own():
     assert shallow.block is block.block and not shallow._signatures
     np.testing.assert_array_equal(block.block.weight.grad().asnumpy(), expected)
     np.testing.assert_allclose(weight_grad(shallow), expected, rtol=1e-6)
+
+
+class _SineDense(gluon.HybridBlock):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        with self.name_scope():
+            self.dense = nn.Dense(3, in_units=3)
+
+    def hybrid_forward(self, F, x):  # pylint: disable=arguments-differ
+        return F.sin(self.dense(x))
+
+
+@pytest.mark.parametrize('block, error', [
+    (_SineDense, 'CachedOp does not support higher order gradients'),
+    (lambda: nn.Dense(3, in_units=3), 'Operator _backward_Concat is non-differentiable')])
+def test_higher_order_gradients_raise_mxnets_errors_as_the_quickstart_says(block, error):
+    """Batched steps are CachedOps and gathers, whose backward MXNet 1.9.1
+    cannot differentiate again; the quickstart quotes both errors (found by
+    a review) and says to make such calls outside a scope, where the same
+    code works."""
+    wrapped = dyb.DynBatchBlock(block())
+    wrapped.initialize()
+    xs = [mx.nd.array(np.random.RandomState(i).randn(1, 3)) for i in range(3)]
+    for x in xs:
+        x.attach_grad()
+
+    def penalty(call):
+        with autograd.record():
+            values = call()
+            grads = autograd.grad(values, xs, head_grads=[mx.nd.ones((1, 3))] * 3,
+                                  create_graph=True)
+            total = sum((g * g).sum() for g in grads)
+        total.backward()
+        return total.asscalar()
+
+    def batched():
+        with dyb.batching():
+            values = [wrapped(x) for x in xs]
+        return [v.data for v in values]
+
+    with pytest.raises(mx.base.MXNetError, match=error):
+        penalty(batched)
+    assert np.isfinite(penalty(lambda: [wrapped(x) for x in xs]))    # outside a scope
+    with open(os.path.join(os.path.dirname(__file__), '..', 'docs', 'quickstart.rst')) as f:
+        assert ' '.join(error.split()) in ' '.join(f.read().split())
