@@ -6,7 +6,8 @@ scope that runs what it holds every K calls (``batching(flush_every=K)``)
 lets the worker compute one part of a minibatch while Python records the
 next; each flush batches fewer calls, so K trades overlap against batching.
 This script runs the same minibatches (a different one per repeat, so
-structures do not repeat) with one flush per minibatch (twice: the spread
+structures do not repeat; past the end of the split the pairs are shuffled
+into new minibatches) with one flush per minibatch (twice: the spread
 between the two identical forms is the harness's noise), with each K and
 with the default (``flush_every='auto'``, the form ``auto``), in an order
 shuffled every repeat (a rotated order made each form always follow the
@@ -80,7 +81,13 @@ def main():
         start = 0
         for repeat in range(args.repeats + 2):          # two warm-up minibatches
             if start + batch > len(items):
+                # new minibatches on each pass: a minibatch met again would
+                # run its cached plan where its structure repeats, which the
+                # parts of a scope that follows the engine (cut by timing)
+                # rarely do, biasing against it
                 start = 0
+                shuffle = order_rng.permutation(len(items))
+                items, targets = [items[i] for i in shuffle], targets[shuffle]
             pairs, target = items[start:start + batch], targets[start:start + batch]
             start += batch
             for name in order_rng.permutation(names):

@@ -66,6 +66,17 @@ part runs a step per depth, so more parts make more, smaller steps."""
 PIPELINE_CHECK = 256
 """While the worker still runs the last part, such a scope looks again
 every this many calls."""
+PIPELINE_TAIL = 1024
+"""Such a scope runs no part that would leave fewer than this many calls
+to record, by the size of this thread's last such scope (minibatches of
+one size come back), nor one within this many calls past that size (after
+which the scope is longer than predicted and runs parts again): a last
+part of a few hundred calls still runs a step per depth, and measured
+0.92-0.95x one flush at SICK inference 128 and 192, where the first part
+fell just short of the whole minibatch; with a last part of ~700 calls
+pipelining was even, with ~1,400 1.13x (``benchmarks/bench_pipeline.py``;
+with this rule 1.01-1.03x at 128 and 192)."""
+_SIZES = threading.local()      # .last: calls of this thread's last scope that followed the engine
 
 
 def autograd_mode():
@@ -96,7 +107,7 @@ class BatchingScope:
     slots."""
     __slots__ = ('strategy', 'pending', 'record_s', 'groups', 'used', 'unsafe', 'tape',
                  'flush_at', 'flush_every', 'follow_engine', 'marker', 'mode', 'thread',
-                 'repeats', 'repeated')
+                 'repeats', 'repeated', 'flushed', 'expected')
 
     def __init__(self, strategy, flush_every=None, follow_engine=False, merge_repeats=True):
         self.strategy = strategy
@@ -105,6 +116,9 @@ class BatchingScope:
         # calls pending when the recorder calls pipeline()
         self.flush_at = PIPELINE_FIRST if follow_engine else self.flush_every
         self.marker = None   # follow_engine: set by the engine once it ran most of the last part
+        self.flushed = 0     # calls run so far
+        # follow_engine: the calls this scope will likely record (see PIPELINE_TAIL)
+        self.expected = getattr(_SIZES, 'last', None) if follow_engine else None
         self.pending = []
         self.record_s = 0.0
         self.groups = {}     # (depth, family) -> calls
@@ -217,7 +231,21 @@ class BatchingScope:
                 len(self.pending) < self.flush_every and not done(self.marker):
             self.flush_at = min(len(self.pending) + PIPELINE_CHECK, self.flush_every)
             return
+        if self.expected is not None and len(self.pending) < self.flush_every:
+            left = self.expected - self.flushed - len(self.pending)
+            if -PIPELINE_TAIL < left < PIPELINE_TAIL:
+                # near the end this thread's scopes had: record on into one
+                # last part (and look again, should this scope be longer)
+                self.flush_at = min(len(self.pending) + PIPELINE_TAIL, self.flush_every)
+                return
         self.flush()
+
+    def close(self):
+        """Run what is pending as the scope exits normally, and note its
+        size for the next scope of this thread (:data:`PIPELINE_TAIL`)."""
+        self.flush()
+        if self.follow_engine:
+            _SIZES.last = self.flushed
 
     def flush(self):
         """Plan and run every pending call, under the autograd state they
@@ -236,6 +264,7 @@ class BatchingScope:
 
     def _flush(self):
         nodes = self.pending        # failed, not left pending, if take() is interrupted
+        self.flushed += len(nodes)
         repeated, self.repeated = self.repeated, 0
         try:
             nodes, summary = self.take()
@@ -342,7 +371,10 @@ def batching(strategy='auto', flush_every='auto', merge_repeats=True):
         the engine's worker has run most of the part before, and at the
         latest every
         :data:`PIPELINE_CALLS` calls (without the C extension, which
-        pushes the markers that tell: every :data:`PIPELINE_CALLS` calls);
+        pushes the markers that tell: every :data:`PIPELINE_CALLS` calls),
+        but no part that would leave a last one of fewer than
+        :data:`PIPELINE_TAIL` calls by the size of the thread's last such
+        scope;
         otherwise never: the NaiveEngine runs operators in the calling thread, so
         smaller flushes would only batch less, and in training the backward
         pass, which cannot start before the last flush, runs more and
@@ -409,7 +441,7 @@ def batching(strategy='auto', flush_every='auto', merge_repeats=True):
         scope.abandon()
         raise
     else:
-        scope.flush()
+        scope.close()
     finally:
         _LOCAL.scope = None
         _resume_collector()

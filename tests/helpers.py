@@ -105,15 +105,19 @@ class _GateProp(mx.operator.CustomOpProp):
         return Gate()
 
 
-def follow_engine(monkeypatch, first, check, most, marker_done, next_=None):
+def follow_engine(monkeypatch, first, check, most, marker_done, next_=None, tail=0):
     """Make scopes that open now follow the engine (as under a threaded
     engine with the C extension), with small PIPELINE_FIRST / NEXT (by
-    default ``first``) / CHECK / CALLS, and ``marker_done(marker)`` saying
-    whether the engine has run the last part; skips the test without the
-    extension's markers."""
+    default ``first``) / CHECK / CALLS / TAIL (by default 0: parts run
+    whatever size this thread's last scope had, which starts unknown), and
+    ``marker_done(marker)`` saying whether the engine has run the last part;
+    skips the test without the extension's markers."""
+    import threading
     from gluon_dynbatch import accel, block
     if accel.push_marker is None:
         pytest.skip(accel.STATUS)
+    monkeypatch.setattr(block, '_SIZES', threading.local())
+    monkeypatch.setattr(block, 'PIPELINE_TAIL', tail)
     monkeypatch.setattr(block, 'threaded_engine', lambda: True)
     monkeypatch.setattr(block, 'PIPELINE_FIRST', first)
     monkeypatch.setattr(block, 'PIPELINE_NEXT', first if next_ is None else next_)

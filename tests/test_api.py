@@ -449,6 +449,41 @@ def test_scope_following_the_engine_runs_a_part_when_the_worker_is_done(monkeypa
     assert ys[-1].ready and scope.marker is not None
 
 
+def test_scope_following_the_engine_leaves_no_small_last_part(monkeypatch):
+    """A scope that follows the engine runs no part that would leave fewer
+    than PIPELINE_TAIL calls, by the size of this thread's last such scope:
+    a small last part still runs a step per depth (0.92-0.95x one flush at
+    SICK inference 128 and 192).  Past that size by PIPELINE_TAIL, the
+    scope is longer than predicted and runs parts again (it looks every
+    PIPELINE_TAIL calls)."""
+    follow_engine(monkeypatch, first=3, check=2, most=50, marker_done=lambda m: True,
+                  next_=4, tail=5)
+    block = dense()
+
+    def parts(calls):
+        """The sizes of the parts a scope of ``calls`` chained calls runs."""
+        sizes = []
+        with dyb.batching('depth') as scope:
+            y = block(mx.nd.ones((1, 3)))
+            for _ in range(calls - 1):
+                before = scope.flushed
+                y = block(y)
+                if scope.flushed > before:
+                    sizes.append(scope.flushed - before)
+            last = len(scope.pending)
+        return sizes + [last], y
+    sizes, y = parts(20)            # size unknown: a part at 3, then every 4
+    assert sizes == [3, 4, 4, 4, 4, 1] and y.ready
+    sizes, _ = parts(20)            # 20 expected: no part that leaves fewer than 5
+    assert sizes == [3, 4, 4, 4, 5]
+    sizes, _ = parts(40)            # longer than expected: parts again past 20 + 5,
+    assert sizes == [3, 4, 4, 4, 14, 4, 4, 3]      # seen at the next look (29 calls)
+    sizes, _ = parts(40)            # and now 40 is expected
+    assert sizes == [3, 4, 4, 4, 4, 4, 4, 4, 4, 5]
+    monkeypatch.setattr(dyb.block, 'PIPELINE_TAIL', 0)     # off: as with no size known
+    assert parts(20)[0] == [3, 4, 4, 4, 4, 1]
+
+
 def test_a_part_marker_is_pushed_once_most_of_its_calls_are_launched(monkeypatch):
     """A part's marker goes behind the step by which all but PIPELINE_LEAD
     of its calls are launched, pushed right then (the engine's worker runs
