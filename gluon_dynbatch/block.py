@@ -68,15 +68,30 @@ PIPELINE_CHECK = 256
 every this many calls."""
 PIPELINE_TAIL = 1024
 """Such a scope runs no part that would leave fewer than this many calls
-to record, by the size of this thread's last such scope (minibatches of
-one size come back), nor one within this many calls past that size (after
+to record, by the size of this thread's last such scope when the one
+before it had about as many (minibatches of one size come back; see
+``_expected_size``), nor one within this many calls past that size (after
 which the scope is longer than predicted and runs parts again): a last
 part of a few hundred calls still runs a step per depth, and measured
 0.92-0.95x one flush at SICK inference 128 and 192, where the first part
 fell just short of the whole minibatch; with a last part of ~700 calls
 pipelining was even, with ~1,400 1.13x (``benchmarks/bench_pipeline.py``;
-with this rule 1.01-1.03x at 128 and 192)."""
-_SIZES = threading.local()      # .last: calls of this thread's last scope that followed the engine
+with this rule 0.98-1.03x at 128 and 192 in two runs with both side by
+side, 60-80 minibatches a setting)."""
+# .last: calls of this thread's two last scopes that followed the engine
+_SIZES = threading.local()
+
+
+def _expected_size():
+    """The calls this thread's next scope that follows the engine will
+    likely record: its last such scope's, when the one before it had about
+    as many (within :data:`PIPELINE_TAIL`), else None (unknown: a
+    minibatch of another size, such as the remainder of an evaluation
+    pass, or two models taking turns)."""
+    before, last = getattr(_SIZES, 'last', (None, None))
+    if last is None or before is None or abs(last - before) >= PIPELINE_TAIL:
+        return None
+    return last
 
 
 def autograd_mode():
@@ -118,7 +133,7 @@ class BatchingScope:
         self.marker = None   # follow_engine: set by the engine once it ran most of the last part
         self.flushed = 0     # calls run so far
         # follow_engine: the calls this scope will likely record (see PIPELINE_TAIL)
-        self.expected = getattr(_SIZES, 'last', None) if follow_engine else None
+        self.expected = _expected_size() if follow_engine else None
         self.pending = []
         self.record_s = 0.0
         self.groups = {}     # (depth, family) -> calls
@@ -245,7 +260,7 @@ class BatchingScope:
         size for the next scope of this thread (:data:`PIPELINE_TAIL`)."""
         self.flush()
         if self.follow_engine:
-            _SIZES.last = self.flushed
+            _SIZES.last = getattr(_SIZES, 'last', (None, None))[1], self.flushed
 
     def flush(self):
         """Plan and run every pending call, under the autograd state they
@@ -370,11 +385,10 @@ def batching(strategy='auto', flush_every='auto', merge_repeats=True):
         what was recorded once :data:`PIPELINE_NEXT` calls are pending and
         the engine's worker has run most of the part before, and at the
         latest every
-        :data:`PIPELINE_CALLS` calls (without the C extension, which
-        pushes the markers that tell: every :data:`PIPELINE_CALLS` calls),
-        but no part that would leave a last one of fewer than
-        :data:`PIPELINE_TAIL` calls by the size of the thread's last such
-        scope;
+        :data:`PIPELINE_CALLS` calls, but no part that would leave a last
+        one of fewer than :data:`PIPELINE_TAIL` calls by the size of the
+        thread's last such scopes (without the C extension, which pushes
+        the markers that tell: every :data:`PIPELINE_CALLS` calls);
         otherwise never: the NaiveEngine runs operators in the calling thread, so
         smaller flushes would only batch less, and in training the backward
         pass, which cannot start before the last flush, runs more and
@@ -725,10 +739,11 @@ def check_padding_is_neutral(dblock, sig, padded):
         # MXNet 1.9.1 cannot build some symbols as a CachedOp that it runs
         # as NDArray calls ('control dep not found in graph')
         raise InputError(
-            'block %s declares pad_lists, but MXNet cannot run its traced symbol for lists %s '
-            'to check that claim (%s). Pass pad_lists=False to DynBatchBlock (calls of '
-            'different list lengths then run as separate groups).'
-            % (dblock.block.name, padded.fmt, str(err).strip().splitlines()[0])) from None
+            'block %s declares pad_lists, but MXNet cannot run its traced symbol for its list '
+            'arguments padded (%s) to check that claim (%s). Pass pad_lists=False to '
+            'DynBatchBlock (calls of different list lengths then run as separate groups).'
+            % (dblock.block.name, _padding_text(sig.fmt, padded.fmt),
+               str(err).strip().splitlines()[0])) from None
     for low, high in PADDING_CHECK_RANGES:
         leaves = [mx.nd.array(rng.uniform(low, high, shape), ctx=sig.ctx, dtype=dtype)
                   for shape in sig.in_shapes]
@@ -802,10 +817,10 @@ def check_padding_is_neutral(dblock, sig, padded):
 def _padding_text(short, long):
     """``'argument #1 from 1 to 3 arrays'`` for the list arguments whose
     lengths differ between nestings ``short`` and ``long`` (numbered from
-    0, as the other errors number arguments)."""
-    return ', '.join('argument #%d from %d to %d %s' % (
-        i, len(a), len(b), 'arrays' if all(x == 0 for x in a + b) else 'items')
-        for i, (a, b) in enumerate(zip(short, long)) if a != b)
+    0, as the other errors number arguments; only flat lists of arrays are
+    padded, see :meth:`DynBatchBlock._family_id`)."""
+    return ', '.join('argument #%d from %d to %d arrays' % (i, len(a), len(b))
+                     for i, (a, b) in enumerate(zip(short, long)) if a != b)
 
 
 def _shifted_outputs(runs, sig, padded):

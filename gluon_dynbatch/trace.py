@@ -620,8 +620,8 @@ def _first_unknown_shape(symbol, known):
         return shape is not None and 0 not in shape
 
     for index, node in enumerate(nodes):
-        if node['op'] != 'null' and all(known_shape(e) for e in node['inputs']) \
-                and not known_shape([index, 0, 0]):
+        if node['op'] != 'null' and node['inputs'] and \
+                all(known_shape(e) for e in node['inputs']) and not known_shape([index, 0, 0]):
             return node['op'], node['name']
     return None
 

@@ -451,9 +451,11 @@ def test_scope_following_the_engine_runs_a_part_when_the_worker_is_done(monkeypa
 
 def test_scope_following_the_engine_leaves_no_small_last_part(monkeypatch):
     """A scope that follows the engine runs no part that would leave fewer
-    than PIPELINE_TAIL calls, by the size of this thread's last such scope:
-    a small last part still runs a step per depth (0.92-0.95x one flush at
-    SICK inference 128 and 192).  Past that size by PIPELINE_TAIL, the
+    than PIPELINE_TAIL calls, by the size of this thread's last such scope
+    when the one before it had about as many: a small last part still runs
+    a step per depth (0.92-0.95x one flush at SICK inference 128 and 192).
+    A scope of another size (a remainder minibatch) makes the size
+    unknown, as it was before the rule.  Past that size by PIPELINE_TAIL, the
     scope is longer than predicted and runs parts again (it looks every
     PIPELINE_TAIL calls)."""
     follow_engine(monkeypatch, first=3, check=2, most=50, marker_done=lambda m: True,
@@ -474,13 +476,16 @@ def test_scope_following_the_engine_leaves_no_small_last_part(monkeypatch):
         return sizes + [last], y
     sizes, y = parts(20)            # size unknown: a part at 3, then every 4
     assert sizes == [3, 4, 4, 4, 4, 1] and y.ready
-    sizes, _ = parts(20)            # 20 expected: no part that leaves fewer than 5
-    assert sizes == [3, 4, 4, 4, 5]
+    assert parts(20)[0] == [3, 4, 4, 4, 4, 1]     # one size seen: still unknown
+    assert parts(20)[0] == [3, 4, 4, 4, 5]        # 20 twice: no last part under 5
     sizes, _ = parts(40)            # longer than expected: parts again past 20 + 5,
     assert sizes == [3, 4, 4, 4, 14, 4, 4, 3]      # seen at the next look (29 calls)
-    sizes, _ = parts(40)            # and now 40 is expected
-    assert sizes == [3, 4, 4, 4, 4, 4, 4, 4, 4, 5]
+    assert parts(40)[0] == [3] + [4] * 9 + [1]     # 20 then 40: unknown
+    assert parts(40)[0] == [3] + [4] * 8 + [5]     # 40 twice
+    assert parts(12)[0] == [3, 4, 4, 1]           # a remainder minibatch
+    assert parts(40)[0] == [3] + [4] * 9 + [1]     # 40 then 12: unknown, as before the rule
     monkeypatch.setattr(dyb.block, 'PIPELINE_TAIL', 0)     # off: as with no size known
+    parts(20)
     assert parts(20)[0] == [3, 4, 4, 4, 4, 1]
 
 
@@ -735,6 +740,37 @@ def test_error_unknown_shape_advice_follows_the_cause():
     with dyb.batching():
         with pytest.raises(dyb.InputError, match=r'_contrib_boolean_mask'):
             block(mx.nd.ones((1, 4)))
+
+
+class _ZeroWidthConstant(gluon.HybridBlock):
+    def hybrid_forward(self, F, x):  # pylint: disable=arguments-differ
+        return F.concat(x, F.zeros(shape=(1, 0)), dim=1)
+
+
+class _DeferredWeight(gluon.HybridBlock):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        with self.name_scope():
+            self.weight = self.params.get('weight', shape=(1, 0), allow_deferred_init=True)
+
+    def hybrid_forward(self, F, x, weight):  # pylint: disable=arguments-differ
+        return F.broadcast_mul(x, weight)
+
+
+@pytest.mark.parametrize('block_type', [_DeferredWeight, _ZeroWidthConstant])
+def test_error_unknown_shape_without_a_data_dependent_op_keeps_the_sizes_advice(block_type):
+    """A parameter whose size is left to inference, or an op of no inputs
+    with a zero-width output, is no data-dependent shape (found by a
+    review: an op of no inputs has all its inputs known): the advice stays
+    to give the block's layers their input sizes."""
+    block = dyb.DynBatchBlock(block_type())
+    block.initialize()
+    with dyb.batching():
+        with pytest.raises(dyb.InputError) as info:
+            block(mx.nd.ones((1, 4)))
+    message = str(info.value)
+    assert 'output shapes cannot be inferred' in message and 'in_units' in message
+    assert 'depends on the input values' not in message
 
 
 class _ConstantOutput(gluon.HybridBlock):
