@@ -348,8 +348,9 @@ class Auto(Strategy):
     probe_every : int
         Flushes between probes of the strategy not chosen (>= 1).
     memory : int
-        How many flush summaries it remembers for the plan cache, and how
-        many structures of small flushes (seen once, and stored).
+        How many flush summaries it remembers for the plan cache, how many
+        structures of small flushes (seen once, and stored), and for how
+        many kinds of graph (sets of blocks) it keeps what it learned.
     small, cached_trials, explore_within
         As described above.
     """
@@ -393,6 +394,7 @@ class Auto(Strategy):
         self._repeating = {}    # fingerprint -> _Repeating, for summaries with a stored plan
         self._next_probe = {}   # kind of graph -> flush number of its next probe
         self._probe_gap = {}    # kind of graph -> flushes between its probes
+        self._kinds = {}        # kinds of graph above, least recently planned first
         self._flushes = 0
         self._asked = 0         # flushes that asked wants_step_times
 
@@ -445,6 +447,7 @@ class Auto(Strategy):
         fingerprint = summary['fingerprint']
         groups = dict(fingerprint[0])
         kind = frozenset(family for _, family in groups)    # which blocks are in play
+        self._note_kind(kind)
         if summary['depth_steps'] >= len(nodes) and len(kind) == 1 and not fingerprint[1]:
             # Every call is a step of its own, of one block, all batch-safe:
             # each call then reads the one before (a chain), so no strategy
@@ -683,6 +686,29 @@ class Auto(Strategy):
             ratios = self._run_ratios[(sized, name)] = deque(maxlen=RUN_WINDOW)
         ratios.append(ratio)
         self._run_factors.setdefault(sized, {})[name] = statistics.median(ratios)
+
+    def _note_kind(self, kind):
+        """Mark ``kind`` as planned now, and forget what was learned about
+        the least recently planned kind once more than ``memory`` kinds
+        are known: block families are never reused, so a process that
+        builds model after model (a sweep, a server) would otherwise keep
+        every dropped model's entries."""
+        kinds = self._kinds
+        if kinds.pop(kind, 0) is None:     # known: to the end
+            kinds[kind] = None
+            return
+        kinds[kind] = None
+        if len(kinds) <= self.memory:
+            return
+        old = next(iter(kinds))
+        del kinds[old]
+        for table in (self._ratios, self._same_sizes, self._next_probe, self._probe_gap):
+            table.pop(old, None)
+        for key in [key for key in self._run_factors if key[0] == old]:
+            del self._run_factors[key]
+        for table in (self._run_ratios, self._last_run):
+            for key in [key for key in table if key[0][0] == old]:
+                del table[key]
 
     def _measured_runs(self, sized, name):
         """Measured runs of ``name`` on this kind and size of graph, up to

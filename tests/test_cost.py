@@ -1260,3 +1260,37 @@ def test_a_strategy_keeps_what_it_says_of_its_last_plan_per_thread():
     with dyb.batching(dyb.CachedPlan(fallback=Watching())):
         block(mx.nd.ones((1, 2)))
     assert held == [True]
+
+
+def test_auto_keeps_what_it_learned_for_at_most_memory_kinds_of_graph():
+    """Block families are never reused, so per-kind entries of a dropped
+    model stayed for the life of the process (a review noted it); past
+    ``memory`` kinds the least recently planned kind is forgotten."""
+    auto = dyb.Auto(model=dyb.CostModel(), small=1, memory=2)
+
+    def flush(block):
+        with dyb.batching(auto):
+            first = [block(mx.nd.ones((1, 3))) for _ in range(6)]
+            [block(x) for x in first]
+
+    def kinds_in_tables():
+        kinds = set(auto._ratios) | set(auto._same_sizes) | set(auto._next_probe) | \
+            set(auto._probe_gap) | {key[0] for key in auto._run_factors} | \
+            {key[0][0] for key in auto._run_ratios} | {key[0][0] for key in auto._last_run}
+        return kinds
+
+    blocks = [nn.Dense(3, in_units=3) for _ in range(3)]
+    wrapped = []
+    for block in blocks:
+        block.initialize()
+        wrapped.append(dyb.DynBatchBlock(block))
+    flush(wrapped[0])
+    first_kind = auto.last['kind']
+    flush(wrapped[1])
+    second_kind = auto.last['kind']
+    assert kinds_in_tables() == {first_kind, second_kind}
+    flush(wrapped[0])                       # planned again: now the most recent
+    flush(wrapped[2])                       # a third kind: the second one goes
+    third_kind = auto.last['kind']
+    assert kinds_in_tables() == {first_kind, third_kind}
+    assert list(auto._kinds) == [first_kind, third_kind]
