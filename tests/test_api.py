@@ -477,7 +477,12 @@ def test_scope_following_the_engine_leaves_no_small_last_part(monkeypatch):
     sizes, y = parts(20)            # size unknown: a part at 3, then every 4
     assert sizes == [3, 4, 4, 4, 4, 1] and y.ready
     assert parts(20)[0] == [3, 4, 4, 4, 4, 1]     # one size seen: still unknown
-    assert parts(20)[0] == [3, 4, 4, 4, 5]        # 20 twice: no last part under 5
+    sizes, y = parts(20)            # 20 twice: no last part under 5
+    assert sizes == [3, 4, 4, 4, 5]
+    expected = mx.nd.ones((1, 3))   # the same chain per sample, outside a scope
+    for _ in range(20):
+        expected = block(expected)
+    np.testing.assert_allclose(y.data.asnumpy(), expected.asnumpy(), rtol=1e-5, atol=1e-6)
     sizes, _ = parts(40)            # longer than expected: parts again past 20 + 5,
     assert sizes == [3, 4, 4, 4, 14, 4, 4, 3]      # seen at the next look (29 calls)
     assert parts(40)[0] == [3] + [4] * 9 + [1]     # 20 then 40: unknown
