@@ -88,6 +88,10 @@ FUNCTIONS = ('record', 'count_groups', 'depth_groups', 'agenda_groups', 'structu
 record = count_groups = depth_groups = agenda_groups = structure_key = Tape = None
 gather_index = gather_item = host_rows = host_item = finish_nodes = wrap_host = None
 push_marker = marker_done = None
+SETUP = ('configure', 'set_shape_reader', 'set_from_dlpack', 'set_engine_push',
+         'set_autograd_state', 'set_autograd_flags', 'call_method', 'ScopeSlot')
+"""What the extension must have beyond :data:`FUNCTIONS`: how it is set up,
+its ``__call__`` and its scope holder."""
 
 
 def _load():
@@ -95,6 +99,19 @@ def _load():
         return 'pure Python (GLUON_DYNBATCH_PURE_PYTHON is set)'
     try:
         from . import _speedups  # pylint: disable=import-outside-toplevel
+    except ImportError as err:
+        return 'pure Python (C extension unavailable: %s)' % err
+    # an extension built from older sources (a checkout updated without
+    # pip install -e .) is checked before anything of it is called: what it
+    # lacks, or takes in another form, must leave everything to Python, not
+    # fail the import
+    missing = [name for name in FUNCTIONS + SETUP if not hasattr(_speedups, name)]
+    if missing:
+        return 'pure Python (C extension out of date, lacks %s)' % ', '.join(missing)
+    if getattr(_speedups, 'ABI', 1) != ABI:     # same names, results of another form
+        return ('pure Python (C extension out of date: built for interface %d, this code '
+                'needs %d; rebuild it: pip install -e .)' % (getattr(_speedups, 'ABI', 1), ABI))
+    try:
         NUMPY_FIELDS[0] = _speedups.configure(
             LazyValue, Node, mx.nd.NDArray, np.ndarray, mx.current_context,
             mx.context.Context._default_ctx, lazy_results, _ZEROS,
@@ -102,19 +119,11 @@ def _load():
         _speedups.set_shape_reader(*_shape_reader())
         _speedups.set_from_dlpack(_from_dlpack())
         _speedups.set_engine_push(_c_function('MXEnginePushSyncND'))
-        if hasattr(_speedups, 'set_autograd_state'):     # else out of date: see below
-            _speedups.set_autograd_state(_c_function('MXAutogradIsRecording'),
-                                         _c_function('MXAutogradIsTraining'))
-        if hasattr(_speedups, 'set_autograd_flags'):
-            _speedups.set_autograd_flags(*_autograd_setters())
-    except (ImportError, TypeError) as err:
-        return 'pure Python (C extension unavailable: %s)' % err
-    missing = [name for name in FUNCTIONS + ('call_method',) if not hasattr(_speedups, name)]
-    if missing:     # an extension built from older sources: rebuild (pip install -e .)
-        return 'pure Python (C extension out of date, lacks %s)' % ', '.join(missing)
-    if getattr(_speedups, 'ABI', 1) != ABI:     # same names, results of another form
-        return ('pure Python (C extension out of date: built for interface %d, this code '
-                'needs %d; rebuild it: pip install -e .)' % (getattr(_speedups, 'ABI', 1), ABI))
+        _speedups.set_autograd_state(_c_function('MXAutogradIsRecording'),
+                                     _c_function('MXAutogradIsTraining'))
+        _speedups.set_autograd_flags(*_autograd_setters())
+    except TypeError as err:
+        return 'pure Python (C extension out of date: %s; rebuild it: pip install -e .)' % err
     _LOADED.update({name: getattr(_speedups, name) for name in FUNCTIONS + ('call_method',)})
     _EXTRAS['ScopeSlot'] = _speedups.ScopeSlot
     enable(True)

@@ -64,6 +64,22 @@ def test_an_extension_built_for_another_interface_is_not_used():
     assert out[1].startswith('pure Python (C extension out of date: built for interface')
 
 
+@needs_extension
+@pytest.mark.parametrize('name', ['set_engine_push', 'set_autograd_flags', 'record'])
+def test_an_extension_lacking_a_function_is_not_used(name):
+    """An extension built before a function (or a setter called at import)
+    was added leaves everything to Python: checked before anything of it is
+    called, so the import does not fail (a missing setter once raised
+    AttributeError out of ``import gluon_dynbatch``)."""
+    import subprocess
+    import sys
+    code = ('from gluon_dynbatch import accel, _speedups; del _speedups.%s; '
+            'print(accel._load())' % name)
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                         check=True).stdout.split('\n')
+    assert out[0] == 'pure Python (C extension out of date, lacks %s)' % name
+
+
 def test_environment_variable_turns_the_extension_off():
     """GLUON_DYNBATCH_PURE_PYTHON=1: nothing of the extension is used, and
     DynBatchBlock keeps its Python __call__."""
