@@ -1,7 +1,7 @@
 """Sphinx configuration for gluon_dynbatch.
 
 Builds offline (no intersphinx, builtin theme) and without the SICK data:
-importing the package never reads it.  Two small include files are written
+importing the package never reads it.  Three small include files are written
 into ``_generated/`` at configuration time:
 
 * ``rules_table.inc`` - the operators that have batching rules, read from
@@ -73,23 +73,6 @@ html_theme_options = {
 
 GENERATED = os.path.join(HERE, '_generated')
 
-# What each rule helper of gluon_dynbatch/rules.py means, for helpers without
-# a docstring; rules with a docstring use its first sentence.
-_RULE_TEXT = {
-    '_broadcast': 'Broadcasting: every batched input has the full rank, and no shared '
-                  'input of full rank has a leading dimension other than 1 (it would be '
-                  'broadcast over the batch).',
-    '_layer_norm': 'Refuses a normalisation axis that is the batch axis; needs batched data '
-                   'and shared gamma/beta.',
-    '_reshape': 'Keeps the batch axis: target shape starting with ``0``, or with ``-1`` '
-                'followed by positive sizes; no ``reverse``.',
-    '_transpose': 'The permutation keeps axis 0 first.',
-    '_dot': 'Batched, untransposed left operand and shared right operand.',
-    '_take': 'Batched data with shared indices along an axis other than 0, or shared data '
-             'indexed by batched indices along axis 0 (an embedding lookup).',
-}
-
-
 def _first_sentence(text):
     text = ' '.join(text.split())
     end = text.find('. ')
@@ -104,6 +87,8 @@ def _describe_rule(rule):
                          (c.cell_contents for c in rule.__closure__)))
         key, default = cells['key'], cells.get('default')
         text = 'Attribute ``%s`` does not name axis 0' % key
+        if cells.get('added'):
+            text += ' of the output (the op adds %d axis)' % cells['added']
         if default is None:
             text += ' (left unset it means every axis, so it is refused)'
         else:
@@ -112,9 +97,9 @@ def _describe_rule(rule):
         if cells.get('need_all_batched'):
             text += ', and every input is batched'
             call += ', need_all_batched=True'
+        if cells.get('added'):
+            call += ', added=%d' % cells['added']
         return text + '.', call + ')'
-    if name in _RULE_TEXT:
-        return _RULE_TEXT[name], name
     if rule.__doc__:
         return _first_sentence(rule.__doc__), name
     return 'See ``%s`` in ``gluon_dynbatch/rules.py``.' % name, name

@@ -60,8 +60,9 @@ while these are recorded).  Against 2,048: 1.01-1.05x at SICK inference
 PIPELINE_NEXT = 2048
 """Calls after which such a scope runs its next part if the engine's worker
 has run most of the part before (see :meth:`BatchingScope.pipeline`); a
-SICK minibatch of 256 pairs (~5,000 calls) then runs as two or three
-parts.  Parts of 1,024 or 1,536 calls ran 0.86x at inference 256: each
+SICK minibatch of 256 pairs (~5,000 calls made, ~2,900 recorded: calls
+that repeat a pending one are not, see :func:`repeat_key`) then runs as
+two parts.  Parts of 1,024 or 1,536 calls ran 0.86x at inference 256: each
 part runs a step per depth, so more parts make more, smaller steps."""
 PIPELINE_CHECK = 256
 """While the worker still runs the last part, such a scope looks again
@@ -240,7 +241,11 @@ class BatchingScope:
         busy anyway.  (MXNet cannot say whether an array is ready without
         waiting for it, so the flush pushes a *marker*, an engine operation
         that only sets a flag (``accel.push_marker``), behind the step by
-        which all but :data:`PIPELINE_LEAD` of its calls are launched.)"""
+        which all but :data:`PIPELINE_LEAD` of its calls are launched.)
+        Nor does it run one that would leave fewer than
+        :data:`PIPELINE_TAIL` calls of the size this thread's scopes had
+        (``expected``): it records on into one last part, looking again
+        every :data:`PIPELINE_TAIL` calls should this scope be longer."""
         done = accel.marker_done
         if self.marker is not None and done is not None and \
                 len(self.pending) < self.flush_every and not done(self.marker):

@@ -115,7 +115,9 @@ class StepProgram:
     its inputs, where the value comes from: ``('src', (item, part))``,
     ``('idx', item)``, ``('inverse', None)`` (see :func:`share_host_part`),
     ``('table', Parameter)`` (see :func:`read_tables`), ``('hoisted',
-    position)`` (see :func:`hoisted_rest`) or ``('param', Parameter)``.
+    position)`` (see :func:`hoisted_rest`), ``('inverse_segment', None)``
+    and ``('ragged', name)`` (a ragged step's indices, see
+    :func:`ragged_lists`) or ``('param', Parameter)``.
 
     No program that autograd records keeps its buffers between calls
     (``static_alloc``): MXNet 1.9.1 computes wrong gradients there in two
@@ -396,8 +398,8 @@ def tanh_by_sigmoid(symbol):
 def adds_by_broadcast(symbol):
     """``symbol`` with every ``elemwise_add`` made a ``broadcast_add`` (the
     same values for operands of one shape), or ``symbol`` itself when it
-    has none.  Programs that autograd records (step programs for training,
-    flushes compiled in training) get this.
+    has none.  Programs that autograd records (step programs for training)
+    get this.
 
     MXNet 1.9.1 fails otherwise (apache/mxnet issue 20293): the gradient
     of ``elemwise_add`` is one array cloned to both operands, and when an
@@ -449,9 +451,9 @@ and a batched program meets both more often than the per-sample block:
 * a weight read by ``linalg_gemm2`` (or ``linalg_gemm``) 8 times or more
   in one program: from 8 uses MXNet sums a gradient in place
   (``MXNET_EXEC_INPLACE_GRAD_SUM_CAP``), and those ops' backward does not
-  add into it, so ``W``'s gradient came out as garbage or NaN.  A compiled
-  flush (one program for every step of a plan) reaches 8 uses with one
-  use per block call.
+  add into it, so ``W``'s gradient came out as garbage or NaN.  A flush
+  compiled in training (one program for every step of a plan; no longer
+  made) reached 8 uses with one use per block call.
 
 Plain Gluon is correct in both, and so is ``hybridize()`` without
 ``static_alloc``.  Keeping the buffers made SICK training 1.00-1.02x

@@ -142,6 +142,9 @@ def _batched_data_shared_rest(op):
 
 
 def _broadcast(op):
+    """Broadcasting: every batched input has the full rank, and no shared
+    input of full rank has a leading dimension other than 1 (it would be
+    broadcast over the batch)."""
     ndim = max(len(s) for s in op.shapes if s is not None)
     for is_batched, shape in zip(op.batched, op.shapes):
         if shape is None:
@@ -200,6 +203,9 @@ def _dropout(op):
 
 
 def _reshape(op):
+    """Keeps the batch axis: a target shape starting with ``0``, or with
+    ``-1`` followed by positive sizes that hold the whole sample (one row
+    per sample); no ``reverse``."""
     shape = op.attr('shape', ())
     if op.flag('reverse'):
         return 'reshape with reverse=True'
@@ -223,6 +229,7 @@ def _size(shape):
 
 
 def _transpose(op):
+    """The permutation keeps axis 0 first."""
     axes = op.attr('axes', ())
     if not axes or axes[0] != 0:
         return 'transpose(axes=%s) moves the batch axis' % (axes,)
@@ -230,9 +237,9 @@ def _transpose(op):
 
 
 def _rank1(op):
-    """The reason ``op`` cannot batch a per-sample input of rank 1, where
-    the batch axis is the only axis, or None: such an input batched is a
-    vector whose one axis the op reads as its features."""
+    """Refuses a per-sample input of rank 1: batched, its only axis is the
+    batch axis, which the op would read as its features.  Returns the
+    reason, or None."""
     ndim = op.batched_ndim()
     if ndim is None or ndim < 2:
         return ('%s reads the only axis of a per-sample input of shape %s as its own, which '
@@ -241,6 +248,8 @@ def _rank1(op):
 
 
 def _dot(op):
+    """Batched, untransposed left operand of rank 2 or more per sample,
+    and a shared right operand."""
     if op.flag('transpose_a') or not op.batched[0] or op.batched[1]:
         return 'dot needs a batched lhs (not transposed) and a shared rhs'
     return _rank1(op)
@@ -256,6 +265,9 @@ def _fully_connected(op):
 
 
 def _take(op):
+    """Batched data with shared indices along an axis other than 0, or
+    shared data indexed by batched indices along axis 0 (an embedding
+    lookup)."""
     axis = op.attr('axis', 0)
     if op.batched[0] and not op.batched[1]:
         return op.axis_is_batch('axis', 0) and 'take along the batch axis' or None
@@ -294,6 +306,8 @@ register_batching_rule('SoftmaxActivation')(_rank1)
 
 @register_batching_rule('LayerNorm')
 def _layer_norm(op):
+    """Refuses a normalisation axis that is the batch axis; needs batched
+    data and shared gamma/beta."""
     return _axis_rule('axis', -1)(op) or _batched_data_shared_rest(op)
 register_batching_rule('concat', 'Concat')(_axis_rule('dim', 1, need_all_batched=True))
 register_batching_rule('stack')(_axis_rule('axis', 0, need_all_batched=True, added=1))
