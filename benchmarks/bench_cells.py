@@ -49,6 +49,7 @@ import contextlib
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -308,9 +309,7 @@ def traced_ops(block):
 
 
 def _median(values):
-    values = sorted(values)
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else 0.5 * (values[mid - 1] + values[mid])
+    return statistics.median(values)
 
 
 def table(all_results):

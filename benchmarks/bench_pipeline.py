@@ -112,7 +112,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, 'pipeline.json')
     with open(path, 'w') as f:
-        json.dump({'settings': vars(args), 'default_flush_every': PIPELINE_CALLS,
+        json.dump({'settings': vars(args), 'flush_every_cap': PIPELINE_CALLS,
                    'results': results}, f, indent=1)
     print('wrote', path)
 

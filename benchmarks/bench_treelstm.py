@@ -45,12 +45,12 @@ import json
 import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 DEFAULT_OUT = os.path.join(HERE, 'results')
 QUICK_OUT = os.path.join(DEFAULT_OUT, 'quick')
 
@@ -1091,10 +1091,7 @@ _SHORT_ENGINE = {'NaiveEngine': 'Naive', 'ThreadedEnginePerDevice': 'ThreadedPer
 
 
 def _median(values):
-    values = sorted(values)
-    n = len(values)
-    return None if not n else (values[n // 2] if n % 2 else 0.5 * (values[n // 2 - 1]
-                                                                    + values[n // 2]))
+    return statistics.median(values) if values else None
 
 
 def run_sweep(args):

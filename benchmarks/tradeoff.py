@@ -686,19 +686,10 @@ def warm_up_sick(dyb, model, warm_pool, cfg):
     CachedOp build or a numeric padding check (inside ``plan()``: it shows as
     analysis time)."""
     import numpy as np
+    from bench_treelstm import covering_pairs, tree_counts
     from gluon_dynbatch.plan import CachedPlan
-    covering, seen = [], set()
-    for item in warm_pool:
-        arities = set()
-        for tree in (item[1], item[3]):
-            stack = [tree]
-            while stack:
-                t = stack.pop()
-                arities.add(len(t.children))
-                stack.extend(t.children)
-        if arities - seen:
-            covering.append(item)
-            seen |= arities
+    covering = covering_pairs(warm_pool)
+    seen = tree_counts(covering)[3]
     rng = np.random.RandomState(123)
     batches = [covering]
     for size, count in cfg['warm_batches']:
@@ -722,7 +713,7 @@ def median(values):
     return float(statistics.median(values)) if values else None
 
 
-def measure(mx, dyb, workload, cfg, tol):
+def measure(dyb, workload, cfg, tol):
     """Warm up, then run every strategy on every measured minibatch (the
     unbatched ones first, then an untimed depth run, then the batched ones,
     each group in a new seeded order); return the per-strategy summary and the equivalence check."""
@@ -1229,7 +1220,7 @@ def main(argv=None):
     results = []
     for w in workloads:
         t0 = time.perf_counter()
-        res = measure(mx, dyb, w, cfg, args.tol)
+        res = measure(dyb, w, cfg, args.tol)
         res['seconds'] = time.perf_counter() - t0
         results.append(res)
         cells = res['strategies']

@@ -61,7 +61,7 @@
 #define MAX_INLINE_MARKS 64
 
 static PyTypeObject *LazyValueType, *NodeType, *NDArrayType, *NumpyType;
-static PyObject *current_context, *default_ctx_holder, *group_outputs, *zeros_fmt;
+static PyObject *current_context, *default_ctx_holder, *lazy_results_py, *zeros_fmt;
 static PyObject *ctx_dict;      /* see default_context() */
 static uint64_t ctx_dict_thread;
 static int ctx_dict_usable;
@@ -106,7 +106,7 @@ static PyObject *configure(PyObject *self, PyObject *args)
     PyObject *lazy, *node, *ndarray, *numpy_type, *probe;
     if (!PyArg_ParseTuple(args, "O!O!O!O!OOOO!O", &PyType_Type, &lazy, &PyType_Type, &node,
                           &PyType_Type, &ndarray, &PyType_Type, &numpy_type, &current_context,
-                          &default_ctx_holder, &group_outputs, &PyTuple_Type, &zeros_fmt, &probe))
+                          &default_ctx_holder, &lazy_results_py, &PyTuple_Type, &zeros_fmt, &probe))
         return NULL;
     LazyValueType = (PyTypeObject *)lazy;
     NodeType = (PyTypeObject *)node;
@@ -114,7 +114,7 @@ static PyObject *configure(PyObject *self, PyObject *args)
     NumpyType = (PyTypeObject *)numpy_type;
     Py_INCREF(lazy); Py_INCREF(node); Py_INCREF(ndarray); Py_INCREF(numpy_type);
     Py_INCREF(current_context); Py_INCREF(default_ctx_holder);
-    Py_INCREF(group_outputs); Py_INCREF(zeros_fmt);
+    Py_INCREF(lazy_results_py); Py_INCREF(zeros_fmt);
     Py_CLEAR(ctx_dict);
     ctx_dict_usable = strcmp(Py_TYPE(default_ctx_holder)->tp_name, "_thread._local") == 0;
     if (slot_offset(LazyValueType, "_node", &lv_node)
@@ -967,7 +967,7 @@ static PyObject *lazy_results(PyObject *node, int results)
         Py_XDECREF(second);
         return result;
     }
-    return PyObject_CallFunctionObjArgs(group_outputs, node, NULL);
+    return PyObject_CallFunctionObjArgs(lazy_results_py, node, NULL);
 }
 
 /* The node of what BatchingScope.repeats holds for a call (graph.repeat_node):
@@ -2750,7 +2750,7 @@ static PyObject *marker_done(PyObject *self, PyObject *capsule)
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
      "configure(LazyValue, Node, NDArray, numpy.ndarray, current_context, Context._default_ctx, "
-     "group_outputs, zeros, numpy.empty((2, 3, 5))) -> whether numpy fields are read directly"},
+     "lazy_results, zeros, numpy.empty((2, 3, 5))) -> whether numpy fields are read directly"},
     {"record", (PyCFunction)(void (*)(void))record, METH_FASTCALL,
      "record(scope, dblock, args): lazy result(s), or None to run the Python version"},
     {"structure_key", structure_key, METH_O, "structure_key(nodes): see plan.structure_key"},

@@ -164,8 +164,8 @@ class BatchingScope:
         not reused: the user's code may have changed a parameter since
         (without any sign MXNet would give).
 
-        This is the reference version; :func:`gluon_dynbatch.accel.record`
-        does the same in C for the common case, and defers to this one for
+        This is the reference version; the C extension's recorder
+        (:mod:`~gluon_dynbatch.accel`) does the same in C for the common case, and defers to this one for
         everything else (including every error)."""
         mode = autograd_mode()
         if mode != self.mode:
@@ -769,25 +769,20 @@ def check_padding_is_neutral(dblock, sig, padded):
                 if a.shape != b.shape:
                     raise InputError(
                         'block %s declares pad_lists, but padding its list arguments with '
-                        'zeros (%s) changes the shape of its output %d from %s to %s%s. '
-                        'Pass pad_lists=False to DynBatchBlock (calls of different list '
-                        'lengths then run as separate groups).' % (
-                            dblock.block.name, _padding_text(sig.fmt, padded.fmt), out,
-                            a.shape, b.shape, _shifted_outputs(runs, sig, padded)))
-                # float32 rounding, which longer sums order differently, grows
-                # with the values (random parameters make larger ones: ~3e-7
-                # of the largest output at a Tree-LSTM's sizes)
-                atol = 1e-5 * np.nanmax(np.abs(a), initial=0.1) if relative else 1e-6
-                # NaNs in the same places (a square root of a negative input)
-                # are the block's own, not padding's doing
-                if not np.allclose(a, b, rtol=1e-5, atol=atol, equal_nan=True):
+                        'zeros (%s) changes the shape of its output %d from %s to %s%s.%s'
+                        % (dblock.block.name, _padding_text(sig.fmt, padded.fmt), out,
+                           a.shape, b.shape, _shifted_outputs(runs, sig, padded),
+                           _PADDING_ADVICE))
+                # (random parameters make larger values than the block's own:
+                # their tolerance grows with the values, see _close)
+                if not _close(a, b, relative):
                     raise InputError(
                         'block %s declares pad_lists, but padding its list arguments with '
                         'zeros (%s) changes its output %d (inputs drawn from [%g, %g], '
-                        '%s)%s. Pass pad_lists=False to DynBatchBlock (calls of different list '
-                        'lengths then run as separate groups).' % (
+                        '%s)%s.%s' % (
                             dblock.block.name, _padding_text(sig.fmt, padded.fmt), out, low,
-                            high, parameters, _shifted_outputs(runs, sig, padded)))
+                            high, parameters, _shifted_outputs(runs, sig, padded),
+                            _PADDING_ADVICE))
         # the other arguments zero here: they may be ids, which a gradient
         # lookup checks (the values above are clipped)
         elements = _list_elements(sig.fmt, leaves)
@@ -808,15 +803,27 @@ def check_padding_is_neutral(dblock, sig, padded):
             # inconsistent'); the outputs were compared
             continue
         for (what, a), (_, b) in zip(short_grads, long_grads):
-            atol = 1e-5 * np.nanmax(np.abs(a), initial=0.1)
-            if not np.allclose(a, b, rtol=1e-5, atol=atol, equal_nan=True):
+            if not _close(a, b):
                 raise InputError(
                     'block %s declares pad_lists, but padding its list arguments with zeros '
                     '(%s) changes the gradient of %s (inputs drawn from [%g, %g], random '
-                    'parameters), though not its output. Pass pad_lists=False to '
-                    'DynBatchBlock (calls of different list lengths then run as separate '
-                    'groups).' % (dblock.block.name, _padding_text(sig.fmt, padded.fmt), what,
-                                  low, high))
+                    'parameters), though not its output.%s' % (
+                        dblock.block.name, _padding_text(sig.fmt, padded.fmt), what, low, high,
+                        _PADDING_ADVICE))
+
+
+_PADDING_ADVICE = (' Pass pad_lists=False to DynBatchBlock (calls of different list lengths '
+                   'then run as separate groups).')
+
+
+def _close(a, b, relative=True):
+    """Whether the padding check's outputs or gradients ``a`` and ``b``
+    agree: float32 rounding, which longer sums order differently, grows
+    with the values (random parameters make larger ones: ~3e-7 of the
+    largest output at a Tree-LSTM's sizes); NaNs in the same places are the
+    block's own.  ``relative=False``: an absolute tolerance of 1e-6."""
+    atol = 1e-5 * np.nanmax(np.abs(a), initial=0.1) if relative else 1e-6
+    return np.allclose(a, b, rtol=1e-5, atol=atol, equal_nan=True)
 
 
 def _padding_text(short, long):
@@ -861,9 +868,7 @@ def _same_when_nested(short, long):
             return True
         return False
     return walk(short, long) and longer[0] and all(
-        a.shape == b.shape and np.allclose(
-            a.asnumpy(), b.asnumpy(), rtol=1e-5, equal_nan=True,
-            atol=1e-5 * np.nanmax(np.abs(a.asnumpy()), initial=0.1)) for a, b in pairs)
+        a.shape == b.shape and _close(a.asnumpy(), b.asnumpy()) for a, b in pairs)
 
 
 def _random_parameters(sig, padded, dtype, rng):

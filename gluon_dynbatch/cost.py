@@ -819,9 +819,9 @@ class Auto(Strategy):
         if len(plan.steps) < 2 and self.last is _UNDECIDED:
             return      # nothing to learn: no decision, no line to fit
         with PLANNING:
-            self._observe(plan, step_seconds, analyse_s, nodes)
+            self._observe(plan, step_seconds, analyse_s)
 
-    def _observe(self, plan, step_seconds, analyse_s, nodes):
+    def _observe(self, plan, step_seconds, analyse_s):
         timed = step_seconds is not None
         if timed and plan.program is None:      # a compiled plan has no per-step times
             self.model.observe_steps(plan, step_seconds)

@@ -15,6 +15,8 @@ _LAST = {}
 
 
 def debug_level():
+    """``DYNBATCH_DEBUG`` as an int: 0 when unset, 1 when set to something
+    that is not a number (see the module's docstring for the levels)."""
     try:
         return int(os.environ.get('DYNBATCH_DEBUG', '0'))
     except ValueError:

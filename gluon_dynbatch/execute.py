@@ -707,33 +707,23 @@ def _gather_item(nodes, sig, item, ctx, compact=False):
                 distinct, None, None)
     spans = {s: s.spans[item] for s in {node.sig for node in nodes}}
     if compact:
-        leaves, counts = [], []
-        for node in nodes:
-            pos, length = spans[node.sig]
-            leaves += node.leaves[pos:pos + length]
-            counts.append(length)
+        leaves, counts = _list_elements(nodes, spans)
         if leaves and not isinstance(leaves[0], np.ndarray):    # host lists: padded below
             parts, index, distinct = collect(leaves, ctx)
-            index = np.arange(len(leaves), dtype=np.int32) if index is None else \
-                np.asarray(index, dtype=np.int32)
-            return parts, index, distinct, None, np.asarray(counts, dtype=np.int32)
+            return (parts, _row_index(index, len(leaves)), distinct, None,
+                    np.asarray(counts, dtype=np.int32))
     counts = None
     if len(spans) == 1 and next(iter(spans.values()))[1] == width:
         pos = next(iter(spans.values()))[0]
         leaves = [leaf for node in nodes for leaf in node.leaves[pos:pos + width]]
     else:
-        leaves, counts = [], []
-        for node in nodes:
-            pos, length = spans[node.sig]
-            leaves += node.leaves[pos:pos + length]
-            counts.append(length)
+        leaves, counts = _list_elements(nodes, spans)
     zero = None
     if counts is not None and min(counts) < width:
         zero = _zero_row(sig, item, ctx)
         leaves.append(zero)
     parts, index, distinct = collect(leaves, ctx)
-    index = np.arange(len(leaves), dtype=np.int32) if index is None else \
-        np.asarray(index, dtype=np.int32)
+    index = _row_index(index, len(leaves))
     if zero is None:
         return parts, index.reshape(len(nodes), width), distinct, None, None
     lengths = np.asarray(counts, dtype=np.int32)
@@ -741,6 +731,24 @@ def _gather_item(nodes, sig, item, ctx, compact=False):
     matrix[np.arange(width) < lengths[:, None]] = index[:-1]
     return parts, matrix, distinct, zero, lengths
 
+
+
+def _list_elements(nodes, spans):
+    """A list argument's elements, node after node (``spans``: per
+    signature, the list's position and length among a node's leaves), and
+    each node's list length."""
+    leaves, counts = [], []
+    for node in nodes:
+        pos, length = spans[node.sig]
+        leaves += node.leaves[pos:pos + length]
+        counts.append(length)
+    return leaves, counts
+
+
+def _row_index(index, rows):
+    """:func:`collect`'s index as int32, or every row in order where it
+    gave none (the rows are one source array, in order)."""
+    return np.arange(rows, dtype=np.int32) if index is None else np.asarray(index, dtype=np.int32)
 
 def _zero_row(sig, item, ctx):
     """The padding row of list argument ``item`` of ``sig``, made once per

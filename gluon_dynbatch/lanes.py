@@ -41,8 +41,9 @@ K-fold layout, so no padding element is computed.
 """
 import json
 
-import mxnet as mx
 import numpy as np
+
+from .trace import load_graph, moved_entry
 
 __all__ = ['CUT', 'SEGMENT', 'PADDED', 'vectorize_lists', 'graph_readers']
 
@@ -281,7 +282,7 @@ def _rewrite(graph, sums, dtype, training, ragged=False):
     out, moved, vector, expanded, ones, inputs = [], {}, {}, {}, {}, {}
 
     def entry(old):
-        return [moved[old[0]], old[1], 0]
+        return moved_entry(old, moved)
 
     def add(op, attrs, inputs, name=None):
         out.append({'op': op, 'name': name or 'dynbatch_lanes%d' % len(out), 'attrs': attrs,
@@ -352,7 +353,4 @@ def _rewrite(graph, sums, dtype, training, ragged=False):
             ins = [v if v is not None else shared(e, group.width)
                    for v, e in zip(ins, original['inputs'])]
         vector[id(group)] = add(op, attrs, ins)
-    graph.update(nodes=out, heads=[entry(e) for e in graph['heads']],
-                 arg_nodes=[i for i, node in enumerate(out) if node['op'] == 'null'])
-    graph.pop('node_row_ptr', None)
-    return mx.sym.load_json(json.dumps(graph))
+    return load_graph(graph, out, [entry(e) for e in graph['heads']])

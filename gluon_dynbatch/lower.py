@@ -18,8 +18,10 @@ The gathers and the block's ops compile into one CachedOp per (signature,
 gather pattern), so a step costs one CachedOp call plus its index uploads,
 whatever the arity.
 
-Host rows repeat: a minibatch of 256 SICK pairs has ~4,900 nodes but ~750
-distinct token ids.  When a step's host rows hold many repeats, the step
+Host rows repeat: a minibatch of 256 SICK pairs makes ~4,900 calls but has
+~750 distinct token ids (repeated leaf calls are merged as they are
+recorded, :func:`~gluon_dynbatch.block.repeat_key`; the internal nodes'
+ids still repeat).  When a step's host rows hold many repeats, the step
 runs on the distinct rows (``'unique'`` in its pattern) and the part of the
 block that depends on host data alone (here the embedding and the ``i2h``
 GEMM, ~75% of the model's FLOPs) runs once per distinct row; its results
@@ -40,7 +42,8 @@ When every output of a step depends on host data alone (a Tree-LSTM leaf:
 its token and nothing else), the outputs can stay one row per distinct
 host row (``'distinct'`` in the pattern): nodes with equal host rows then
 share a row, and later steps gather from the small array (at SICK minibatch
-256, 259 leaf rows instead of 2,543, in every step that reads a leaf).
+256, 259 leaf rows instead of 2,543, in every step that reads a leaf,
+before repeated leaf calls were merged as they are recorded).
 
 A cached plan whose structure keeps coming back can go one level further:
 :func:`flush_program` chains the step programs of the whole plan, their
@@ -60,7 +63,7 @@ import numpy as np
 
 from .lanes import CUT, PADDED, SEGMENT, graph_readers, vectorize_lists
 from .rules import NOT_FUNCTIONS, draws_random
-from .trace import EXACT, leaf_count, own_forms
+from .trace import EXACT, leaf_count, moved_entry, own_forms
 from .trace import load_graph as _load
 
 __all__ = ['ThreadCachedOp', 'StepProgram', 'step_program', 'element_major', 'FlushProgram',
@@ -372,13 +375,9 @@ def tanh_by_sigmoid(symbol):
     if not any(is_tanh(node) for node in nodes):
         return symbol
     out, moved = [], {}
-
-    def entry_for(entry):
-        return [moved[entry[0]], entry[1], 0]
-
     for old, node in enumerate(nodes):
         node = dict(node)
-        node['inputs'] = [entry_for(entry) for entry in node['inputs']]
+        node['inputs'] = [moved_entry(entry, moved) for entry in node['inputs']]
         if is_tanh(node):
             name = node['name']
             out.append({'op': '_mul_scalar', 'name': name + '_x2', 'attrs': {'scalar': '2'},
@@ -392,7 +391,7 @@ def tanh_by_sigmoid(symbol):
         else:
             out.append(node)
         moved[old] = len(out) - 1
-    return _load(graph, out, [entry_for(entry) for entry in graph['heads']])
+    return _load(graph, out, [moved_entry(entry, moved) for entry in graph['heads']])
 
 
 def adds_by_broadcast(symbol):
@@ -493,22 +492,18 @@ def compose_takes(symbol):
         return symbol
     skipped = set(composed.values())
     out, moved = [], {}
-
-    def entry_for(entry):
-        return [moved[entry[0]], entry[1], 0]
-
     for old, node in enumerate(nodes):
         if old in skipped:
             continue
         if old in composed:
-            source = entry_for(nodes[composed[old]]['inputs'][0])
+            source = moved_entry(nodes[composed[old]]['inputs'][0], moved)
             moved[old] = _take_along(out, moved, source, node['name'], INVERSE_SEGMENT)
             continue
         node = dict(node)
-        node['inputs'] = [entry_for(entry) for entry in node['inputs']]
+        node['inputs'] = [moved_entry(entry, moved) for entry in node['inputs']]
         moved[old] = len(out)
         out.append(node)
-    return _load(graph, out, [entry_for(entry) for entry in graph['heads']])
+    return _load(graph, out, [moved_entry(entry, moved) for entry in graph['heads']])
 
 
 def _host_kinds(nodes, host, shared):
@@ -595,12 +590,12 @@ def read_tables(symbol, host):
                 tables[name] = len(out)
                 out.append({'op': 'null', 'name': name, 'inputs': []})
             node.update(op='take', attrs={'axis': '0', 'mode': 'clip'},
-                        inputs=[[tables[name], 0, 0], [moved[data[0]], data[1], 0]])
+                        inputs=[[tables[name], 0, 0], moved_entry(data, moved)])
         else:
-            node['inputs'] = [[moved[e[0]], e[1], 0] for e in node['inputs']]
+            node['inputs'] = [moved_entry(e, moved) for e in node['inputs']]
         moved[old] = len(out)
         out.append(node)
-    return _load(graph, out, [[moved[e[0]], e[1], 0] for e in graph['heads']])
+    return _load(graph, out, [moved_entry(e, moved) for e in graph['heads']])
 
 
 def share_host_part(symbol, host, shared, expand_outputs=True):
@@ -632,10 +627,10 @@ def share_host_part(symbol, host, shared, expand_outputs=True):
         if kinds[old] == 'other':
             node['inputs'] = [expand(entry) for entry in node['inputs']]
         else:
-            node['inputs'] = [[moved[e[0]], e[1], 0] for e in node['inputs']]
+            node['inputs'] = [moved_entry(e, moved) for e in node['inputs']]
         moved[old] = len(out)
         out.append(node)
-    return _load(graph, out, [expand(entry) if expand_outputs else [moved[entry[0]], entry[1], 0]
+    return _load(graph, out, [expand(entry) if expand_outputs else moved_entry(entry, moved)
                               for entry in graph['heads']])
 
 
@@ -712,7 +707,7 @@ def split_host_part(symbol, host, shared):
     for old, node in enumerate(nodes):
         if old not in keep:
             continue
-        node = dict(node, inputs=[[moved[e[0]], e[1], 0] for e in node['inputs']])
+        node = dict(node, inputs=[moved_entry(e, moved) for e in node['inputs']])
         moved[old] = len(out)
         out.append(node)
         name = None if node['op'] != 'null' else \
@@ -746,7 +741,7 @@ def hoisted_rest(symbol, boundary):
     def entry_for(entry):
         position = wanted.get((entry[0], entry[1]))
         if position is None:
-            return [moved[entry[0]], entry[1], 0]
+            return moved_entry(entry, moved)
         if position not in taken:
             out.append({'op': 'null', 'name': HOISTED + str(position), 'inputs': []})
             taken[position] = _take_along(out, moved, [len(out) - 1, 0, 0],

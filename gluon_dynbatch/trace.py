@@ -18,7 +18,8 @@ from .errors import InputError
 from .rules import NOT_FUNCTIONS, OpView, batching_rule, draws_random
 
 __all__ = ['flatten', 'regroup', 'leaf_count', 'TracedSignature', 'trace_signature',
-           'prelu_by_ops', 'fast_forms', 'own_forms', 'load_graph']
+           'prelu_by_ops', 'fast_forms', 'own_forms', 'load_graph', 'moved_entry',
+           'is_function_of_inputs']
 
 
 _LISTS = (list, tuple)
@@ -297,7 +298,7 @@ def prelu_by_ops(symbol, known):
         return [len(out) - 1, 0, 0]
 
     for old, node in enumerate(nodes):
-        inputs = [[moved[e[0]], e[1], 0] for e in node['inputs']]
+        inputs = [moved_entry(e, moved) for e in node['inputs']]
         if not _is_prelu(node):
             out.append(dict(node, inputs=inputs))
             moved[old] = len(out) - 1
@@ -311,7 +312,7 @@ def prelu_by_ops(symbol, known):
         negative = add(name + '_neg', '_minimum_scalar', [x], {'scalar': '0.0'})
         scaled = add(name + '_scaled', 'broadcast_mul', [alpha, negative])
         moved[old] = add(name, 'broadcast_add', [positive, scaled])[0]
-    return load_graph(graph, out, [[moved[e[0]], e[1], 0] for e in graph['heads']])
+    return load_graph(graph, out, [moved_entry(e, moved) for e in graph['heads']])
 
 
 ACTIVATION_OPS = frozenset(('sigmoid', 'tanh', 'softsign'))
@@ -383,7 +384,7 @@ def fast_forms(symbol, known, types):
 
     def entry_for(entry):
         part = parts.get((entry[0], entry[1]))
-        return part if part is not None else [moved[entry[0]], entry[1], 0]
+        return part if part is not None else moved_entry(entry, moved)
 
     def add(name, op, inputs, attrs):
         while name in taken:
@@ -459,7 +460,7 @@ def own_forms(symbol):
 
     def entry_for(entry):
         part = parts.get(entry[0])
-        return [part[0], part[1], 0] if part is not None else [moved[entry[0]], entry[1], 0]
+        return [part[0], part[1], 0] if part is not None else moved_entry(entry, moved)
 
     for old, (node, mark) in enumerate(zip(nodes, marks)):
         attrs = node.get('attrs', {})
@@ -557,6 +558,12 @@ def load_graph(graph, nodes, heads):
                  arg_nodes=[i for i, node in enumerate(nodes) if node['op'] == 'null'])
     graph.pop('node_row_ptr', None)
     return mx.sym.load_json(json.dumps(graph))
+
+
+def moved_entry(entry, moved):
+    """A graph entry ``[node, output, version]`` of a rewritten graph:
+    ``entry`` with its node renumbered by ``moved`` (old index -> new)."""
+    return [moved[entry[0]], entry[1], 0]
 
 
 def _is_prelu(node):
