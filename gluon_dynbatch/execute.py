@@ -26,7 +26,8 @@ from .lower import (element_major, embedding_reads, host_part, host_split,
                     step_program)
 
 __all__ = ['run_plan', 'run_step', 'FlushTables', 'FlushHoist', 'collect', 'gather_rows',
-           'pad_leaves', 'to_device', 'threaded_engine', 'ZeroRow', 'flush_hoists',
+           'pad_leaves', 'to_device', 'threaded_engine', 'ZeroRow', 'GradFree', 'grad_free',
+           'flush_hoists',
            'RaggedInputs']
 
 NDArray = mx.nd.NDArray
@@ -190,6 +191,13 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hois
         ragged = _lay_out_lists(sig, lists, sources, indices, pattern, uploads, learned,
                                 where, ctx, step.ragged)
     host = [item for item, parts in sources.items() if type(parts[0]) is np.ndarray]
+    # recording: outputs of host data alone (and of arguments that carry no
+    # gradient) are handed out detached, as per sample
+    free = sig.grad_free_outputs((True,) * len(sig.fmt)) if tables is not None else ()
+    if free:
+        free = sig.grad_free_outputs(tuple(
+            item not in sources or all(_carries_no_gradient(part) for part in sources[item])
+            for item in range(len(sig.fmt))))
     if host and tables is not None:
         for item in tables.reads(sig, host):
             sources[item] = [tables.positions(sources[item][0])]
@@ -215,6 +223,8 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hois
     outs = program.cached_op(*inputs)
     if isinstance(outs, NDArray):
         outs = [outs]
+    if free:
+        outs = [grad_free(out) if number in free else out for number, out in enumerate(outs)]
     (accel.finish_nodes or finish_nodes_py)(nodes, outs, rows)
     return outs, learned
 
@@ -787,7 +797,41 @@ class ZeroRow:
 
     def __init__(self, shape, dtype, ctx):
         self._node, self._index, self.row = self, 0, 0
-        self.arrays = [mx.nd.zeros(shape, ctx=ctx, dtype=dtype)]
+        self.arrays = [grad_free(mx.nd.zeros(shape, ctx=ctx, dtype=dtype))]
+
+
+class GradFree(NDArray):
+    """An array that carries no gradient: a step output computed from
+    host data alone, handed out detached from autograd's graph as per-sample
+    execution would leave it (see
+    :meth:`~gluon_dynbatch.trace.TracedSignature.grad_free_outputs`), or a
+    padding row.  A step whose argument reads only such arrays passes the
+    flag on to its outputs that read nothing else."""
+    __slots__ = []
+
+
+def _carries_no_gradient(part):
+    """Whether a step's source ``part`` is outside autograd's graph: host
+    rows, a :class:`GradFree` array, or an NDArray that no recorded op made
+    and that has no gradient attached (MXNet has no cheaper way to ask
+    than for its graph's symbol, which it refuses then)."""
+    if type(part) is GradFree or type(part) is np.ndarray:
+        return True
+    handle = ctypes.c_void_p()
+    try:
+        check_call(_LIB.MXAutogradGetSymbol(part.handle, ctypes.byref(handle)))
+    except mx.base.MXNetError:
+        return True
+    check_call(_LIB.MXSymbolFree(handle))
+    return False
+
+
+def grad_free(array):
+    """``array`` detached from autograd's graph (its data shared), as a
+    :class:`GradFree`."""
+    handle = NDArrayHandle()
+    check_call(_LIB.MXNDArrayDetach(array.handle, ctypes.byref(handle)))
+    return GradFree(handle, writable=array.writable)
 
 
 def pad_leaves(fmt, leaves, padded_fmt, filler):

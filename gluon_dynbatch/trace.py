@@ -114,6 +114,8 @@ class TracedSignature:
         self.table_reads = {}   # host items -> embeddings they index (execute.FlushTables)
         self.host_splits = {}   # host items -> lower.HostSplit or None (execute.FlushHoist)
         self.ragged = None      # whether its lists can run ragged (lower.ragged_lists)
+        self._grad_free = {}    # see grad_free_outputs
+        self._reads = None
 
     def item_pos(self, item):
         """Position among the flat leaves of top-level argument ``item``'s
@@ -126,6 +128,43 @@ class TracedSignature:
         """Per-sample shape of top-level argument ``item`` (element ``elem``
         of it, for a list)."""
         return self.in_shapes[self.item_pos(item) + elem]
+
+    def grad_free_outputs(self, free_items):
+        """The flat outputs that carry no gradient when the top-level
+        arguments flagged in ``free_items`` carry none (host data, values
+        computed from host data alone): outputs that read neither another
+        argument nor a parameter that takes a gradient.  Per sample MXNet
+        does not record such an output (``pos + 1`` of a numpy position);
+        batched, it is an output of a step that autograd records, and a
+        later ``Embedding`` reading it as indices then fails in backward
+        (it takes no gradient for its data), so the step hands it out
+        detached (:func:`~gluon_dynbatch.execute.grad_free`).  Cached per
+        flags and parameters' ``grad_req``."""
+        key = (free_items, tuple(p.grad_req != 'null' for _, p in self.param_slots))
+        free = self._grad_free.get(key)
+        if free is None:
+            carrying = {self.input_names[i] for (i, _), takes in zip(self.param_slots, key[1])
+                        if takes}
+            for item, (pos, width) in enumerate(self.spans):
+                if not free_items[item]:
+                    carrying.update(self.data_names[pos:pos + width])
+            free = self._grad_free[key] = tuple(
+                out for out, names in enumerate(self._output_inputs()) if not names & carrying)
+        return free
+
+    def _output_inputs(self):
+        """Per flat output, the names of the inputs it depends on."""
+        reads = self._reads
+        if reads is None:
+            graph = json.loads(self.symbol.tojson())
+            nodes, below = graph['nodes'], []
+            for node in nodes:
+                names = {node['name']} if node['op'] == 'null' else set()
+                for entry in node['inputs']:
+                    names |= below[entry[0]]
+                below.append(frozenset(names))
+            reads = self._reads = [below[head[0]] for head in graph['heads']]
+        return reads
 
     def describe(self):
         shapes = ', '.join(str(s) for s in self.out_shapes)
@@ -322,7 +361,8 @@ MKLDNN's makes a NaN 0, where the ``relu`` op keeps it."""
 
 EXACT = '__dynbatch_exact__'
 """Attribute of the ``Activation`` nodes :func:`fast_forms` made, holding
-the op the block wrote, whose values must not change further
+the op the block wrote (``'Activation'`` for a block's own ``tanh`` of
+another dtype than float32), whose values must not change further
 (:func:`~gluon_dynbatch.lower.tanh_by_sigmoid` leaves them alone; see
 :func:`own_forms`)."""
 
@@ -370,10 +410,10 @@ def fast_forms(symbol, known, types):
     graph = json.loads(symbol.tojson())
     nodes = graph['nodes']
     ops = {node['op'] for node in nodes}
-    if not ops & (ACTIVATION_OPS | SPLIT_OPS | CONCAT_OPS):
+    if not ops & (ACTIVATION_OPS | SPLIT_OPS | CONCAT_OPS | {'Activation'}):
         return symbol
     by_name = _parse_graph(symbol, known)[2] if ops & (SPLIT_OPS | CONCAT_OPS) else {}
-    dtypes = _entry_types(symbol, types) if ops & ACTIVATION_OPS else {}
+    dtypes = _entry_types(symbol, types) if ops & (ACTIVATION_OPS | {'Activation'}) else {}
     readers = {}                # (node, output) -> ops reading it
     for node in nodes:
         for entry in node['inputs']:
@@ -419,8 +459,15 @@ def fast_forms(symbol, known, types):
         elif op in ACTIVATION_OPS and \
                 _entry_value(nodes, node['inputs'][0], dtypes) is np.float32:
             node = dict(node, op='Activation', attrs=dict(hidden, act_type=op, **{EXACT: op}))
+        elif op == 'Activation' and node.get('attrs', {}).get('act_type') == 'tanh' and \
+                _entry_value(nodes, node['inputs'][0], dtypes) is not np.float32:
+            # (large float32 steps compute tanh through sigmoid, which in
+            # float16 errs by a float16 step: lower.tanh_by_sigmoid)
+            node = dict(node, attrs=dict(node['attrs'], **{EXACT: op}))
         out.append(dict(node, inputs=inputs))
         moved[old] = len(out) - 1
+    if out == nodes:
+        return symbol
     return load_graph(graph, out, [entry_for(entry) for entry in graph['heads']])
 
 
@@ -478,8 +525,9 @@ def own_forms(symbol):
             continue
         inputs = [entry_for(entry) for entry in node['inputs']]
         if EXACT in attrs:
-            hidden = {k: v for k, v in attrs.items() if k.startswith('__') and k != EXACT}
-            node = dict(node, op=attrs[EXACT], attrs=hidden)
+            kept = {k: v for k, v in attrs.items()
+                    if k != EXACT and (k.startswith('__') or attrs[EXACT] == 'Activation')}
+            node = dict(node, op=attrs[EXACT], attrs=kept)
         out.append(dict(node, inputs=inputs))
         moved[old] = len(out) - 1
     return load_graph(graph, out, [entry_for(entry) for entry in graph['heads']])
