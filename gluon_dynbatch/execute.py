@@ -814,7 +814,9 @@ def _carries_no_gradient(part):
     """Whether a step's source ``part`` is outside autograd's graph: host
     rows, a :class:`GradFree` array, or an NDArray that no recorded op made
     and that has no gradient attached (MXNet has no cheaper way to ask
-    than for its graph's symbol, which it refuses then)."""
+    than for its graph's symbol, which it refuses then: ~7 us an array,
+    ~0.7 us when it has one; asked only for a signature with an output
+    that reads no trained parameter)."""
     if type(part) is GradFree or type(part) is np.ndarray:
         return True
     handle = ctypes.c_void_p()
