@@ -27,7 +27,7 @@ from .errors import InputError, PerSampleWarning, ScopeError
 from .execute import collect, pad_leaves, run_plan, threaded_engine, to_device
 from .graph import (DONE, FAILED, PENDING, LazyValue, Node, lazy_results, recorded, repeat_node,
                     shared_results)
-from .lower import programs_built, ragged_lists
+from .lower import make_cached_op, programs_built, ragged_lists
 from .plan import SETUP, STRATEGIES, Strategy, summarize
 from .trace import flatten, leaf_count, regroup, trace_signature
 
@@ -660,8 +660,10 @@ def _signature_key(dblock, fmt, leaves, scope):
         if leaf_dtype is not dtype:
             if dtype is not None:
                 raise InputError('block %s, argument %s has dtype %s but earlier arguments have '
-                                 '%s; cast them to one dtype (token ids as float32, as MXNet\'s '
-                                 'Embedding expects).'
+                                 '%s; pass every argument of a call in one dtype (token ids as '
+                                 'float32, as MXNet\'s Embedding expects) and cast inside the '
+                                 'block where an op needs another (F.cast(length, \'int32\') '
+                                 'for softmax\'s length).'
                                  % (dblock.block.name, _leaf_path(fmt, _position(leaves, leaf)),
                                     np.dtype(leaf_dtype).name, np.dtype(dtype).name))
             dtype = leaf_dtype
@@ -739,16 +741,15 @@ def check_padding_is_neutral(dblock, sig, padded):
         return zero[shape]
     params = _random_parameters(sig, padded, dtype, np.random.RandomState(1))
     try:
-        short_op, long_op = mx.nd.CachedOp(sig.symbol), mx.nd.CachedOp(padded.symbol)
+        short_op, long_op = make_cached_op(sig.symbol)[0], make_cached_op(padded.symbol)[0]
     except mx.base.MXNetError as err:
         # MXNet 1.9.1 cannot build some symbols as a CachedOp that it runs
-        # as NDArray calls ('control dep not found in graph')
+        # as NDArray calls
         raise InputError(
             'block %s declares pad_lists, but MXNet cannot run its traced symbol for its list '
-            'arguments padded (%s) to check that claim (%s). Pass pad_lists=False to '
-            'DynBatchBlock (calls of different list lengths then run as separate groups).'
-            % (dblock.block.name, _padding_text(sig.fmt, padded.fmt),
-               str(err).strip().splitlines()[0])) from None
+            'arguments padded (%s) to check that claim (%s).%s'
+            % (dblock.block.name, _padding_text(sig.fmt, padded.fmt), _last_line(err),
+               _PADDING_ADVICE)) from None
     for low, high in PADDING_CHECK_RANGES:
         leaves = [mx.nd.array(rng.uniform(low, high, shape), ctx=sig.ctx, dtype=dtype)
                   for shape in sig.in_shapes]
@@ -814,6 +815,12 @@ def check_padding_is_neutral(dblock, sig, padded):
 
 _PADDING_ADVICE = (' Pass pad_lists=False to DynBatchBlock (calls of different list lengths '
                    'then run as separate groups).')
+
+
+def _last_line(err):
+    """What an MXNet error says, without the traceback it carries."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[-1] if lines else type(err).__name__
 
 
 def _close(a, b, relative=True):

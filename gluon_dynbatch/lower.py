@@ -66,7 +66,7 @@ from .rules import NOT_FUNCTIONS, draws_random
 from .trace import EXACT, leaf_count, moved_entry, own_forms
 from .trace import load_graph as _load
 
-__all__ = ['ThreadCachedOp', 'StepProgram', 'step_program', 'element_major', 'FlushProgram',
+__all__ = ['make_cached_op', 'ThreadCachedOp', 'StepProgram', 'step_program', 'element_major', 'FlushProgram',
            'flush_program', 'share_host_part', 'host_part', 'embedding_reads', 'read_tables',
            'HostSplit', 'host_split', 'split_host_part', 'hoisted_rest', 'ragged_lists',
            'compose_takes', 'tanh_by_sigmoid', 'adds_by_broadcast',
@@ -88,6 +88,23 @@ def _count_build():
     _BUILT.count = programs_built() + 1
 
 
+def make_cached_op(symbol, flags=()):
+    """``(CachedOp, symbol)``: a CachedOp of ``symbol``, or, where MXNet
+    1.9.1 cannot build one, of ``symbol`` with its adds made
+    ``broadcast_add`` (:func:`adds_by_broadcast`), and the symbol it runs.
+    MXNet plans a CachedOp's backward as it builds it, even for inference,
+    and fails ('control dep not found in graph') on a value read by 8 ops
+    or more through a chain of ``elemwise_add`` (a node update ``s = s +
+    xx * W h_k`` over 7 children); Gluon's ``hybridize()`` fails alike."""
+    try:
+        return mx.nd.CachedOp(symbol, flags), symbol
+    except mx.base.MXNetError as err:
+        if 'control dep not found' not in str(err):
+            raise
+    symbol = adds_by_broadcast(symbol)
+    return mx.nd.CachedOp(symbol, flags), symbol
+
+
 class ThreadCachedOp:
     """A ``CachedOp`` of ``symbol`` per thread that calls it, made at its
     first call there (the building thread's at once).  Programs live on
@@ -99,9 +116,9 @@ class ThreadCachedOp:
     __slots__ = ('symbol', 'flags', '_local')
 
     def __init__(self, symbol, flags=()):
-        self.symbol, self.flags = symbol, list(flags)
+        self.flags = list(flags)
         self._local = threading.local()
-        self._local.op = mx.nd.CachedOp(symbol, self.flags)
+        self._local.op, self.symbol = make_cached_op(symbol, self.flags)
         _count_build()
 
     def __call__(self, *args):
