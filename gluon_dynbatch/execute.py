@@ -12,6 +12,7 @@ the parameters and any user NDArrays fed in.
 import ctypes
 import operator
 import os
+import threading
 import time
 
 import mxnet as mx
@@ -742,7 +743,6 @@ def _gather_item(nodes, sig, item, ctx, compact=False):
     return parts, matrix, distinct, zero, lengths
 
 
-
 def _list_elements(nodes, spans):
     """A list argument's elements, node after node (``spans``: per
     signature, the list's position and length among a node's leaves), and
@@ -760,13 +760,18 @@ def _row_index(index, rows):
     gave none (the rows are one source array, in order)."""
     return np.arange(rows, dtype=np.int32) if index is None else np.asarray(index, dtype=np.int32)
 
+
 def _zero_row(sig, item, ctx):
     """The padding row of list argument ``item`` of ``sig``, made once per
-    (signature, argument) and shared: nothing writes to it, and making a
-    zeros array per padded step cost ~6% of a SICK minibatch of 25."""
-    zero = sig.zero_rows.get((item, ctx))
+    (signature, argument, thread) and shared: making a zeros array per
+    padded step cost ~6% of a SICK minibatch of 25.  Each thread has its
+    own: autograd gives a recorded op's inputs a graph entry, which
+    backward clears again, and threads training at once on one shared row
+    failed in backward or corrupted the heap (found by a review)."""
+    key = (item, ctx, threading.get_ident())
+    zero = sig.zero_rows.get(key)
     if zero is None:
-        zero = sig.zero_rows[(item, ctx)] = ZeroRow(sig.item_shape(item), sig.key[-2], ctx)
+        zero = sig.zero_rows[key] = ZeroRow(sig.item_shape(item), sig.key[-2], ctx)
     return zero
 
 
@@ -806,8 +811,14 @@ class GradFree(NDArray):
     execution would leave it (see
     :meth:`~gluon_dynbatch.trace.TracedSignature.grad_free_outputs`), or a
     padding row.  A step whose argument reads only such arrays passes the
-    flag on to its outputs that read nothing else."""
+    flag on to its outputs that read nothing else.  Attaching a gradient
+    to one makes it a plain ``NDArray`` again (the user may read a step's
+    output itself: :func:`~gluon_dynbatch.concat_rows`)."""
     __slots__ = []
+
+    def attach_grad(self, grad_req='write', stype=None):
+        self.__class__ = NDArray
+        return NDArray.attach_grad(self, grad_req, stype)
 
 
 def _carries_no_gradient(part):

@@ -69,7 +69,7 @@ from .trace import load_graph as _load
 __all__ = ['make_cached_op', 'ThreadCachedOp', 'StepProgram', 'step_program', 'element_major', 'FlushProgram',
            'flush_program', 'share_host_part', 'host_part', 'embedding_reads', 'read_tables',
            'HostSplit', 'host_split', 'split_host_part', 'hoisted_rest', 'ragged_lists',
-           'compose_takes', 'tanh_by_sigmoid', 'adds_by_broadcast',
+           'compose_takes', 'tanh_by_sigmoid', 'adds_by_broadcast', 'indices_without_gradient',
            'STATIC_ALLOC_UNDER_AUTOGRAD', 'INVERSE', 'INVERSE_SEGMENT']
 
 
@@ -157,7 +157,7 @@ class StepProgram:
 
     def __init__(self, symbol, feeds, training=False, rewrite_tanh=True):
         if training:
-            symbol = adds_by_broadcast(symbol)
+            symbol = indices_without_gradient(adds_by_broadcast(symbol))
         self.symbol = symbol
         self.cached_op = ThreadCachedOp(
             symbol, [('static_alloc', True)] if training and STATIC_ALLOC_UNDER_AUTOGRAD else [])
@@ -445,6 +445,41 @@ def adds_by_broadcast(symbol):
         if node['op'] == 'elemwise_add' and not opened:    # are saved as elemwise_add)
             node['op'] = 'broadcast_add'    # neither has parameters: attributes stay
     return _load(graph, nodes, graph['heads'])
+
+
+INDEXED_OPS = ('Embedding', '_contrib_SparseEmbedding')
+"""Ops that refuse a gradient for their indices (input 0)."""
+
+
+def indices_without_gradient(symbol):
+    """``symbol`` with every :data:`INDEXED_OPS` op reading its indices
+    through ``BlockGrad``, or ``symbol`` itself when it has none.
+    Programs that autograd records get this.
+
+    Per sample, MXNet records an op only when an input carries a gradient,
+    so indices computed from host data alone (an RNN step's next position,
+    ``pos + 1`` of a numpy ``pos``) stay outside autograd's graph, and
+    ``Embedding``, which refuses a gradient for its indices, reads them
+    fine.  Batched, such indices may be rows of a step output that
+    autograd recorded (the step also read parameters, or other rows of it
+    carry gradients), and backward failed ('Embedding layer doesn't
+    support calculate data gradient').  Indices have no gradient to lose."""
+    graph = json.loads(symbol.tojson())
+    nodes = graph['nodes']
+    blocked = ('BlockGrad', 'stop_gradient')
+    if not any(node['op'] in INDEXED_OPS and nodes[node['inputs'][0][0]]['op'] not in blocked
+               for node in nodes):
+        return symbol
+    out, moved = [], {}
+    for old, node in enumerate(nodes):
+        inputs = [moved_entry(entry, moved) for entry in node['inputs']]
+        if node['op'] in INDEXED_OPS and nodes[node['inputs'][0][0]]['op'] not in blocked:
+            out.append({'op': 'BlockGrad', 'name': node['name'] + '_indices', 'attrs': {},
+                        'inputs': [inputs[0]]})
+            inputs[0] = [len(out) - 1, 0, 0]
+        out.append(dict(node, inputs=inputs))
+        moved[old] = len(out) - 1
+    return _load(graph, out, [moved_entry(entry, moved) for entry in graph['heads']])
 
 
 OPEN_SHAPE_OPS = ('_zeros', '_ones', '_full', '_zeros_without_dtype')

@@ -685,3 +685,113 @@ def test_a_value_read_by_eight_ops_through_adds_runs(strategy, training, pad_lis
                 outs = [node(x, hs) for x, hs in calls]
             got = dyb.concat_rows(outs).asnumpy()
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+class NextPosition(gluon.HybridBlock):
+    """No parameters: ``pos + 1``."""
+
+    def hybrid_forward(self, F, pos):
+        return pos + 1
+
+
+class Halve(gluon.HybridBlock):
+    """No parameters: preprocessing."""
+
+    def hybrid_forward(self, F, x):
+        return x * 0.5
+
+
+@pytest.mark.parametrize('c_path', [True, False])
+@pytest.mark.parametrize('strategy', ['depth', 'agenda', 'cached', 'auto'])
+def test_indices_from_a_step_mixing_rows_with_and_without_gradients(strategy, c_path):
+    """A step whose rows mix an argument of host data (per sample: an output
+    outside autograd's graph) with one carrying a gradient stays recorded
+    whole, and an Embedding reading a host-only row as indices failed in
+    backward; training programs read indices through BlockGrad now
+    (lower.indices_without_gradient; found by a review)."""
+    from gluon_dynbatch import accel
+    nxt, look = dyb.DynBatchBlock(NextPosition()), dyb.DynBatchBlock(LookUp())
+    look.initialize(mx.init.Xavier())
+    w = mx.nd.array([0.5])
+    w.attach_grad()
+
+    def run(batched):
+        with autograd.record():
+            with dyb.batching(strategy) if batched else contextlib.nullcontext():
+                p = nxt(np.array([1.], np.float32))
+                q = nxt(w)
+                out = look(p, mx.nd.ones((1, 4)))
+            loss = (dyb.concat_rows([out]) ** 2).sum() + 3 * dyb.concat_rows([q]).sum()
+        loss.backward()
+        return [w.grad.asnumpy().copy()] + _grads(look)
+
+    was_on = accel.record is not None
+    accel.enable(c_path)
+    try:
+        want, got = run(False), run(True)
+    finally:
+        accel.enable(was_on)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('strategy', ['per-sample', 'depth', 'cached'])
+def test_a_gradient_attached_to_a_detached_output_is_kept(strategy):
+    """A step output of host data alone is handed out detached; read whole
+    (``concat_rows`` of one step's rows is that array) and given a gradient
+    by the user (saliency through a frozen model), it still passed for an
+    array carrying none, and its gradient came out zero (found by a
+    review)."""
+    prep, model = dyb.DynBatchBlock(Halve()), dyb.DynBatchBlock(TanhDense(4))
+    model.initialize(mx.init.Xavier())
+    model.collect_params().setattr('grad_req', 'null')
+    x = np.random.RandomState(0).randn(1, 4).astype(np.float32)
+
+    def run(batched):
+        with autograd.record():
+            with dyb.batching(strategy) if batched else contextlib.nullcontext():
+                inp = dyb.concat_rows([prep(x)]) if batched else prep(x)
+                inp.attach_grad()
+                out = model(inp)
+            got = dyb.concat_rows([out]) if batched else out
+            loss = (got * mx.nd.array([[1., 2., 3., 4.]])).sum()
+        loss.backward()
+        return inp.grad.asnumpy()
+
+    np.testing.assert_allclose(run(True), run(False), rtol=1e-5, atol=1e-6)
+
+
+def test_threads_train_at_once_with_padded_lists():
+    """Threads training at once, each in its own scope, on one block with
+    list arguments padded by a shared zero row failed in backward ('The any
+    container is empty', unknown shapes) or corrupted the heap: autograd
+    gives a recorded op's inputs a graph entry and backward clears it.
+    Zero rows are per thread now (found by a review)."""
+    import threading
+    cell = dyb.DynBatchBlock(ChildSumTreeLSTMCell(4, 3))
+    cell.initialize(mx.init.Xavier())
+    params = [p.data() for p in cell.collect_params().values()]
+    errors = []
+
+    def worker(seed):
+        rng = np.random.RandomState(seed)
+        try:
+            for _ in range(15):
+                with autograd.record():
+                    with dyb.batching('depth'):
+                        outs = []
+                        for _ in range(6):
+                            leaves = [cell(mx.nd.array(rng.randn(1, 3)), [], [])
+                                      for _ in range(rng.randint(1, 4))]
+                            outs.append(cell(mx.nd.array(rng.randn(1, 3)),
+                                             [h for h, _ in leaves], [c for _, c in leaves])[0])
+                    loss = (dyb.concat_rows(outs) ** 2).sum()
+                [g.asnumpy() for g in autograd.grad(loss, params)]
+        except Exception as err:        # pylint: disable=broad-except
+            errors.append(err)
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
