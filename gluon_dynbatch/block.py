@@ -29,7 +29,7 @@ from .graph import (DONE, FAILED, PENDING, LazyValue, Node, lazy_results, record
                     shared_results)
 from .lower import make_cached_op, programs_built, ragged_lists
 from .plan import SETUP, STRATEGIES, Strategy, summarize
-from .trace import flatten, leaf_count, regroup, trace_signature
+from .trace import error_line, flatten, leaf_count, regroup, trace_signature
 
 __all__ = ['DynBatchBlock', 'batching', 'concat_rows', 'current_scope', 'private_scope']
 
@@ -165,8 +165,9 @@ class BatchingScope:
         (without any sign MXNet would give).
 
         This is the reference version; the C extension's recorder
-        (:mod:`~gluon_dynbatch.accel`) does the same in C for the common case, and defers to this one for
-        everything else (including every error)."""
+        (:mod:`~gluon_dynbatch.accel`) does the same in C for the common
+        case, and defers to this one for everything else (including every
+        error)."""
         mode = autograd_mode()
         if mode != self.mode:
             if self.pending:
@@ -748,7 +749,7 @@ def check_padding_is_neutral(dblock, sig, padded):
         raise InputError(
             'block %s declares pad_lists, but MXNet cannot run its traced symbol for its list '
             'arguments padded (%s) to check that claim (%s).%s'
-            % (dblock.block.name, _padding_text(sig.fmt, padded.fmt), _last_line(err),
+            % (dblock.block.name, _padding_text(sig.fmt, padded.fmt), error_line(err),
                _PADDING_ADVICE)) from None
     for low, high in PADDING_CHECK_RANGES:
         leaves = [mx.nd.array(rng.uniform(low, high, shape), ctx=sig.ctx, dtype=dtype)
@@ -815,12 +816,6 @@ def check_padding_is_neutral(dblock, sig, padded):
 
 _PADDING_ADVICE = (' Pass pad_lists=False to DynBatchBlock (calls of different list lengths '
                    'then run as separate groups).')
-
-
-def _last_line(err):
-    """What an MXNet error says, without the traceback it carries."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return lines[-1] if lines else type(err).__name__
 
 
 def _close(a, b, relative=True):

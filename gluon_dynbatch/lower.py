@@ -66,8 +66,8 @@ from .rules import NOT_FUNCTIONS, draws_random
 from .trace import EXACT, leaf_count, moved_entry, own_forms
 from .trace import load_graph as _load
 
-__all__ = ['make_cached_op', 'ThreadCachedOp', 'StepProgram', 'step_program', 'element_major', 'FlushProgram',
-           'flush_program', 'share_host_part', 'host_part', 'embedding_reads', 'read_tables',
+__all__ = ['make_cached_op', 'ThreadCachedOp', 'StepProgram', 'step_program', 'element_major',
+           'FlushProgram', 'flush_program', 'share_host_part', 'host_part', 'embedding_reads', 'read_tables',
            'HostSplit', 'host_split', 'split_host_part', 'hoisted_rest', 'ragged_lists',
            'compose_takes', 'tanh_by_sigmoid', 'adds_by_broadcast', 'indices_without_gradient',
            'STATIC_ALLOC_UNDER_AUTOGRAD', 'INVERSE', 'INVERSE_SEGMENT']

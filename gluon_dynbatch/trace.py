@@ -19,7 +19,7 @@ from .rules import NOT_FUNCTIONS, OpView, batching_rule, draws_random
 
 __all__ = ['flatten', 'regroup', 'leaf_count', 'TracedSignature', 'trace_signature',
            'prelu_by_ops', 'fast_forms', 'own_forms', 'load_graph', 'moved_entry',
-           'is_function_of_inputs']
+           'is_function_of_inputs', 'error_line']
 
 
 _LISTS = (list, tuple)
@@ -135,11 +135,13 @@ class TracedSignature:
         computed from host data alone): outputs that read neither another
         argument nor a parameter that takes a gradient.  Per sample MXNet
         does not record such an output (``pos + 1`` of a numpy position);
-        batched, it is an output of a step that autograd records, and a
-        later ``Embedding`` reading it as indices then fails in backward
-        (it takes no gradient for its data), so the step hands it out
-        detached (:func:`~gluon_dynbatch.execute.grad_free`).  Cached per
-        flags and parameters' ``grad_req``."""
+        batched, it is an output of a step that autograd records, and an
+        ``Embedding`` of the user's own code reading it as indices fails in
+        backward (it takes no gradient for its data; the library's own
+        programs read indices through ``BlockGrad``,
+        :func:`~gluon_dynbatch.lower.indices_without_gradient`), so the step
+        hands it out detached (:func:`~gluon_dynbatch.execute.grad_free`).
+        Cached per flags and parameters' ``grad_req``."""
         key = (free_items, tuple(p.grad_req != 'null' for _, p in self.param_slots))
         free = self._grad_free.get(key)
         if free is None:
@@ -266,7 +268,7 @@ def trace_signature(sig_id, block, fmt, shapes, dtypes):
             'block %s cannot take per-sample inputs of dtype %s (its parameters are %s): %s. '
             'Cast the inputs (x.astype(...)) or the block (block.cast(...)) so that they agree.'
             % (_block_name(block), np.dtype(dtypes[0]).name if dtypes else None,
-               ', '.join(param_types) or 'none', _first_error_line(err))) from None
+               ', '.join(param_types) or 'none', error_line(err))) from None
     out_dtypes = [np.dtype(t).type for t in out_types]
     symbol = prelu_by_ops(symbol, known)
     batch_safe, reason = check_batch_safe(symbol, set(data_names), known)
@@ -627,7 +629,9 @@ def _quiet(symbol, name):
     return lambda **known: impl(False, **known)
 
 
-def _first_error_line(err):
+def error_line(err):
+    """The line of an MXNet error that says what went wrong, without the
+    traceback it carries."""
     lines = [l for l in str(err).strip().splitlines() if l.strip()]
     return next((l for l in lines if 'Error' in l and 'Traceback' not in l), lines[-1])
 
@@ -645,7 +649,7 @@ def _infer_shapes(block, symbol, known, shapes):
         raise InputError(
             'block %s cannot take per-sample inputs of shapes %s: %s. Check the argument '
             'shapes (each with a leading batch axis of 1) against the block\'s parameters.%s'
-            % (_block_name(block), list(shapes), _first_error_line(err), hint)) from None
+            % (_block_name(block), list(shapes), error_line(err), hint)) from None
     if out_shapes is None or any(s is None or 0 in s for s in out_shapes):
         unknown = _first_unknown_shape(symbol, known)
         if unknown is None:
