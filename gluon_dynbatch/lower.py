@@ -56,6 +56,7 @@ row layout of every output does not).
 import json
 import re
 import threading
+import time
 import weakref
 
 import mxnet as mx
@@ -67,9 +68,11 @@ from .trace import EXACT, leaf_count, moved_entry, own_forms
 from .trace import load_graph as _load
 
 __all__ = ['make_cached_op', 'ThreadCachedOp', 'StepProgram', 'step_program', 'element_major',
-           'FlushProgram', 'flush_program', 'share_host_part', 'host_part', 'embedding_reads', 'read_tables',
+           'FlushProgram', 'flush_program', 'share_host_part', 'host_part', 'embedding_reads',
+           'read_tables',
            'HostSplit', 'host_split', 'split_host_part', 'hoisted_rest', 'ragged_lists',
-           'compose_takes', 'tanh_by_sigmoid', 'adds_by_broadcast', 'indices_without_gradient',
+           'compose_takes', 'tanh_by_sigmoid', 'tanh_by_sigmoid_pays', 'adds_by_broadcast',
+           'indices_without_gradient',
            'STATIC_ALLOC_UNDER_AUTOGRAD', 'INVERSE', 'INVERSE_SEGMENT']
 
 
@@ -149,9 +152,10 @@ class StepProgram:
     its variant in the block's own operator forms (:func:`~.trace.own_forms`,
     for steps of a few rows) or its variant that computes ``tanh`` through
     ``sigmoid`` (:func:`tanh_by_sigmoid`), each built at first use; the
-    last only for float32 (``rewrite_tanh``): in float16 the rewrite errs
-    by ~2.4e-4, and MKLDNN, whose ``tanh`` it avoids, runs neither float16
-    nor float64."""
+    last only for float32 on a CPU (``rewrite_tanh``), and where it was
+    measured to pay (:func:`tanh_by_sigmoid_pays`): in float16 the rewrite
+    errs by ~2.4e-4, and MKLDNN, whose ``tanh`` it avoids, runs neither
+    float16 nor float64 nor on a GPU."""
     __slots__ = ('symbol', 'cached_op', 'feeds', 'training', 'rewrite_tanh', '_wide',
                  '_narrow')
 
@@ -176,7 +180,8 @@ class StepProgram:
             if self._narrow is None:
                 self._narrow = self._variant(own_forms(self.symbol))
             return self._narrow
-        if calls < TANH_BY_SIGMOID_ROWS[self.training] or not self.rewrite_tanh:
+        if calls < TANH_BY_SIGMOID_ROWS[self.training] or not self.rewrite_tanh or \
+                not tanh_by_sigmoid_pays(self.training):
             return self
         if self._wide is None:
             self._wide = self._variant(tanh_by_sigmoid(self.symbol))
@@ -336,7 +341,8 @@ def _build(sig, pattern, training):
         else:
             feeds.append(('idx', int(name[3:])))
     return StepProgram(symbol, feeds, training,
-                       rewrite_tanh=np.dtype(sig.key[-2]) == np.float32)
+                       rewrite_tanh=np.dtype(sig.key[-2]) == np.float32 and
+                       sig.ctx.device_type == 'cpu')
 
 
 INVERSE = 'dynbatch_inverse'
@@ -359,12 +365,74 @@ split into four up to ~8 (at 2 rows: 31 / 32 / 62 us against 38 / 38 /
 
 TANH_BY_SIGMOID_ROWS = {True: 128, False: 512}
 """Steps of at least this many calls (in training, in inference) compute
-``tanh`` as ``2 * sigmoid(2 x) - 1`` (:func:`tanh_by_sigmoid`).  The
+``tanh`` as ``2 * sigmoid(2 x) - 1`` (:func:`tanh_by_sigmoid`), on a CPU
+where that was measured to pay (:func:`tanh_by_sigmoid_pays`).  The
 rewrite adds three ops; an inference step's ops are launched by the
 calling thread, which small inference minibatches keep busy, so inference
 asks for more rows: at 128 for both, ``auto`` ran 0.96-0.98x at
 inference minibatch 25 (three in-process A/B runs), 1.02-1.05x at
-training 25 and 1.06-1.09x at training 256."""
+training 25 and 1.06-1.09x at training 256 (on a machine where the
+rewrite paid)."""
+
+TANH_PROBE_WIDTH = 150
+"""Row width of :func:`tanh_by_sigmoid_pays`'s probe (the Tree-LSTM's)."""
+
+_TANH_BY_SIGMOID_PAYS = {}    # training -> whether the rewrite ran faster here
+
+
+def tanh_by_sigmoid_pays(training):
+    """Whether :func:`tanh_by_sigmoid` made a step of
+    :data:`TANH_BY_SIGMOID_ROWS` rows faster on this machine (its forward,
+    and in training its backward too): measured once per process and mode,
+    at the first step that large, in ~5-20 ms.
+
+    Why measure: MKLDNN's ``tanh`` against its ``sigmoid`` depends on the
+    processor.  Where the rewrite was written, ``tanh`` cost ~2.6x
+    ``sigmoid`` and the rewrite won; on a later machine (AMD EPYC, family
+    25, AVX-512), at 512 x 150 in a CachedOp, ``tanh`` cost 1.15x
+    ``sigmoid`` and the rewrite lost 2.3x in inference and training alike.
+    The probe runs in a thread of its own, so that it neither joins nor
+    disturbs the caller's ``autograd.record()``; the rewrite must win by
+    10% (minimum of seven alternating timings each), so noise leaves
+    MXNet's own ``tanh`` in place."""
+    pays = _TANH_BY_SIGMOID_PAYS.get(training)
+    if pays is None:
+        found = []
+        thread = threading.Thread(target=lambda: found.append(_time_tanh_forms(training)),
+                                  name='dynbatch-tanh-probe')
+        thread.start()
+        thread.join()
+        plain, rewritten = found[0] if found else (0.0, 1.0)
+        pays = _TANH_BY_SIGMOID_PAYS[training] = rewritten < 0.9 * plain
+    return pays
+
+
+def _time_tanh_forms(training, repeats=7):
+    """Seconds of a ``tanh`` step of :data:`TANH_BY_SIGMOID_ROWS` rows, as
+    MXNet's op and rewritten: (plain, rewritten), minima over ``repeats``."""
+    x = mx.sym.var('x')
+    plain = mx.sym.Activation(x, act_type='tanh')
+    ops = [mx.nd.CachedOp(plain), mx.nd.CachedOp(tanh_by_sigmoid(plain))]
+    rows = max(TANH_BY_SIGMOID_ROWS[training], 1)
+    data = mx.nd.array(np.random.RandomState(0).uniform(-3, 3, (rows, TANH_PROBE_WIDTH)))
+    data.attach_grad()
+
+    def run(op):
+        if not training:
+            return op(data)
+        with mx.autograd.record():
+            out = op(data)
+        out.backward()
+        return data.grad
+
+    best = [float('inf')] * 2
+    for turn in range(repeats + 1):
+        for k, op in enumerate(ops):
+            start = time.perf_counter()
+            run(op).wait_to_read()
+            if turn:                    # the first turn warms up
+                best[k] = min(best[k], time.perf_counter() - start)
+    return best[0], best[1]
 
 
 def tanh_by_sigmoid(symbol):

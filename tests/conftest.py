@@ -33,6 +33,15 @@ def _fresh_padding_costs():
             PADDING_COST[key] = value
 
 
+@pytest.fixture(autouse=True)
+def _tanh_by_sigmoid_pays(monkeypatch):
+    """Large steps compute tanh through sigmoid (lower.tanh_by_sigmoid)
+    whatever this machine's probe would say, so that every test runs the
+    same programs everywhere; test_lanes measures the probe itself."""
+    from gluon_dynbatch import lower
+    monkeypatch.setattr(lower, '_TANH_BY_SIGMOID_PAYS', {True: True, False: True})
+
+
 @pytest.fixture(scope='module')
 def sick_dir():
     """The SICK data folder; tests that need it skip when it is missing."""

@@ -625,6 +625,43 @@ def test_steps_of_many_calls_compute_tanh_by_sigmoid(strategy, training, monkeyp
     assert any('tanh' in p.symbol.tojson() for p in programs)     # the originals keep it
 
 
+@pytest.mark.parametrize('training', [False, True])
+def test_large_steps_keep_tanh_where_the_rewrite_does_not_pay(training, monkeypatch):
+    """Where this machine's probe found tanh through sigmoid slower (an
+    AVX-512 EPYC: 2.3x), steps of many calls keep MXNet's tanh."""
+    monkeypatch.setattr(lower, 'TANH_BY_SIGMOID_ROWS', {True: 4, False: 4})
+    monkeypatch.setattr(lower, '_TANH_BY_SIGMOID_PAYS', {True: False, False: False})
+    node = _tree_model_matches_per_sample('depth', training, seed=4)
+    programs = [program for sig in node.signatures() for program in
+                (sig.programs if training else sig.inference_programs).values()]
+    assert programs and all(p._wide is None for p in programs)
+
+
+def test_the_tanh_probe_measures_once_beside_the_callers_autograd(monkeypatch):
+    """tanh_by_sigmoid_pays times both forms once per mode, in a thread of
+    its own: called while the caller records (as a flush does), the
+    caller's graph and gradients are untouched, and its answer is kept."""
+    monkeypatch.setattr(lower, '_TANH_BY_SIGMOID_PAYS', {})
+    calls = []
+    timed = lower._time_tanh_forms
+    monkeypatch.setattr(lower, '_time_tanh_forms',
+                        lambda training: calls.append(training) or timed(training))
+    x = mx.nd.array([[0.5, -1.0]])
+    x.attach_grad()
+    with autograd.record():
+        y = (x * x).sum()
+        first = lower.tanh_by_sigmoid_pays(True)
+        assert autograd.is_recording() and autograd.is_training()
+        z = y * 3
+    z.backward()
+    np.testing.assert_allclose(x.grad.asnumpy(), [[3.0, -6.0]])
+    assert lower.tanh_by_sigmoid_pays(True) is first and isinstance(first, bool)
+    lower.tanh_by_sigmoid_pays(False)
+    assert calls == [True, False]
+    plain, rewritten = timed(False)
+    assert 0 < plain < 1 and 0 < rewritten < 1
+
+
 def test_a_plan_learned_in_training_replays_in_inference(ragged_always):
     """A cached plan's recipes learned while training (their ragged
     layouts) replay in inference, with per-sample values."""
