@@ -669,9 +669,29 @@ def check_equivalence(ctx, items, n_batches, batch, tol):
 # Physical limit: GEMMs only
 # ==========================================================================
 
-def gemm_limit(mx, items, rows=2048, seconds=0.25):
+def distinct_tokens_per_pair(items, batch):
+    """Distinct token ids per pair in a minibatch of ``batch`` pairs (mean
+    over the split's consecutive minibatches, as the timings walk it): the
+    rows of ``i2h`` an implementation that runs it once per distinct token
+    of a minibatch computes (SICK test: ~6.4 at 25, ~2.9 at 256, ~1.4 at
+    1,024, against ~19.3 nodes)."""
+    import numpy as np
+    batch = max(1, min(batch, len(items)))
+    counts = []
+    for start in range(0, len(items) - batch + 1, batch):
+        chunk = items[start:start + batch]
+        counts.append(len(np.unique(np.concatenate([np.concatenate((a, b))
+                                                     for a, _, b, _ in chunk]))))
+    return float(np.mean(counts)) / batch
+
+
+def gemm_limit(mx, items, settings=(), rows=2048, seconds=0.25):
     """FLOPs of the model's matrix products per pair (from the real trees) and
-    the best time those GEMMs can take at ``rows`` rows on this machine."""
+    the best time those GEMMs can take at ``rows`` rows on this machine;
+    and, per setting of ``settings``, the same with ``i2h`` run once per
+    distinct token of a minibatch (``per_setting``), the bound of the
+    fastest forms, which compute no more (``i2h`` is ~77% of the FLOPs of
+    every node's)."""
     import numpy as np
     nodes, internal, edges, _ = tree_counts(items)
     n_pairs = len(items)
@@ -683,6 +703,7 @@ def gemm_limit(mx, items, rows=2048, seconds=0.25):
              ('sim_wp', SIM_HIDDEN, CLASSES, 1.0)]
     out = {'rows_timed': rows, 'gemms': {}}
     flops = t_pair = 0.0
+    per_row = {}            # GEMM -> (seconds per row, FLOPs per row)
     for name, k, n, per_pair in gemms:
         x = mx.nd.array(np.random.RandomState(0).uniform(-1, 1, (rows, k)))
         w = mx.nd.array(np.random.RandomState(1).uniform(-1, 1, (n, k)))
@@ -697,6 +718,7 @@ def gemm_limit(mx, items, rows=2048, seconds=0.25):
                 break
         per_call = (time.perf_counter() - tic) / reps
         f = 2.0 * k * n
+        per_row[name] = (per_call / rows, f)
         out['gemms'][name] = {'shape': '(%d,%d)x(%d,%d)' % (rows, k, k, n),
                               'rows_per_pair': per_pair, 'flops_per_row': f,
                               'gflops': f * rows / per_call / 1e9}
@@ -706,7 +728,26 @@ def gemm_limit(mx, items, rows=2048, seconds=0.25):
     out['flops_per_pair_train'] = 3 * flops
     out['effective_gflops'] = flops / t_pair / 1e9
     out['pairs_per_s'] = {'infer': 1.0 / t_pair, 'train': 1.0 / (3 * t_pair)}
+    out['per_setting'] = {}
+    i2h_time, i2h_flops = per_row['i2h']
+    for sname, mode, batch in settings:
+        i2h_rows = distinct_tokens_per_pair(items, batch)
+        scale = 3 if mode == 'train' else 1
+        saved = nodes / n_pairs - i2h_rows        # i2h rows a pair need not compute
+        out['per_setting'][sname] = {
+            'i2h_rows_per_pair': i2h_rows,
+            'flops_per_pair': scale * (flops - saved * i2h_flops),
+            'pairs_per_s': 1.0 / (scale * (t_pair - saved * i2h_time))}
     return out
+
+
+def limit_of(limit, sname, distinct=False):
+    """Pairs/s of the GEMM-bound limit for setting ``sname``: every node's
+    ``i2h``, or with ``distinct`` once per distinct token (where known)."""
+    per = limit.get('per_setting', {}).get(sname)
+    if distinct:
+        return per['pairs_per_s'] if per else None
+    return limit['pairs_per_s']['train' if sname.startswith('train') else 'infer']
 
 
 # ==========================================================================
@@ -919,8 +960,10 @@ def add_ratios(results, limit):
             for key, ref in (('x_per_sample_hybrid', HYBRID), ('x_hand_batched', HAND),
                              ('x_hand_unique', HAND_UNIQUE)):
                 cell[key] = paired_ratio(cell, results.get(ref, {}).get(sname))
-            mode = 'train' if sname.startswith('train') else 'infer'
-            cell['fraction_of_limit'] = cell['pairs_per_s'] / limit['pairs_per_s'][mode]
+            cell['fraction_of_limit'] = cell['pairs_per_s'] / limit_of(limit, sname)
+            distinct = limit_of(limit, sname, distinct=True)
+            cell['fraction_of_distinct_limit'] = \
+                cell['pairs_per_s'] / distinct if distinct else None
 
 
 def format_table(results, settings, limit):
@@ -940,7 +983,8 @@ def format_table(results, settings, limit):
 
     metrics = [('pairs/s', 'pairs_per_s', 'rate'), ('x hybrid', 'x_per_sample_hybrid', 'x'),
                ('x hand', 'x_hand_batched', 'x'), ('x hand-uniq', 'x_hand_unique', 'x'),
-               ('of limit', 'fraction_of_limit', '%')]
+               ('of limit', 'fraction_of_limit', '%'),
+               ('of lim-uniq', 'fraction_of_distinct_limit', '%')]
     for name, cells in results.items():
         for i, (label, key, kind) in enumerate(metrics):
             vals = []
@@ -958,10 +1002,12 @@ def format_table(results, settings, limit):
             rows.append('%-22s %-11s' % (name if i == 0 else '', label)
                         + ''.join('%*s' % (width, v) for v in vals))
     rows.append('%-22s %-11s' % ('GEMM limit', 'pairs/s') + ''.join(
-        '%*s' % (width, fmt(limit['pairs_per_s']['train' if n.startswith('train') else 'infer'],
-                            'rate')) for n in names))
+        '%*s' % (width, fmt(limit_of(limit, n), 'rate')) for n in names))
+    rows.append('%-22s %-11s' % ('GEMM lim-uniq', 'pairs/s') + ''.join(
+        '%*s' % (width, fmt(limit_of(limit, n, distinct=True), 'rate')) for n in names))
     rows.append('* per-sample forms stop mid-minibatch when the time budget runs out '
-                '(pairs/s over the pairs done)')
+                '(pairs/s over the pairs done); GEMM limit: every node\'s i2h; lim-uniq: i2h '
+                'once per distinct token of a minibatch')
     return '\n'.join(rows)
 
 
@@ -991,9 +1037,12 @@ def throughput_rows(result):
             row.append('-' if 'skipped' in cell or rate is None else
                        '{:,.0f}'.format(rate) + ('*' if cell.get('partial') else ''))
         rows.append(row)
-    limit = result['limit']['pairs_per_s']
-    rows.append(['GEMM-bound limit'] + ['{:,.0f}'.format(
-        limit['train' if name.startswith('train') else 'infer']) for name in names])
+    limit = result['limit']
+    rows.append(['GEMM-bound limit'] + ['{:,.0f}'.format(limit_of(limit, name))
+                                        for name in names])
+    if limit.get('per_setting'):
+        rows.append(['GEMM-bound limit, i2h once per distinct token'] + [
+            '{:,.0f}'.format(limit_of(limit, name, distinct=True)) for name in names])
     return rows
 
 
@@ -1065,9 +1114,12 @@ def plot(results, settings, limit, path):
                 ax.text(pos[i], 0.02, 'skipped', rotation=90, ha='center', va='bottom',
                         fontsize=7, color=colors(j % 10), transform=ax.get_xaxis_transform())
     for i, n in enumerate(names):
-        lim = limit['pairs_per_s']['train' if n.startswith('train') else 'infer']
-        ax.hlines(lim, i - 0.45, i + 0.45, colors='k', linestyles='--', linewidth=1,
-                  label='GEMM limit' if i == 0 else None)
+        ax.hlines(limit_of(limit, n), i - 0.45, i + 0.45, colors='k', linestyles='--',
+                  linewidth=1, label='GEMM limit' if i == 0 else None)
+        distinct = limit_of(limit, n, distinct=True)
+        if distinct:
+            ax.hlines(distinct, i - 0.45, i + 0.45, colors='k', linestyles=':', linewidth=1,
+                      label='GEMM limit, i2h per distinct token' if i == 0 else None)
     ax.set_yscale('log')
     ax.set_xticks(x)
     ax.set_xticklabels(names)
@@ -1292,13 +1344,16 @@ def main(argv=None):
     print('  all forms agree', flush=True)
 
     # (b) physical limit
-    limit = gemm_limit(mx, items)
+    limit = gemm_limit(mx, items, settings)
     result['limit'] = limit
     print('GEMM limit: %.2f MFLOP/pair forward; GEMMs at %d rows run at %s GFLOP/s -> '
-          '%.0f pairs/s inference, %.0f pairs/s training (3x FLOPs)'
+          '%.0f pairs/s inference, %.0f pairs/s training (3x FLOPs); with i2h once per '
+          'distinct token of a minibatch: %s'
           % (limit['flops_per_pair_infer'] / 1e6, limit['rows_timed'],
              '/'.join('%.1f' % g['gflops'] for g in limit['gemms'].values()),
-             limit['pairs_per_s']['infer'], limit['pairs_per_s']['train']), flush=True)
+             limit['pairs_per_s']['infer'], limit['pairs_per_s']['train'],
+             ', '.join('%s %.0f' % (n, v['pairs_per_s'])
+                       for n, v in limit['per_setting'].items())), flush=True)
 
     # (c) throughput
     print('timing: %d repeats x %.1f s per form per setting' % (repeats, budget), flush=True)

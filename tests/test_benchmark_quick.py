@@ -9,6 +9,8 @@ import math
 import os
 import sys
 
+import numpy as np
+
 from helpers import ROOT, needs_sick, run_benchmark
 
 
@@ -96,6 +98,28 @@ def test_throughput_table_rows():
     md = bench.markdown_table(result)
     assert '|---|---:|---:|' in md and '| gluon_dynbatch auto | 1,551 | - |' in md
     assert 'NaiveEngine' in md.splitlines()[0]
+
+
+def test_gemm_limit_with_i2h_per_distinct_token():
+    """The tighter limit counts i2h once per distinct token of a minibatch
+    (mean over the split's consecutive minibatches); its table row follows
+    the every-node one."""
+    bench = _bench_module()
+    ids = [np.array(v, np.float32) for v in ([1, 2], [2, 3], [1, 1], [4, 4])]
+    items = [(ids[0], None, ids[1], None), (ids[2], None, ids[3], None)]
+    assert bench.distinct_tokens_per_pair(items, 1) == 2.5     # {1,2,3}, {1,4}
+    assert bench.distinct_tokens_per_pair(items, 2) == 2.0     # {1,2,3,4} over 2 pairs
+    assert bench.distinct_tokens_per_pair(items, 64) == 2.0    # capped at the split
+    limit = {'pairs_per_s': {'infer': 100.0, 'train': 30.0},
+             'per_setting': {'infer B=1': {'pairs_per_s': 250.0},
+                             'train B=25': {'pairs_per_s': 90.0}}}
+    assert bench.limit_of(limit, 'train B=25') == 30.0
+    assert bench.limit_of(limit, 'train B=25', distinct=True) == 90.0
+    result = {'settings': [{'name': 'infer B=1'}, {'name': 'train B=25'}],
+              'results': {}, 'limit': limit}
+    assert bench.throughput_rows(result)[-2:] == [
+        ['GEMM-bound limit', '100', '30'],
+        ['GEMM-bound limit, i2h once per distinct token', '250', '90']]
 
 
 @needs_sick
