@@ -39,7 +39,7 @@ def _tanh_by_sigmoid_pays(monkeypatch):
     whatever this machine's probe would say, so that every test runs the
     same programs everywhere; test_lanes measures the probe itself."""
     from gluon_dynbatch import lower
-    monkeypatch.setattr(lower, '_TANH_BY_SIGMOID_PAYS', {True: True, False: True})
+    monkeypatch.setattr(lower, 'TANH_BY_SIGMOID_PAYS', {True: True, False: True})
 
 
 @pytest.fixture(scope='module')

@@ -102,14 +102,15 @@ def test_throughput_table_rows():
 
 def test_gemm_limit_with_i2h_per_distinct_token():
     """The tighter limit counts i2h once per distinct token of a minibatch
-    (mean over the split's consecutive minibatches); its table row follows
-    the every-node one."""
+    (mean over the split's consecutive minibatches; the first one for a
+    'same' setting); its table row follows the every-node one."""
     bench = _bench_module()
     ids = [np.array(v, np.float32) for v in ([1, 2], [2, 3], [1, 1], [4, 4])]
     items = [(ids[0], None, ids[1], None), (ids[2], None, ids[3], None)]
     assert bench.distinct_tokens_per_pair(items, 1) == 2.5     # {1,2,3}, {1,4}
     assert bench.distinct_tokens_per_pair(items, 2) == 2.0     # {1,2,3,4} over 2 pairs
-    assert bench.distinct_tokens_per_pair(items, 64) == 2.0    # capped at the split
+    assert bench.distinct_tokens_per_pair(items, 8) == 0.5     # 4 tokens over 8 pairs, repeated
+    assert bench.distinct_tokens_per_pair(items, 1, same=True) == 3.0   # the first pair's
     limit = {'pairs_per_s': {'infer': 100.0, 'train': 30.0},
              'per_setting': {'infer B=1': {'pairs_per_s': 250.0},
                              'train B=25': {'pairs_per_s': 90.0}}}
