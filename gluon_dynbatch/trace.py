@@ -233,6 +233,14 @@ def trace_signature(sig_id, block, fmt, shapes, dtypes):
     out_fmt = flatten(out if isinstance(out, (list, tuple)) else [out], out_leaves)
     if not isinstance(out, (list, tuple)):
         out_fmt = 0
+    for number, leaf in enumerate(out_leaves):
+        if not isinstance(leaf, mx.sym.Symbol):
+            raise InputError(
+                'block %s returns %r as its output %d: a wrapped block returns arrays, or '
+                '(nested) lists or tuples of arrays, the same nesting for every call. Leave '
+                'out what it does not compute (or return a zeros array in its place), and '
+                'keep other values as attributes of the block.'
+                % (_block_name(block), leaf, number))
     # an output that is an argument itself (``return x`` for a leaf) is no
     # op of the graph, and a program built on it would lose it: copy it
     # (the call returns the argument itself, see TracedSignature.passthrough)

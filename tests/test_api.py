@@ -874,6 +874,31 @@ def test_error_an_operator_input_left_out_names_the_block():
             block(mx.nd.ones((1, 3)))
 
 
+class _ReturnsNonArray(gluon.HybridBlock):
+    def __init__(self, extra):
+        super().__init__()
+        self.extra = extra
+        with self.name_scope():
+            self.dense = nn.Dense(3, in_units=3)
+
+    def hybrid_forward(self, F, x):
+        return self.dense(x), self.extra
+
+
+@pytest.mark.parametrize('extra', [None, 1.5, {'attention': None}])
+def test_error_an_output_that_is_no_array_names_the_block(extra):
+    """Found by a review: a block returning None (an optional attention map
+    it did not compute), a number or a dict among its outputs runs outside
+    a scope; inside one, tracing failed with a raw AttributeError."""
+    block = dyb.DynBatchBlock(_ReturnsNonArray(extra))
+    block.initialize()
+    assert block(mx.nd.ones((1, 3)))[1] == extra
+    with pytest.raises(dyb.InputError, match=r'_returnsnonarray\d+ \(_ReturnsNonArray\) returns '
+                                             r'.* as its output 1: a wrapped block returns arrays'):
+        with dyb.batching():
+            block(mx.nd.ones((1, 3)))
+
+
 def test_error_concat_rows_of_one_value_or_of_call_results():
     block = dense(2, in_units=3)
     with dyb.batching():
