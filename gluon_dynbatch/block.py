@@ -804,7 +804,14 @@ def check_padding_is_neutral(dblock, sig, padded):
             # here (the Tree-LSTM cell in float64: 'Backward shape
             # inconsistent'); the outputs were compared
             continue
-        for (what, a), (_, b) in zip(short_grads, long_grads):
+        # by name: a parameter only longer lists read (one per child
+        # position) takes no gradient per sample, so none padded either
+        long_grads = dict(long_grads)
+        for what, a in short_grads + [(name, None) for name in long_grads
+                                      if name not in dict(short_grads)]:
+            b = long_grads.get(what)
+            if a is None or b is None:
+                a, b = (np.zeros_like(b), b) if a is None else (a, np.zeros_like(a))
             if not _close(a, b):
                 raise InputError(
                     'block %s declares pad_lists, but padding its list arguments with zeros '

@@ -396,6 +396,60 @@ def test_pad_lists_claim_that_changes_only_gradients_is_caught():
                 block(xs[2], [xs[1], xs[3]])
 
 
+class PerPositionChildren(gluon.HybridBlock):
+    """``act(W x + sum_k g(U_k h_k))``, one ``U_k`` per child position (as
+    an N-ary Tree-LSTM has): a parameter that only longer lists read.
+    ``g`` is the identity (padding is neutral) or a norm (a zero child adds
+    0, but the norm's gradient at 0 is 0/0).  ``first`` names the layers so
+    that ``W``'s parameters sort before or after the ``U_k``'s."""
+    dynbatch_pad_lists = True
+
+    def __init__(self, norm, first, children=2):
+        super().__init__()
+        self.norm = norm
+        with self.name_scope():
+            self.w = gluon.nn.Dense(4, in_units=4, prefix=first + 'w_')
+            self.u = [gluon.nn.Dense(4, in_units=4, use_bias=False, prefix='u%d_' % k)
+                      for k in range(children)]
+            for u in self.u:
+                self.register_child(u)
+
+    def hybrid_forward(self, F, x, hs):
+        s = self.w(x)
+        for k, h in enumerate(hs):
+            part = self.u[k](h)
+            s = F.broadcast_add(s, F.norm(part, axis=1, keepdims=True)) if self.norm else s + part
+        return F.tanh(s)
+
+
+def _per_position_minibatch(block):
+    xs = [mx.nd.array(np.random.RandomState(i).normal(size=(1, 4))) for i in range(4)]
+    leaves = [block(x, []) for x in xs]
+    return [block(xs[0], [leaves[0]]), block(xs[1], [leaves[1], leaves[2]])]
+
+
+@pytest.mark.parametrize('first', ['a_', 'z_'])
+def test_pad_lists_check_compares_gradients_by_name(first):
+    """Found by a review: the check paired the gradients of the short and
+    the padded symbol by position in two sorted lists, so a parameter only
+    longer lists read shifted them: a neutral block was refused, naming an
+    unrelated bias, or (U_1 sorting last) a NaN gradient was never compared
+    and batched training returned it.  Now the neutral block batches with
+    per-sample gradients, and the NaN one is refused, naming U_1."""
+    block = dyb.DynBatchBlock(PerPositionChildren(norm=False, first=first))
+    block.initialize(mx.init.Uniform(0.5))
+    assert_same(run_both(lambda: _per_position_minibatch(block), [block]), rtol=1e-5, atol=1e-6)
+    assert dyb.stats()['last']['batch_sizes'] == [4, 2]
+
+    block = dyb.DynBatchBlock(PerPositionChildren(norm=True, first=first))
+    block.initialize(mx.init.Uniform(0.5))
+    with pytest.raises(dyb.InputError, match=r'declares pad_lists.*changes the gradient of '
+                                             r'perpositionchildren\d+_u1_weight'):
+        with autograd.record():
+            with dyb.batching('depth'):
+                _per_position_minibatch(block)
+
+
 class Cell(gluon.HybridBlock):
     def __init__(self, width=4):
         super().__init__()
