@@ -114,7 +114,8 @@ def build_parser():
                    help='data order, synthetic graphs and parameters')
     p.add_argument('--no-plot', action='store_true', help='write no PNG')
     p.add_argument('--no-static-copy', action='store_true',
-                   help='do not copy the PNG to docs/_static/tradeoff.png')
+                   help='do not copy the PNG to docs/_static/tradeoff.png (a run with '
+                        'another --out never does)')
     return p
 
 
@@ -1280,7 +1281,9 @@ def main(argv=None):
              % (platform.machine(), os.cpu_count(), load_start[0],
                 ', --quick' if args.quick else ''))
         print('wrote %s' % png)
-        if not args.quick and not args.no_static_copy:
+        # only a run into the published folder replaces the docs' figure
+        if not args.quick and not args.no_static_copy and \
+                os.path.abspath(args.out) == os.path.abspath(DEFAULT_OUT):
             import shutil
             os.makedirs(os.path.dirname(STATIC_PNG), exist_ok=True)
             shutil.copyfile(png, STATIC_PNG)
