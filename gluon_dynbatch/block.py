@@ -809,9 +809,9 @@ def check_padding_is_neutral(dblock, sig, padded):
             continue
         # by name: a parameter only longer lists read (one per child
         # position) takes no gradient per sample, so none padded either
-        long_grads = dict(long_grads)
+        short_names, long_grads = {name for name, _ in short_grads}, dict(long_grads)
         for what, a in short_grads + [(name, None) for name in long_grads
-                                      if name not in dict(short_grads)]:
+                                      if name not in short_names]:
             b = long_grads.get(what)
             if a is None or b is None:
                 a, b = (np.zeros_like(b), b) if a is None else (a, np.zeros_like(a))
