@@ -915,8 +915,9 @@ def host_rows(leaves):
     fast = accel.host_rows
     data = fast(leaves) if fast is not None else None
     if data is not None:
-        first = leaves[0]
-        return np.frombuffer(data, dtype=first.dtype).reshape((-1,) + first.shape[1:])
+        first = leaves[0]       # (not -1 rows: (1, 0) rows have no bytes to divide)
+        return np.frombuffer(data, dtype=first.dtype).reshape(
+            (len(leaves) * first.shape[0],) + first.shape[1:])
     if all(isinstance(leaf, np.ndarray) for leaf in leaves):
         return np.concatenate(leaves)
     return None

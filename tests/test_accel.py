@@ -438,6 +438,10 @@ def test_host_rows_match_numpy_and_defer_the_unusual():
                                       np.concatenate(leaves))
     assert accel.host_rows(rows + [rows[0].astype('float64')]) is None
     assert host_array(rows + [mx.nd.ones((1, 4))], mx.cpu()) is None
+    # rows of no bytes (found by a review: the C path's reshape divided by 0)
+    from gluon_dynbatch.execute import host_rows
+    for shape in ((1, 0), (2, 0, 3)):
+        assert host_rows([np.zeros(shape, np.float32)] * 3).shape == (3 * shape[0],) + shape[1:]
 
 
 class ListThenX(mx.gluon.HybridBlock):
