@@ -348,7 +348,8 @@ class Auto(Strategy):
     probe_every : int
         Flushes between probes of the strategy not chosen (>= 1).
     memory : int
-        How many flush summaries it remembers for the plan cache, how many
+        How many flush summaries it remembers for the plan cache (when
+        full, it forgets the older half of those seen only once), how many
         structures of small flushes (seen once, and stored), and for how
         many kinds of graph (sets of blocks) it keeps what it learned.
     small, cached_trials, explore_within
@@ -780,9 +781,21 @@ class Auto(Strategy):
             self.cached.store(key, plan)
             self._seen[fingerprint] = len(plan.steps)
             return plan
+        if len(self._seen) >= self.memory:
+            self._forget_seen_once()
         if len(self._seen) < self.memory:
             self._seen[fingerprint] = None
         return plan
+
+    def _forget_seen_once(self):
+        """Drop the older half of the summaries seen once (by when they
+        were first seen), keeping those with a stored plan: when none were
+        dropped, ``memory`` one-off flushes (a long run over structures
+        that never repeat) left no room, and a structure that began
+        repeating later never got a cached plan."""
+        once = [fingerprint for fingerprint, steps in self._seen.items() if steps is None]
+        for fingerprint in once[:max(1, len(once) // 2)]:
+            del self._seen[fingerprint]
 
     def _probe(self, nodes, summary, chosen, chosen_plan, kind):
         """Time the other of depth/agenda (planned, not run) on the first

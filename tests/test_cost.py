@@ -1294,3 +1294,27 @@ def test_auto_keeps_what_it_learned_for_at_most_memory_kinds_of_graph():
     third_kind = auto.last['kind']
     assert kinds_in_tables() == {first_kind, third_kind}
     assert list(auto._kinds) == [first_kind, third_kind]
+
+
+def test_auto_keeps_remembering_new_structures_after_its_memory_fills():
+    """Found by a soak test: Auto remembered a summary seen once only while
+    fewer than ``memory`` were remembered, and forgot none, so after that
+    many one-off flushes a structure that began repeating never got a
+    cached plan.  The older half of the summaries seen once are dropped."""
+    block = dyb.DynBatchBlock(nn.Dense(4, in_units=4))
+    block.initialize()
+    auto = dyb.Auto(memory=4)
+    x = mx.nd.ones((1, 4))
+
+    def flush(calls):
+        with dyb.batching(auto):
+            outs = [block(x * k) for k in range(calls)]
+            outs = [block(o) for o in outs]
+        return outs[-1].asnumpy()
+
+    for calls in range(40, 50):          # ten one-off structures
+        flush(calls)
+    assert len(auto._seen) <= 4
+    flush(60)
+    flush(60)                            # seen twice: its plan is stored
+    assert any(steps is not None for steps in auto._seen.values())
