@@ -6,6 +6,7 @@ and returns lazy results; nothing is computed.  The scope runs what was
 recorded, batched, when it exits or when a lazy value is read.  Outside any
 scope a wrapped block is just the block it wraps.
 """
+import ast
 import gc
 import itertools
 import json
@@ -28,6 +29,7 @@ from .errors import InputError, PerSampleWarning, ScopeError
 from .execute import collect, pad_leaves, run_plan, threaded_engine, to_device
 from .graph import (DONE, FAILED, PENDING, LazyValue, Node, lazy_results, recorded, repeat_node,
                     shared_results)
+from .lanes import graph_readers
 from .lower import make_cached_op, programs_built, ragged_lists
 from .plan import SETUP, STRATEGIES, Strategy, summarize
 from .trace import error_line, flatten, leaf_count, regroup, trace_signature
@@ -918,26 +920,22 @@ def _small_tables(symbol):
     weights, keeps its size); ``symbol`` itself when nothing changes."""
     graph = json.loads(symbol.tojson())
     nodes = graph['nodes']
-    readers = {}
-    for node in nodes:
-        for position, (source, _, _) in enumerate(node['inputs']):
-            readers.setdefault(source, []).append((node, position))
     changed = False
-    for number, node in enumerate(nodes):
-        users = readers.get(number, ())
-        if node['op'] != 'null' or not users or \
-                not all(user['op'] == 'Embedding' and position == 1 for user, position in users):
+    for number, users in graph_readers(nodes, graph['heads']).items():
+        if nodes[number]['op'] != 'null' or not all(
+                user is not None and nodes[user]['op'] == 'Embedding' and
+                nodes[user]['inputs'][1][0] == number for user in users):
             continue
-        for user, _ in users:
-            if int(user['attrs']['input_dim']) > CHECK_TABLE_ROWS:
-                user['attrs']['input_dim'] = str(CHECK_TABLE_ROWS)
+        for user in users:
+            attrs = nodes[user]['attrs']
+            if int(attrs['input_dim']) > CHECK_TABLE_ROWS:
+                attrs['input_dim'] = str(CHECK_TABLE_ROWS)
                 changed = True
-        shape = node.get('attrs', {}).get('__shape__')     # a Gluon parameter's variable
-        if shape:
-            dims = [int(d) for d in shape.strip('()[] ').split(',') if d.strip()]
-            if dims and dims[0] > CHECK_TABLE_ROWS:
-                node['attrs']['__shape__'] = str(tuple([CHECK_TABLE_ROWS] + dims[1:]))
-                changed = True
+        attrs = nodes[number].get('attrs', {})          # a Gluon parameter's variable
+        shape = tuple(ast.literal_eval(attrs.get('__shape__', '()')))
+        if shape and shape[0] > CHECK_TABLE_ROWS:
+            attrs['__shape__'] = str((CHECK_TABLE_ROWS,) + shape[1:])
+            changed = True
     return mx.sym.load_json(json.dumps(graph)) if changed else symbol
 
 

@@ -1318,3 +1318,4 @@ def test_auto_keeps_remembering_new_structures_after_its_memory_fills():
     flush(60)
     flush(60)                            # seen twice: its plan is stored
     assert any(steps is not None for steps in auto._seen.values())
+    np.testing.assert_allclose(flush(60), block(block(x * 59)).asnumpy(), rtol=1e-6)
