@@ -746,6 +746,14 @@ def check_padding_is_neutral(dblock, sig, padded):
     short_symbol, long_symbol = _small_tables(sig.symbol), _small_tables(padded.symbol)
     params = _random_parameters(((sig, short_symbol), (padded, long_symbol)), dtype,
                                 np.random.RandomState(1), sig.ctx)
+    # gradients attached once: each backward writes every input's (zeros
+    # where none reaches it), and each is read before the next
+    arguments = set(long_symbol.list_arguments()) | set(short_symbol.list_arguments())
+    stypes = {param.name: getattr(param, '_grad_stype', 'default')
+              for _, param in padded.param_slots}
+    for name, value in params.items():
+        if name in arguments:       # (an Embedding with sparse_grad takes a row-sparse one)
+            value.attach_grad(stype=stypes.get(name, 'default'))
     try:
         short_op, long_op = make_cached_op(short_symbol)[0], make_cached_op(long_symbol)[0]
     except mx.base.MXNetError as err:
@@ -953,29 +961,24 @@ def _list_elements(fmt, leaves):
 
 def _symbol_gradients(op, sig, leaves, real, params, rng):
     """``[(name, gradient as numpy)]`` of ``op`` (see :func:`_run_symbol`)
-    on ``leaves`` for the parameters and the leaves in ``real`` (by
-    identity, in order), under a head gradient drawn from ``rng``'s state
+    on ``leaves`` for the parameters (``params``, their gradients attached)
+    and the leaves in ``real`` (by identity, in order), under a head gradient drawn from ``rng``'s state
     as it is now (so that two calls with outputs of equal shapes use the
     same one; ``rng`` is left as it was)."""
     state = rng.get_state()
     copies = [leaf.copy() for leaf in leaves]
     kept = [copy for copy, leaf in zip(copies, leaves) if any(leaf is r for r in real)]
     arguments = set(sig.symbol.list_arguments())
-    values = {name: value.copy() for name, value in params.items()}
-    stypes = {param.name: getattr(param, '_grad_stype', 'default') for _, param in sig.param_slots}
     for value in kept:
         value.attach_grad()
-    for name in values:
-        if name in arguments:       # (an Embedding with sparse_grad takes a row-sparse one)
-            values[name].attach_grad(stype=stypes.get(name, 'default'))
     with mx.autograd.record(train_mode=False):     # (Dropout: no mask to differ)
-        outputs = _run_symbol(op, sig, copies, values)
+        outputs = _run_symbol(op, sig, copies, params)
     heads = [mx.nd.array(rng.uniform(-1, 1, out.shape), ctx=out.context, dtype=out.dtype)
              for out in outputs]
     rng.set_state(state)
     mx.autograd.backward(outputs, heads)
     grads = [('list element %d' % i, value.grad.asnumpy()) for i, value in enumerate(kept)]
-    grads += [(name, values[name].grad.asnumpy()) for name in sorted(values)
+    grads += [(name, params[name].grad.asnumpy()) for name in sorted(params)
               if name in arguments]
     return grads
 
@@ -1194,6 +1197,16 @@ class DynBatchBlock(Block):
         first = sigs[0]
         lengths = [max(len(s.fmt[i]) for s in sigs) if item != 0 else 0
                    for i, item in enumerate(first.fmt)]
+        sig = self._with_lengths(sigs, lengths)
+        for other in sigs:
+            self._check_padding(other, sig, sigs)
+        ragged_lists(sig)       # sets sig.ragged, which plans read
+        return sig
+
+    def _with_lengths(self, sigs, lengths):
+        """The signature of the family of ``sigs`` whose list argument
+        ``i`` has ``lengths[i]`` elements (traced if new)."""
+        first = sigs[0]
         fmt, shapes = [], []
         for i, item in enumerate(first.fmt):
             if item == 0:
@@ -1201,22 +1214,38 @@ class DynBatchBlock(Block):
                 shapes.append(first.item_shape(i))
             else:
                 fmt.append((0,) * lengths[i])
-                shape = next(s.item_shape(i) for s in sigs if len(s.fmt[i]))
-                shapes += [shape] * lengths[i]
+                if lengths[i]:
+                    shape = next(s.item_shape(i) for s in sigs if len(s.fmt[i]))
+                    shapes += [shape] * lengths[i]
         fmt = tuple(fmt)
         key = (fmt,) + tuple(shapes) + first.key[-2:]
         sig = self._signatures.get(key)
-        if sig is None:
-            sig = self._trace(key, fmt, first.ctx)
-        for other in sigs:
-            if other is not sig and (other.key, key) not in self._pad_checked:
-                check_padding_is_neutral(self, other, sig)
-                self._pad_checked.add((other.key, key))
-        ragged_lists(sig)       # sets sig.ragged, which plans read
-        return sig
+        return sig if sig is not None else self._trace(key, fmt, first.ctx)
+
+    def _check_padding(self, short, padded, sigs):
+        """Check that padding the lists of ``short`` with zeros to the
+        lengths of ``padded`` changes nothing, one element at a time: from
+        ``short`` to the signature with each shorter list one element
+        longer, and on to ``padded`` (:func:`check_padding_is_neutral` on
+        each pair, once per block).  If padding by one element is neutral
+        for any lists, padding by several is, one after another; so a family
+        of lists up to ``L`` long needs ``L`` checks, not one per pair of
+        lengths: SICK's node in one epoch of training ran 28 checks, ~1.9 s
+        of the first epoch's 4.9 s (the others' 2.5 s)."""
+        current = short
+        while current is not padded:
+            lengths = [0 if item == 0 else min(len(item) + 1, len(target))
+                       for item, target in zip(current.fmt, padded.fmt)]
+            longer = self._with_lengths(sigs, lengths)
+            if (current.key, longer.key) not in self._pad_checked:
+                check_padding_is_neutral(self, current, longer)
+                self._pad_checked.add((current.key, longer.key))
+            current = longer
 
     def signatures(self):
-        """Traced signatures so far (one per distinct call signature)."""
+        """Traced signatures so far: one per distinct call signature, and
+        those padding made (a padded step's, and the list lengths between
+        that its check went through)."""
         return list(self._signatures.values())
 
     def collect_params(self, select=None):
