@@ -496,6 +496,35 @@ def test_padding_is_checked_one_element_at_a_time(monkeypatch):
     assert_same(results, rtol=1e-5, atol=1e-6)
 
 
+class NoPairs(gluon.HybridBlock):
+    """Sums its children, but refuses lists of two (a block that takes
+    only some lengths)."""
+    dynbatch_pad_lists = True
+
+    def hybrid_forward(self, F, x, hs):
+        if len(hs) == 2:
+            raise ValueError('no pairs here')
+        return F.tanh(F.add_n(x, *hs) if hs else x)
+
+
+def test_padding_past_a_length_the_block_refuses_is_checked_in_one_go(monkeypatch):
+    """Lists of 1 and 3 padded to 3, by a block that cannot be traced with
+    2: the check goes 1 -> 3 at once, and the padded step matches per
+    sample."""
+    block = dyb.DynBatchBlock(NoPairs())
+    xs = [mx.nd.array(np.random.RandomState(i).normal(size=(1, 4))) for i in range(5)]
+    seen = _checked_lengths(monkeypatch)
+
+    def forward():
+        leaves = [block(x, []) for x in xs[:4]]
+        return [block(xs[4], leaves[:1]), block(xs[0], leaves[1:])]
+    results = run_both(forward, [block], inputs=xs)
+    assert block.padded_signature([_signature(block, 1), _signature(block, 3)]) \
+        is _signature(block, 3)
+    assert seen == [((1,), (3,))]
+    assert_same(results, rtol=1e-5, atol=1e-6)
+
+
 class TwoLists(gluon.HybridBlock):
     """``tanh(x + sum(as) + relu(sum(bs)))``: two lists of their own
     lengths (or ``relu`` of each ``b``, which a zero ``b`` also leaves
