@@ -961,10 +961,11 @@ def _list_elements(fmt, leaves):
 
 def _symbol_gradients(op, sig, leaves, real, params, rng):
     """``[(name, gradient as numpy)]`` of ``op`` (see :func:`_run_symbol`)
-    on ``leaves`` for the parameters (``params``, their gradients attached)
-    and the leaves in ``real`` (by identity, in order), under a head gradient drawn from ``rng``'s state
-    as it is now (so that two calls with outputs of equal shapes use the
-    same one; ``rng`` is left as it was)."""
+    on ``leaves`` for the parameters (``params``, their gradients
+    attached) and the leaves in ``real`` (by identity, in order), under a
+    head gradient drawn from ``rng``'s state as it is now (so that two
+    calls with outputs of equal shapes use the same one; ``rng`` is left
+    as it was)."""
     state = rng.get_state()
     copies = [leaf.copy() for leaf in leaves]
     kept = [copy for copy, leaf in zip(copies, leaves) if any(leaf is r for r in real)]
