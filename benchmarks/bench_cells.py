@@ -304,8 +304,9 @@ def measure(model, sentences, settings, repeats, budget):
 
 def traced_ops(block):
     """The ops of ``block``'s traced signatures (what its steps run)."""
+    from gluon_dynbatch.trace import symbol_json  # pylint: disable=import-outside-toplevel
     return sorted({node['op'] for sig in block.signatures()
-                   for node in json.loads(sig.symbol.tojson())['nodes']} - {'null'})
+                   for node in json.loads(symbol_json(sig.symbol))['nodes']} - {'null'})
 
 
 def _median(values):

@@ -32,7 +32,7 @@ from .graph import (DONE, FAILED, PENDING, LazyValue, Node, lazy_results, record
 from .lanes import graph_readers
 from .lower import make_cached_op, programs_built, ragged_lists
 from .plan import SETUP, STRATEGIES, Strategy, summarize
-from .trace import error_line, flatten, leaf_count, regroup, trace_signature
+from .trace import error_line, flatten, leaf_count, regroup, symbol_json, trace_signature
 
 __all__ = ['DynBatchBlock', 'batching', 'concat_rows', 'current_scope', 'private_scope']
 
@@ -926,7 +926,7 @@ def _small_tables(symbol):
     :data:`CHECK_TABLE_ROWS` rows, where its table is read by
     ``Embedding`` ops alone (a table an output layer also reads, tied
     weights, keeps its size); ``symbol`` itself when nothing changes."""
-    graph = json.loads(symbol.tojson())
+    graph = json.loads(symbol_json(symbol))
     nodes = graph['nodes']
     changed = False
     for number, users in graph_readers(nodes, graph['heads']).items():

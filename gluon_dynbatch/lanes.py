@@ -43,7 +43,7 @@ import json
 
 import numpy as np
 
-from .trace import load_graph, moved_entry
+from .trace import load_graph, moved_entry, symbol_json
 
 __all__ = ['CUT', 'SEGMENT', 'PADDED', 'vectorize_lists', 'graph_readers']
 
@@ -86,7 +86,7 @@ def vectorize_lists(symbol, lane_ndims, dtype, training=False, ragged=False):
     kernel for them."""
     if dtype is not None and np.dtype(dtype) not in (np.float32, np.float64):
         return None if ragged else symbol
-    graph = json.loads(symbol.tojson())
+    graph = json.loads(symbol_json(symbol))
     nodes = graph['nodes']
     lanes = _find_lanes(nodes, lane_ndims)
     sums = _closed_sums(nodes, graph['heads'], lanes)

@@ -64,7 +64,7 @@ import numpy as np
 
 from .lanes import CUT, PADDED, SEGMENT, graph_readers, vectorize_lists
 from .rules import NOT_FUNCTIONS, draws_random
-from .trace import EXACT, leaf_count, moved_entry, own_forms
+from .trace import EXACT, leaf_count, moved_entry, own_forms, symbol_json
 from .trace import load_graph as _load
 
 __all__ = ['make_cached_op', 'ThreadCachedOp', 'StepProgram', 'step_program', 'element_major',
@@ -483,7 +483,7 @@ def tanh_by_sigmoid(symbol):
     7.0; at 50 rows, where each op's fixed cost rules, it lost 5% (0.41
     against 0.39 ms), hence :data:`TANH_BY_SIGMOID_ROWS`.  The input list
     is unchanged, so the program's feeds are too."""
-    graph = json.loads(symbol.tojson())
+    graph = json.loads(symbol_json(symbol))
     nodes = graph['nodes']
 
     def is_tanh(node):
@@ -530,7 +530,7 @@ def adds_by_broadcast(symbol):
     did ``add_n``, ``elemwise_sub``, ``elemwise_mul``,
     ``Concat`` and ``dot``, and ``elemwise_add`` of two values computed in
     the program (only an input as operand went wrong)."""
-    graph = json.loads(symbol.tojson())
+    graph = json.loads(symbol_json(symbol))
     nodes = graph['nodes']
     if not any(node['op'] == 'elemwise_add' for node in nodes):
         return symbol
@@ -566,7 +566,7 @@ def indices_without_gradient(symbol):
     autograd recorded (the step also read parameters, or other rows of it
     carry gradients), and backward failed ('Embedding layer doesn't
     support calculate data gradient').  Indices have no gradient to lose."""
-    graph = json.loads(symbol.tojson())
+    graph = json.loads(symbol_json(symbol))
     nodes = graph['nodes']
     blocked = ('BlockGrad', 'stop_gradient')
     if not any(node['op'] in INDEXED_OPS and nodes[node['inputs'][0][0]]['op'] not in blocked
@@ -625,7 +625,7 @@ def compose_takes(symbol):
     reads (the Tree-LSTM's ``f_x``) is first expanded from the distinct
     host rows to one row per call, then to one per element: two gathers,
     and two in backward, where one does."""
-    graph = json.loads(symbol.tojson())
+    graph = json.loads(symbol_json(symbol))
     nodes = graph['nodes']
     readers = graph_readers(nodes, graph['heads'])
 
@@ -689,7 +689,7 @@ def host_part(symbol, host, shared):
     function of the inputs named ``host`` (and of the ``shared`` ones)
     alone (only then does running a step on distinct host rows save work),
     and whether every output is."""
-    graph = json.loads(symbol.tojson())
+    graph = json.loads(symbol_json(symbol))
     nodes = graph['nodes']
     kinds = _host_kinds(nodes, host, shared)
     return (any(kind == 'host' and node['op'] != 'null' for kind, node in zip(kinds, nodes)),
@@ -707,7 +707,7 @@ def embedding_reads(symbol, host, params):
     whose weights are named in ``params``: such an input can carry
     positions in a table of the rows the flush reads instead
     (:func:`read_tables`)."""
-    nodes = json.loads(symbol.tojson())['nodes']
+    nodes = json.loads(symbol_json(symbol))['nodes']
     index = {node['name']: i for i, node in enumerate(nodes) if node['op'] == 'null'}
     reads = {name: [] for name in host if name in index}
     for node in nodes:
@@ -731,7 +731,7 @@ def read_tables(symbol, host):
     name``: the rows of the weight that the flush reads, gathered once per
     flush (so a training step writes one dense weight gradient per flush,
     not one per step), with the host input carrying positions in it."""
-    graph = json.loads(symbol.tojson())
+    graph = json.loads(symbol_json(symbol))
     nodes = graph['nodes']
     out, moved, tables = [], {}, {}
     for old, node in enumerate(nodes):
@@ -760,7 +760,7 @@ def share_host_part(symbol, host, shared, expand_outputs=True):
     row per call by a ``take`` with the new input :data:`INVERSE`.
     Row-wise ops make this exact: row ``i`` of the expansion is what row
     ``i`` would have computed."""
-    graph = json.loads(symbol.tojson())
+    graph = json.loads(symbol_json(symbol))
     nodes = graph['nodes']
     kinds = _host_kinds(nodes, host, shared)
     out, moved, expanded = [], {}, {}
@@ -840,7 +840,7 @@ def split_host_part(symbol, host, shared):
     summed over the steps that each deduplicated their own), and each step
     program reads the values by ``take`` (:func:`hoisted_rest`)."""
     host = list(host)
-    graph = json.loads(symbol.tojson())
+    graph = json.loads(symbol_json(symbol))
     nodes = graph['nodes']
     kinds = _host_kinds(nodes, set(host), shared)
     boundary = []
@@ -878,7 +878,7 @@ def hoisted_rest(symbol, boundary):
     """``symbol`` with each value of ``boundary`` (``(op name, output)``,
     see :class:`HostSplit`) read from input ``HOISTED + position``, taken by
     :data:`INVERSE`: the ops that made those values are gone."""
-    graph = json.loads(symbol.tojson())
+    graph = json.loads(symbol_json(symbol))
     nodes = graph['nodes']
     named = {}
     for old, node in enumerate(nodes):

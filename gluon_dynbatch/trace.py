@@ -8,6 +8,7 @@ deferred parameter initialisation, and checks batch safety against
 :mod:`gluon_dynbatch.rules`.  Later calls with that signature cost one dict
 lookup: the per-sample recording path never touches MXNet.
 """
+import ctypes
 import json
 
 import mxnet as mx
@@ -17,7 +18,7 @@ from mxnet.ndarray.ndarray import _DTYPE_NP_TO_MX
 from .errors import InputError
 from .rules import NOT_FUNCTIONS, OpView, batching_rule, draws_random
 
-__all__ = ['flatten', 'regroup', 'leaf_count', 'TracedSignature', 'trace_signature',
+__all__ = ['symbol_json', 'flatten', 'regroup', 'leaf_count', 'TracedSignature', 'trace_signature',
            'prelu_by_ops', 'fast_forms', 'own_forms', 'load_graph', 'moved_entry',
            'is_function_of_inputs', 'error_line']
 
@@ -158,7 +159,7 @@ class TracedSignature:
         """Per flat output, the names of the inputs it depends on."""
         reads = self._reads
         if reads is None:
-            graph = json.loads(self.symbol.tojson())
+            graph = json.loads(symbol_json(self.symbol))
             nodes, below = graph['nodes'], []
             for node in nodes:
                 names = {node['name']} if node['op'] == 'null' else set()
@@ -298,7 +299,7 @@ def is_function_of_inputs(symbol):
         return False
     return not any(node['op'] != 'null' and (node['op'] in NOT_FUNCTIONS or
                                              draws_random(node['op'], node.get('attrs')))
-                   for node in json.loads(symbol.tojson())['nodes'])
+                   for node in json.loads(symbol_json(symbol))['nodes'])
 
 
 def _outputs_as_lists(out):
@@ -335,7 +336,7 @@ def prelu_by_ops(symbol, known):
     program is, scales ``alpha``'s gradient by ``alpha`` when ``x`` needs a
     gradient too (a ``Dense`` before it): plain hybridized Gluon gets it
     wrong the same way, eager Gluon right.  These ops compute it right."""
-    graph = json.loads(symbol.tojson())
+    graph = json.loads(symbol_json(symbol))
     nodes = graph['nodes']
     if not any(_is_prelu(node) for node in nodes):
         return symbol
@@ -417,7 +418,7 @@ def fast_forms(symbol, known, types):
     us where ``Activation`` took 21 (``benchmarks/bench_cells.py`` measures
     whole cells).  Runs after the batch-safety check, which thus judges the
     block's own ops."""
-    graph = json.loads(symbol.tojson())
+    graph = json.loads(symbol_json(symbol))
     nodes = graph['nodes']
     ops = {node['op'] for node in nodes}
     if not ops & (ACTIVATION_OPS | SPLIT_OPS | CONCAT_OPS | {'Activation'}):
@@ -490,7 +491,7 @@ def own_forms(symbol):
     their squeezes (or not at all), stays sliced.  Steps of a few rows run this form
     (:data:`~gluon_dynbatch.lower.FAST_FORMS_ROWS`): there an op's fixed
     cost rules, and four slices are four ops where the split was one."""
-    graph = json.loads(symbol.tojson())
+    graph = json.loads(symbol_json(symbol))
     nodes = graph['nodes']
     marks = [node.get('attrs', {}).get(SLICED) for node in nodes]
     if not any(marks) and not any(EXACT in node.get('attrs', {}) for node in nodes):
@@ -588,7 +589,7 @@ def unique_op_names(symbol):
     batch-safe), and the host-part split failed to find an op once.  A
     repeated name gets ``_dup<k>``; inputs keep theirs (they are bound by
     name)."""
-    graph = json.loads(symbol.tojson())
+    graph = json.loads(symbol_json(symbol))
     nodes = graph['nodes']
     seen, taken = {}, {node['name'] for node in nodes}
     renamed = False
@@ -607,6 +608,19 @@ def unique_op_names(symbol):
         else:
             seen[name] = 1
     return load_graph(graph, nodes, graph['heads']) if renamed else symbol
+
+
+def symbol_json(symbol):
+    """``symbol.tojson()`` without its leak.  MXNet 1.9.1's ``tojson()``
+    (``remove_amp_cast=True``) copies the graph into a new symbol handle
+    (``MXSymbolRemoveAmpCast``) that it never frees: every call leaked a
+    deep copy of the graph, ~2.2-2.8 bytes per JSON character (~2 MB per
+    Tree-LSTM model; apache/mxnet#19574).  The same JSON, the copy owned
+    by a :class:`mxnet.symbol.Symbol` that frees it."""
+    handle = mx.base.SymbolHandle()
+    mx.base.check_call(mx.base._LIB.MXSymbolRemoveAmpCast(  # pylint: disable=protected-access
+        symbol.handle, ctypes.byref(handle)))
+    return mx.sym.Symbol(handle).tojson(remove_amp_cast=False)
 
 
 def load_graph(graph, nodes, heads):
@@ -719,7 +733,7 @@ def _finish_deferred_init(block, symbol, arg_shapes, aux_shapes, params):
 
 def _parse_graph(symbol, known):
     """Nodes of the symbol's JSON and the per-sample shape of every entry."""
-    graph = json.loads(symbol.tojson())
+    graph = json.loads(symbol_json(symbol))
     internals = symbol.get_internals()
     _, shapes, _ = internals.infer_shape_partial(**known)
     by_name = dict(zip(internals.list_outputs(), shapes or []))

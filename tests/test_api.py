@@ -1537,3 +1537,62 @@ def test_higher_order_gradients_raise_mxnets_errors_as_the_quickstart_says(block
     assert np.isfinite(penalty(lambda: [wrapped(x) for x in xs]))    # outside a scope
     with open(os.path.join(os.path.dirname(__file__), '..', 'docs', 'quickstart.rst')) as f:
         assert ' '.join(error.split()) in ' '.join(f.read().split())
+
+
+def _resident_bytes():
+    """Resident memory after handing freed heap back (glibc)."""
+    import ctypes                                   # pylint: disable=import-outside-toplevel
+    ctypes.CDLL('libc.so.6').malloc_trim(0)
+    with open('/proc/self/statm') as f:
+        return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+
+
+@pytest.mark.skipif(not sys.platform.startswith('linux'), reason='reads /proc, glibc')
+def test_reading_a_symbols_json_keeps_no_copy_of_it():
+    """MXNet 1.9.1's ``Symbol.tojson()`` copies the graph (to strip AMP
+    casts) and never frees the copy (apache/mxnet#19574): ~64 KB a call on
+    this graph, and the package read ~107 symbols' JSON per Tree-LSTM model
+    (tracing, lowering, padding checks), ~2-4 MB of native memory per model
+    made and dropped, found by a soak test.  ``symbol_json`` gives the same
+    JSON and frees its copy."""
+    from gluon_dynbatch.trace import symbol_json   # pylint: disable=import-outside-toplevel
+    x = mx.sym.var('data')
+    for i in range(50):
+        x = mx.sym.Activation(mx.sym.FullyConnected(x, num_hidden=10, name='fc%d' % i),
+                              act_type='tanh', name='act%d' % i)
+    assert symbol_json(x) == x.tojson()
+    symbol_json(x)
+    before = _resident_bytes()
+    for _ in range(300):
+        symbol_json(x)
+    assert _resident_bytes() - before < 3e6     # tojson(): ~19-25 MB
+
+
+def test_the_package_never_leaves_mxnet_a_copy_of_a_graph(monkeypatch):
+    """Tracing, lowering, a padding check and running a minibatch of trees
+    (forward and backward) read symbols' JSON only through ``symbol_json``
+    (see the test above): no call of ``tojson()`` that strips AMP casts,
+    the form that leaks."""
+    leaking = []
+    tojson = mx.sym.Symbol.tojson
+
+    def recorded(self, remove_amp_cast=True):
+        if remove_amp_cast:
+            leaking.append(sys._getframe(1).f_code.co_name)    # pylint: disable=protected-access
+        return tojson(self, remove_amp_cast)
+    monkeypatch.setattr(mx.sym.Symbol, 'tojson', recorded)
+    cell = dyb.DynBatchBlock(ChildSumTreeLSTMCell(4, input_size=3))
+    cell.initialize()
+    rng = np.random.RandomState(0)
+    trees = [random_tree(rng, 9, max_arity=4) for _ in range(4)]
+
+    def encode(tree):
+        states = [encode(child) for child in tree.children]
+        return cell(mx.nd.ones((1, 3)), [h for h, _ in states], [c for _, c in states])
+    cell.collect_params().setattr('grad_req', 'write')
+    with autograd.record():
+        with dyb.batching('depth'):
+            roots = [encode(tree)[0] for tree in trees]
+        loss = dyb.concat_rows(roots).sum()
+    loss.backward()
+    assert cell.signatures() and not leaking
