@@ -764,6 +764,7 @@ def check_padding_is_neutral(dblock, sig, padded):
             'arguments padded (%s) to check that claim (%s).%s'
             % (dblock.block.name, _padding_text(sig.fmt, padded.fmt), error_line(err),
                _PADDING_ADVICE)) from None
+    ids = _id_inputs(short_symbol) | _id_inputs(long_symbol)
     for low, high in PADDING_CHECK_RANGES:
         leaves = [mx.nd.array(rng.uniform(low, high, shape), ctx=sig.ctx, dtype=dtype)
                   for shape in sig.in_shapes]
@@ -798,25 +799,23 @@ def check_padding_is_neutral(dblock, sig, padded):
                             dblock.block.name, _padding_text(sig.fmt, padded.fmt), out, low,
                             high, parameters, _shifted_outputs(runs, sig, padded),
                             _PADDING_ADVICE))
-        # the other arguments zero here: they may be ids, which a gradient
-        # lookup checks (the values above are clipped)
+        # the other arguments keep their random values (a gradient that
+        # scales with one is compared where it is not zero), but those read
+        # as ids are zero: a gradient lookup checks them (a row-sparse one
+        # refuses a negative id; the values above were clipped); where
+        # MXNet still refuses, all of them are zero
         elements = _list_elements(sig.fmt, leaves)
-        leaves = [leaf if any(leaf is e for e in elements) else leaf.zeros_like()
-                  for leaf in leaves]
-        longer = pad_leaves(sig.fmt, leaves, padded.fmt,
-                            lambda item: zeros(padded.item_shape(item)))
-        try:
-            try:
-                short_grads = _symbol_gradients(short_op, sig, leaves, elements, params, rng)
-            except mx.base.MXNetError:  # an element read where it takes no gradient (an id)
-                elements = []
-                short_grads = _symbol_gradients(short_op, sig, leaves, elements, params, rng)
-            long_grads = _symbol_gradients(long_op, padded, longer, elements, params, rng)
-        except mx.base.MXNetError:
+        tries = [[leaf if any(leaf is e for e in elements) or (only_ids and name not in ids)
+                  else leaf.zeros_like() for name, leaf in zip(sig.data_names, leaves)]
+                 for only_ids in (True, False)]
+        grads = _gradient_pair(short_op, long_op, sig, padded, tries, elements, params, rng,
+                               lambda item: zeros(padded.item_shape(item)))
+        if grads is None:
             # no gradient to compare: MXNet 1.9.1 cannot run this backward
             # here (the Tree-LSTM cell in float64: 'Backward shape
             # inconsistent'); the outputs were compared
             continue
+        short_grads, long_grads = grads
         # by name: a parameter only longer lists read (one per child
         # position) takes no gradient per sample, so none padded either
         short_names, long_grads = {name for name, _ in short_grads}, dict(long_grads)
@@ -982,6 +981,50 @@ def _symbol_gradients(op, sig, leaves, real, params, rng):
     grads += [(name, params[name].grad.asnumpy()) for name in sorted(params)
               if name in arguments]
     return grads
+
+
+def _gradient_pair(short_op, long_op, sig, padded, tries, elements, params, rng, zero):
+    """The gradients (see :func:`_symbol_gradients`) of the short and the
+    padded symbol on the first inputs of ``tries`` (each a list of the
+    short signature's leaves, padded with ``zero``) that MXNet can
+    differentiate; None where it can differentiate none."""
+    for leaves in tries:
+        longer = pad_leaves(sig.fmt, leaves, padded.fmt, zero)
+        real = elements
+        try:
+            try:
+                short = _symbol_gradients(short_op, sig, leaves, real, params, rng)
+            except mx.base.MXNetError:  # an element read where it takes no gradient (an id)
+                real = []
+                short = _symbol_gradients(short_op, sig, leaves, real, params, rng)
+            return short, _symbol_gradients(long_op, padded, longer, real, params, rng)
+        except mx.base.MXNetError:
+            continue
+    return None
+
+
+ID_INPUTS = {'Embedding': 0, '_contrib_SparseEmbedding': 0, 'take': 1, 'pick': 1,
+             'batch_take': 1, 'one_hot': 0, 'gather_nd': 1, 'scatter_nd': 1}
+"""Ops that read ids (which position of their inputs): the padding check's
+gradient half feeds zeros to the inputs that reach them."""
+
+
+def _id_inputs(symbol):
+    """Names of the inputs of ``symbol`` from which an op of
+    :data:`ID_INPUTS` computes the ids it reads."""
+    nodes = json.loads(symbol_json(symbol))['nodes']
+    stack = [node['inputs'][ID_INPUTS[node['op']]][0] for node in nodes
+             if node['op'] in ID_INPUTS and len(node['inputs']) > ID_INPUTS[node['op']]]
+    found, seen = set(), set()
+    while stack:
+        number = stack.pop()
+        if number in seen:
+            continue
+        seen.add(number)
+        if nodes[number]['op'] == 'null':
+            found.add(nodes[number]['name'])
+        stack.extend(entry[0] for entry in nodes[number]['inputs'])
+    return found
 
 
 def _run_symbol(op, sig, leaves, params):
@@ -1198,16 +1241,6 @@ class DynBatchBlock(Block):
         first = sigs[0]
         lengths = [max(len(s.fmt[i]) for s in sigs) if item != 0 else 0
                    for i, item in enumerate(first.fmt)]
-        sig = self._with_lengths(sigs, lengths)
-        for other in sigs:
-            self._check_padding(other, sig, sigs)
-        ragged_lists(sig)       # sets sig.ragged, which plans read
-        return sig
-
-    def _with_lengths(self, sigs, lengths):
-        """The signature of the family of ``sigs`` whose list argument
-        ``i`` has ``lengths[i]`` elements (traced if new)."""
-        first = sigs[0]
         fmt, shapes = [], []
         for i, item in enumerate(first.fmt):
             if item == 0:
@@ -1215,43 +1248,23 @@ class DynBatchBlock(Block):
                 shapes.append(first.item_shape(i))
             else:
                 fmt.append((0,) * lengths[i])
-                if lengths[i]:
-                    shape = next(s.item_shape(i) for s in sigs if len(s.fmt[i]))
-                    shapes += [shape] * lengths[i]
+                shape = next(s.item_shape(i) for s in sigs if len(s.fmt[i]))
+                shapes += [shape] * lengths[i]
         fmt = tuple(fmt)
         key = (fmt,) + tuple(shapes) + first.key[-2:]
         sig = self._signatures.get(key)
-        return sig if sig is not None else self._trace(key, fmt, first.ctx)
-
-    def _check_padding(self, short, padded, sigs):
-        """Check that padding the lists of ``short`` with zeros to the
-        lengths of ``padded`` changes nothing, one element at a time: from
-        ``short`` to the signature with each shorter list one element
-        longer, and on to ``padded`` (:func:`check_padding_is_neutral` on
-        each pair, once per block).  If padding by one element is neutral
-        for any lists, padding by several is, one after another; so a family
-        of lists up to ``L`` long needs ``L`` checks, not one per pair of
-        lengths: SICK's node in one epoch of training ran 28 checks, ~1.9 s
-        of the first epoch's 4.9 s (the others' 2.5 s).  Where the block
-        cannot be traced with the lengths between (it takes only some
-        lengths), the rest is checked in one go."""
-        current = short
-        while current is not padded:
-            lengths = [0 if item == 0 else min(len(item) + 1, len(target))
-                       for item, target in zip(current.fmt, padded.fmt)]
-            try:
-                longer = self._with_lengths(sigs, lengths)
-            except Exception:   # pylint: disable=broad-except  (the block's own error)
-                longer = padded
-            if (current.key, longer.key) not in self._pad_checked:
-                check_padding_is_neutral(self, current, longer)
-                self._pad_checked.add((current.key, longer.key))
-            current = longer
+        if sig is None:
+            sig = self._trace(key, fmt, first.ctx)
+        for other in sigs:
+            if other is not sig and (other.key, key) not in self._pad_checked:
+                check_padding_is_neutral(self, other, sig)
+                self._pad_checked.add((other.key, key))
+        ragged_lists(sig)       # sets sig.ragged, which plans read
+        return sig
 
     def signatures(self):
         """Traced signatures so far: one per distinct call signature, and
-        those padding made (a padded step's, and the list lengths between
-        that its check went through)."""
+        the padded signatures of steps that mix list lengths."""
         return list(self._signatures.values())
 
     def collect_params(self, select=None):

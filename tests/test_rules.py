@@ -466,106 +466,97 @@ def _checked_lengths(monkeypatch):
     return seen
 
 
-def _signature(block, *lengths):
-    (sig,) = [s for s in block.signatures()
-              if tuple(len(item) for item in s.fmt if item != 0) == lengths]
-    return sig
+class MeanSkipsLastZero(gluon.HybridBlock):
+    """A mean over children that skips the last child where it is zero: one
+    zero row of padding changes nothing, two do (found by a review of
+    checks chained one element at a time, 1 -> 2 -> 3, which this passed;
+    padding is checked from each length to the padded one directly)."""
+    dynbatch_pad_lists = True
+
+    def hybrid_forward(self, F, x, hs):
+        total = F.add_n(*hs) if len(hs) > 1 else hs[0]
+        last_is_zero = F.min(hs[-1] == 0, axis=1, keepdims=True)
+        return F.tanh(x + F.broadcast_div(total, len(hs) - last_is_zero))
 
 
-def test_padding_is_checked_one_element_at_a_time(monkeypatch):
-    """Padding a list of 1 to 4 is checked as 1 -> 2 -> 3 -> 4 (neutral
-    one element at a time is neutral for several, one after another), so
-    lengths up to L cost L checks, not one per pair of lengths (SICK's node:
-    28 checks, ~1.9 s of a first epoch, now 7); each pair is checked once,
-    the lengths between traced though no call had them; and the padded
-    minibatch matches per sample, the per-position weights included."""
-    block = dyb.DynBatchBlock(PerPositionChildren(norm=False, first='a_', children=4))
-    block.initialize(mx.init.Uniform(0.5))
-    xs = [mx.nd.array(np.random.RandomState(i).normal(size=(1, 4))) for i in range(6)]
-
-    def forward():
-        leaves = [block(x, []) for x in xs[:5]]
-        return [block(xs[5], leaves[:1]), block(xs[0], leaves[1:]), block(xs[1], leaves[:3])]
-    seen = _checked_lengths(monkeypatch)
-    results = run_both(forward, [block])
-    one, four = _signature(block, 1), _signature(block, 4)
-    assert block.padded_signature([one, four]) is four
-    assert block.padded_signature([_signature(block, 2), one, four]) is four
-    assert sorted(seen) == [((1,), (2,)), ((2,), (3,)), ((3,), (4,))]    # each once
-    assert _signature(block, 2).fmt[1] == (0, 0)        # traced for the checks
-    assert_same(results, rtol=1e-5, atol=1e-6)
-
-
-class NoPairs(gluon.HybridBlock):
-    """Sums its children, but refuses lists of two (a block that takes
-    only some lengths)."""
+class PairsSpecial(gluon.HybridBlock):
+    """Sums its children, but multiplies a pair: calls of 1 and 3 children
+    pad neutrally, and no call has 2."""
     dynbatch_pad_lists = True
 
     def hybrid_forward(self, F, x, hs):
         if len(hs) == 2:
-            raise ValueError('no pairs here')
-        return F.tanh(F.add_n(x, *hs) if hs else x)
+            return F.tanh(x + hs[0] * hs[1])
+        return F.tanh(F.add_n(x, *hs))
 
 
-def test_padding_past_a_length_the_block_refuses_is_checked_in_one_go(monkeypatch):
-    """Lists of 1 and 3 padded to 3, by a block that cannot be traced with
-    2: the check goes 1 -> 3 at once, and the padded step matches per
-    sample."""
-    block = dyb.DynBatchBlock(NoPairs())
+def _one_and_three(block, xs):
+    return [block(xs[0], [xs[1]]), block(xs[0], xs[2:5])]
+
+
+def test_padding_is_checked_from_each_length_to_the_padded_one(monkeypatch):
+    """A block that padding by one row leaves alone but padding by two
+    changes is refused; one that differs only at a length no call has
+    batches, matching per sample (checks chained through the lengths
+    between refused it, naming a length the user never passed)."""
     xs = [mx.nd.array(np.random.RandomState(i).normal(size=(1, 4))) for i in range(5)]
-    seen = _checked_lengths(monkeypatch)
+    block = dyb.DynBatchBlock(MeanSkipsLastZero())
+    with pytest.raises(dyb.InputError, match=r'zeros \(argument #1 from 1 to 3 arrays\) '
+                                             r'changes its output 0'):
+        with dyb.batching('depth'):
+            _one_and_three(block, xs)
 
-    def forward():
-        leaves = [block(x, []) for x in xs[:4]]
-        return [block(xs[4], leaves[:1]), block(xs[0], leaves[1:])]
-    results = run_both(forward, [block], inputs=xs)
-    assert block.padded_signature([_signature(block, 1), _signature(block, 3)]) \
-        is _signature(block, 3)
+    seen = _checked_lengths(monkeypatch)
+    block = dyb.DynBatchBlock(PairsSpecial())
+    results = run_both(lambda: _one_and_three(block, xs), [block], inputs=xs)
+    assert dyb.stats()['last']['batch_sizes'] == [2]
     assert seen == [((1,), (3,))]
     assert_same(results, rtol=1e-5, atol=1e-6)
 
 
-class TwoLists(gluon.HybridBlock):
-    """``tanh(x + sum(as) + relu(sum(bs)))``: two lists of their own
-    lengths (or ``relu`` of each ``b``, which a zero ``b`` also leaves
-    alone); ``shifted`` adds 1 to each ``a``, which padding does not."""
+class FrozenFromTwo(gluon.HybridBlock):
+    """``tanh(W x + sum(hs))``, but from two children on ``W`` is read
+    through ``BlockGrad``: padding leaves the values alone and zeroes ``W``'s
+    gradient, which scales with ``x``."""
     dynbatch_pad_lists = True
 
-    def __init__(self, shifted=False):
+    def __init__(self):
         super().__init__()
-        self.shifted = shifted
+        with self.name_scope():
+            self.w = self.params.get('w', shape=(4, 4))
 
-    def hybrid_forward(self, F, x, as_, bs):
-        s = x
-        for a in as_:
-            s = s + a + (1 if self.shifted else 0)
-        if bs:
-            s = s + F.relu(F.add_n(*bs) if len(bs) > 1 else bs[0])
-        return F.tanh(s)
+    def hybrid_forward(self, F, x, hs, w):
+        w = F.BlockGrad(w) if len(hs) >= 2 else w
+        return F.tanh(F.add_n(F.FullyConnected(x, w, no_bias=True, num_hidden=4), *hs))
 
 
-def test_two_lists_are_padded_one_element_more_in_each_at_a_time(monkeypatch):
-    """Lists of (1, 3) and (3, 1) elements padded to (3, 3): each list
-    shorter than its target grows by one a check, (1, 3) -> (2, 3) ->
-    (3, 3) and (3, 1) -> (3, 2) -> (3, 3), and a block that padding
-    changes is refused at the first step that changes it."""
-    block = dyb.DynBatchBlock(TwoLists())
-    x = mx.nd.ones((1, 4))
-    ones = [mx.nd.ones((1, 4)) * (k + 1) for k in range(3)]
-    with dyb.batching('per-sample'):
-        block(x, ones[:1], ones)
-        block(x, ones, ones[:1])
-    seen = _checked_lengths(monkeypatch)
-    assert block.padded_signature([_signature(block, 1, 3), _signature(block, 3, 1)]) \
-        is _signature(block, 3, 3)
-    assert seen == [((1, 3), (2, 3)), ((2, 3), (3, 3)), ((3, 1), (3, 2)), ((3, 2), (3, 3))]
+def test_gradient_check_draws_the_arguments_that_are_not_ids():
+    """The gradient half of the check fed zeros to every argument but the
+    list elements, in case one was an id, so a gradient that scales with
+    ``x`` was compared at ``x = 0`` only: this block batched with a zero
+    ``W`` gradient (found by a review).  Arguments read as ids stay zero: a
+    Tree-LSTM node's tokens (a row-sparse gradient lookup refuses negative
+    ones) still pass."""
+    block = dyb.DynBatchBlock(FrozenFromTwo())
+    block.initialize(mx.init.Uniform(0.5))
+    xs = [mx.nd.array(np.random.RandomState(i).normal(size=(1, 4))) for i in range(5)]
+    with pytest.raises(dyb.InputError, match=r'changes the gradient of frozenfromtwo\d+_w'):
+        with autograd.record():
+            with dyb.batching('depth'):
+                _one_and_three(block, xs)
 
-    block = dyb.DynBatchBlock(TwoLists(shifted=True))
-    with pytest.raises(dyb.InputError, match=r'zeros \(argument #1 from 1 to 2 arrays\) '
-                                             r'changes its output 0'):
+    from gluon_dynbatch.block import _id_inputs
+    from gluon_dynbatch.models import TreeLSTMNode
+    node = dyb.DynBatchBlock(TreeLSTMNode(50, 6, 4, sparse_grad=True))
+    node.initialize()
+    token = np.array([3.0], np.float32)
+    with autograd.record():
         with dyb.batching('depth'):
-            block(x, ones[:1], ones[:1])
-            block(x, ones, ones[:1])
+            leaves = [node(token, [], []) for _ in range(3)]
+            node(token, [leaves[0][0]], [leaves[0][1]])
+            node(token, [h for h, _ in leaves], [c for _, c in leaves])
+    (sig,) = [s for s in node.signatures() if len(s.fmt[1]) == 1]
+    assert _id_inputs(sig.symbol) == {sig.data_names[0]}
 
 
 class EmbeddedChildren(gluon.HybridBlock):
