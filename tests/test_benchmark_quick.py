@@ -7,9 +7,11 @@ positive, finite throughput in every setting of the quick run.
 import json
 import math
 import os
+import shutil
 import sys
 
 import numpy as np
+import pytest
 
 from helpers import ROOT, needs_sick, run_benchmark
 
@@ -190,3 +192,19 @@ def test_quick_cells_benchmark(tmp_path):
         assert 'slice_axis' in ops['dynbatch']
     assert {'sigmoid', 'tanh'} <= set(res['traced_ops']['LSTMCell']['dynbatch-slow-ops'])
     assert '| dynbatch / padded-fused |' in (tmp_path / 'cells.md').read_text()
+
+
+@needs_sick
+@pytest.mark.skipif(shutil.which('g++') is None, reason='the probe compiles its kernels with g++')
+def test_fused_gates_probe_runs_and_agrees(tmp_path):
+    """``fused_gates.py --quick``: its kernels, compiled through MXNet's
+    library API, compute what the native operators do, and it projects a
+    saving per minibatch from the steps that ``auto`` ran."""
+    proc = run_benchmark('fused_gates.py', '--quick', '--batch', '16', '--out', tmp_path)
+    assert 'fused kernels would save' in proc.stdout
+    with open(tmp_path / 'fused_gates.json') as f:
+        res = json.load(f)
+    assert len(res['minibatch_ms']) == 2 and res['at_most'] > 1.0
+    for times in res['kernels_us'].values():
+        for native, fused, diff in times.values():
+            assert native > 0 and fused > 0 and diff < 1e-5
