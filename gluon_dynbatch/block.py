@@ -293,7 +293,7 @@ class BatchingScope:
         try:
             nodes, summary = self.take()
             record_ms, self.record_s = self.record_s * 1e3, 0.0
-            built = programs_built()
+            built, checks = programs_built(), padding_checks()
             start = time.perf_counter()
             plan = self.strategy.plan(nodes, summary)
             planned = time.perf_counter()
@@ -312,7 +312,9 @@ class BatchingScope:
         debug.record_flush(plan, record_ms, (planned - start - compile_s) * 1e3,
                            (done - planned) * 1e3, getattr(self.strategy, 'last', None),
                            compile_ms=compile_s * 1e3, repeated=repeated,
-                           built=programs_built() - built)
+                           built=programs_built() - built,
+                           checks=(padding_checks()[0] - checks[0],
+                                   (padding_checks()[1] - checks[1]) * 1e3))
 
     def abandon(self):
         """Drop what was recorded: its lazy values will raise when read."""
@@ -709,6 +711,16 @@ def _leaf_path(fmt, index):
                     return found
         return None
     return walk(fmt, '') or '#%d' % index
+
+
+_CHECKS = threading.local()
+
+
+def padding_checks():
+    """``(count, seconds)`` of the padding checks this thread has run: a
+    flush that ran some says so (``stats()``, ``DYNBATCH_DEBUG``), a
+    one-time cost of new list lengths that its analysis time includes."""
+    return getattr(_CHECKS, 'count', 0), getattr(_CHECKS, 'seconds', 0.0)
 
 
 PADDING_CHECK_RANGES = ((-1.0, 1.0), (-2.0, -0.5), (0.5, 2.0), (-8.0, 8.0))
@@ -1257,7 +1269,13 @@ class DynBatchBlock(Block):
             sig = self._trace(key, fmt, first.ctx)
         for other in sigs:
             if other is not sig and (other.key, key) not in self._pad_checked:
-                check_padding_is_neutral(self, other, sig)
+                start = time.perf_counter()
+                try:
+                    check_padding_is_neutral(self, other, sig)
+                finally:
+                    count, seconds = padding_checks()
+                    _CHECKS.count, _CHECKS.seconds = \
+                        count + 1, seconds + time.perf_counter() - start
                 self._pad_checked.add((other.key, key))
         ragged_lists(sig)       # sets sig.ragged, which plans read
         return sig

@@ -28,7 +28,7 @@ def reset_stats():
     _TOTALS.clear()
     _TOTALS.update(flushes=0, nodes=0, steps=0, record_ms=0.0, analyse_ms=0.0, compile_ms=0.0,
                    run_ms=0.0, per_sample_nodes=0, repeated_calls=0, choices={}, predicted_ms=0.0,
-                   actual_ms=0.0, programs_built=0)
+                   actual_ms=0.0, programs_built=0, padding_checks=0, padding_check_ms=0.0)
     _LAST.clear()
 
 
@@ -43,7 +43,10 @@ def stats():
     reused an earlier call's results instead (equal host arguments, see
     :meth:`~gluon_dynbatch.block.BatchingScope.record`); ``programs_built``
     the step programs (MXNet CachedOps) flushes built, a one-time cost of
-    new shapes that their run times include.  ``record_ms`` is the time
+    new shapes that their run times include; ``padding_checks`` and
+    ``padding_check_ms`` the checks that padding a ``pad_lists`` block's
+    lists is neutral (once per pair of list lengths a step mixes), a
+    one-time cost that ``analyse_ms`` includes.  ``record_ms`` is the time
     inside the recorded calls; what a scope adds to the user's loop in wall
     time is larger (see the quickstart's *Counters*)."""
     out = dict(_TOTALS)
@@ -53,7 +56,7 @@ def stats():
 
 
 def record_flush(plan, record_ms, analyse_ms, run_ms, extra=None, compile_ms=0.0, repeated=0,
-                 built=0):
+                 built=0, checks=(0, 0.0)):
     sizes = plan.batch_sizes()
     per_sample = sum(n for n, step in zip(sizes, plan.steps) if not step.sig.batch_safe)
     _TOTALS['flushes'] += 1
@@ -66,11 +69,13 @@ def record_flush(plan, record_ms, analyse_ms, run_ms, extra=None, compile_ms=0.0
     _TOTALS['per_sample_nodes'] += per_sample
     _TOTALS['repeated_calls'] += repeated
     _TOTALS['programs_built'] += built
+    _TOTALS['padding_checks'] += checks[0]
+    _TOTALS['padding_check_ms'] += checks[1]
     _LAST.clear()
     _LAST.update(nodes=sum(sizes), steps=len(sizes), batch_sizes=sizes, record_ms=record_ms,
                  analyse_ms=analyse_ms, compile_ms=compile_ms, run_ms=run_ms,
                  strategy=plan.strategy, per_sample_nodes=per_sample, repeated_calls=repeated,
-                 programs_built=built)
+                 programs_built=built, padding_checks=checks[0], padding_check_ms=checks[1])
     if extra:
         _LAST.update(extra)
         if 'choice' in extra:
@@ -97,6 +102,10 @@ def _print_flush(plan, sizes, level):
                last['run_ms'], last['strategy']))
     if last['programs_built']:      # a first flush of new shapes: its times include these
         line += ', %d new programs built' % last['programs_built']
+    if last['padding_checks']:      # new list lengths: the analysis includes these
+        line += ', %d padding check%s (%.0f ms)' % (
+            last['padding_checks'], 's' if last['padding_checks'] > 1 else '',
+            last['padding_check_ms'])
     if 'predicted_ms' in last:
         line += ' (auto chose %s: predicted %.2f ms, actual %.2f ms)' % (
             last['choice'], last['predicted_ms'], last['analyse_ms'] + last['run_ms'])

@@ -211,6 +211,44 @@ def test_a_flush_says_how_many_programs_it_built(capsys, monkeypatch):
         'programs built' not in lines[1], lines
 
 
+def test_a_flush_says_how_many_padding_checks_it_ran(capsys, monkeypatch):
+    """A step that first mixes two list lengths of a ``pad_lists`` block
+    checks that padding is neutral (tens of ms, inside the analysis time):
+    ``stats()`` and the ``DYNBATCH_DEBUG`` line say how many and how long;
+    the same flush again runs none, and another thread's are its own."""
+    monkeypatch.setenv('DYNBATCH_DEBUG', '1')
+    block = dyb.DynBatchBlock(DenseAddLists(), pad_lists=True)
+    block.initialize()
+    x = mx.nd.ones((1, 3))
+    dyb.reset_stats()
+    lasts = []
+    for _ in range(2):
+        with dyb.batching('depth'):
+            block(x, [x])
+            block(x, [x, x, x])
+        lasts.append(dyb.stats()['last'])
+    assert lasts[0]['padding_checks'] == 1 and lasts[0]['padding_check_ms'] > 0
+    assert lasts[0]['padding_check_ms'] <= lasts[0]['analyse_ms']
+    assert lasts[1]['padding_checks'] == 0
+    assert dyb.stats()['padding_checks'] == 1
+    other = dyb.DynBatchBlock(DenseAddLists(), pad_lists=True)
+    other.initialize()
+
+    def check():
+        with dyb.batching('depth'):
+            other(x, [x])
+            other(x, [x, x])
+    from gluon_dynbatch.block import padding_checks
+    before = padding_checks()
+    worker = threading.Thread(target=check)
+    worker.start()
+    worker.join(30)
+    assert padding_checks() == before
+    lines = [l for l in capsys.readouterr().err.splitlines() if 'flush:' in l]
+    assert re.search(r', 1 padding check \(\d+ ms\)', lines[0]) and \
+        'padding check' not in lines[1], lines
+
+
 def test_depth_runs_the_sinks_of_a_family_as_one_step():
     """A head per tree, over trees of different depths: depth grouping runs
     every head in one step at the deepest head's depth, and results match."""
