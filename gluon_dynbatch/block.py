@@ -30,9 +30,10 @@ from .execute import collect, pad_leaves, run_plan, threaded_engine, to_device
 from .graph import (DONE, FAILED, PENDING, LazyValue, Node, lazy_results, recorded, repeat_node,
                     shared_results)
 from .lanes import graph_readers
-from .lower import make_cached_op, programs_built, ragged_lists
+from .lower import INDEXED_OPS, make_cached_op, programs_built, ragged_lists
 from .plan import SETUP, STRATEGIES, Strategy, summarize
-from .trace import error_line, flatten, leaf_count, regroup, symbol_json, trace_signature
+from .trace import (error_line, flatten, inputs_below, leaf_count, regroup, symbol_json,
+                    trace_signature)
 
 __all__ = ['DynBatchBlock', 'batching', 'concat_rows', 'current_scope', 'private_scope']
 
@@ -293,7 +294,7 @@ class BatchingScope:
         try:
             nodes, summary = self.take()
             record_ms, self.record_s = self.record_s * 1e3, 0.0
-            built, checks = programs_built(), padding_checks()
+            built, (checks, check_s) = programs_built(), padding_checks()
             start = time.perf_counter()
             plan = self.strategy.plan(nodes, summary)
             planned = time.perf_counter()
@@ -309,12 +310,12 @@ class BatchingScope:
             self.flush_at = PIPELINE_NEXT
             self.marker = mark.marker
         compile_s = self.strategy.last_compile_s
+        checks_now, check_s_now = padding_checks()
         debug.record_flush(plan, record_ms, (planned - start - compile_s) * 1e3,
                            (done - planned) * 1e3, getattr(self.strategy, 'last', None),
                            compile_ms=compile_s * 1e3, repeated=repeated,
                            built=programs_built() - built,
-                           checks=(padding_checks()[0] - checks[0],
-                                   (padding_checks()[1] - checks[1]) * 1e3))
+                           checks=(checks_now - checks, (check_s_now - check_s) * 1e3))
 
     def abandon(self):
         """Drop what was recorded: its lazy values will raise when read."""
@@ -817,9 +818,11 @@ def check_padding_is_neutral(dblock, sig, padded):
         # refuses a negative id; the values above were clipped); where
         # MXNet still refuses, all of them are zero
         elements = _list_elements(sig.fmt, leaves)
-        tries = [[leaf if any(leaf is e for e in elements) or (only_ids and name not in ids)
-                  else leaf.zeros_like() for name, leaf in zip(sig.data_names, leaves)]
-                 for only_ids in (True, False)]
+        others = {name for name, leaf in zip(sig.data_names, leaves)
+                  if not any(leaf is e for e in elements)}
+        tries = [[leaf.zeros_like() if name in zeroed else leaf
+                  for name, leaf in zip(sig.data_names, leaves)]
+                 for zeroed in [others & ids] + ([others] if others - ids else [])]
         grads = _gradient_pair(short_op, long_op, sig, padded, tries, elements, params, rng,
                                lambda item: zeros(padded.item_shape(item)))
         if grads is None:
@@ -1015,8 +1018,8 @@ def _gradient_pair(short_op, long_op, sig, padded, tries, elements, params, rng,
     return None
 
 
-ID_INPUTS = {'Embedding': 0, '_contrib_SparseEmbedding': 0, 'take': 1, 'pick': 1,
-             'batch_take': 1, 'one_hot': 0, 'gather_nd': 1, 'scatter_nd': 1}
+ID_INPUTS = dict({op: 0 for op in INDEXED_OPS}, take=1, pick=1, batch_take=1, one_hot=0,
+                 gather_nd=1, scatter_nd=1)
 """Ops that read ids (which position of their inputs): the padding check's
 gradient half feeds zeros to the inputs that reach them."""
 
@@ -1025,18 +1028,10 @@ def _id_inputs(symbol):
     """Names of the inputs of ``symbol`` from which an op of
     :data:`ID_INPUTS` computes the ids it reads."""
     nodes = json.loads(symbol_json(symbol))['nodes']
-    stack = [node['inputs'][ID_INPUTS[node['op']]][0] for node in nodes
-             if node['op'] in ID_INPUTS and len(node['inputs']) > ID_INPUTS[node['op']]]
-    found, seen = set(), set()
-    while stack:
-        number = stack.pop()
-        if number in seen:
-            continue
-        seen.add(number)
-        if nodes[number]['op'] == 'null':
-            found.add(nodes[number]['name'])
-        stack.extend(entry[0] for entry in nodes[number]['inputs'])
-    return found
+    below = inputs_below(nodes)
+    return set().union(*(below[node['inputs'][ID_INPUTS[node['op']]][0]] for node in nodes
+                         if node['op'] in ID_INPUTS and
+                         len(node['inputs']) > ID_INPUTS[node['op']]))
 
 
 def _run_symbol(op, sig, leaves, params):

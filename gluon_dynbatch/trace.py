@@ -19,7 +19,7 @@ from .errors import InputError
 from .rules import NOT_FUNCTIONS, OpView, batching_rule, draws_random
 
 __all__ = ['symbol_json', 'flatten', 'regroup', 'leaf_count', 'TracedSignature', 'trace_signature',
-           'prelu_by_ops', 'fast_forms', 'own_forms', 'load_graph', 'moved_entry',
+           'prelu_by_ops', 'fast_forms', 'own_forms', 'load_graph', 'inputs_below', 'moved_entry',
            'is_function_of_inputs', 'error_line']
 
 
@@ -160,12 +160,7 @@ class TracedSignature:
         reads = self._reads
         if reads is None:
             graph = json.loads(symbol_json(self.symbol))
-            nodes, below = graph['nodes'], []
-            for node in nodes:
-                names = {node['name']} if node['op'] == 'null' else set()
-                for entry in node['inputs']:
-                    names |= below[entry[0]]
-                below.append(frozenset(names))
+            below = inputs_below(graph['nodes'])
             reads = self._reads = [below[head[0]] for head in graph['heads']]
         return reads
 
@@ -621,6 +616,18 @@ def symbol_json(symbol):
     mx.base.check_call(mx.base._LIB.MXSymbolRemoveAmpCast(  # pylint: disable=protected-access
         symbol.handle, ctypes.byref(handle)))
     return mx.sym.Symbol(handle).tojson(remove_amp_cast=False)
+
+
+def inputs_below(nodes):
+    """Per node of a symbol's JSON ``nodes`` (in topological order), the
+    names of the inputs it depends on (a frozenset)."""
+    below = []
+    for node in nodes:
+        names = {node['name']} if node['op'] == 'null' else set()
+        for entry in node['inputs']:
+            names |= below[entry[0]]
+        below.append(frozenset(names))
+    return below
 
 
 def load_graph(graph, nodes, heads):
