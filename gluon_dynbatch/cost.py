@@ -328,7 +328,9 @@ class Auto(Strategy):
       the cache.  A cached plan runs faster than its prediction says (its
       gathers come from recipes), so for a repeating summary the measured
       totals decide: the cached plan runs its first ``cached_trials`` times
-      (it speeds up as it is reused: recipes, then a compiled flush), the
+      (it speeds up as it is reused: recipes, then a compiled flush; a
+      threaded engine waits for the steps of the last of these only, since
+      a waited flush loses the overlap of Python and the engine), the
       best other strategy then runs once to be timed, and the cached plan
       is kept while its best measured total (hashing included; over runs
       of its current kind, compiled or replayed) is within 5% of the best
@@ -512,10 +514,12 @@ class Auto(Strategy):
             # learn nothing new)
             self._probe(nodes, summary, name, plan, kind)
         self.choices[name] = self.choices.get(name, 0) + 1
-        # a repeating summary's decision runs: the cached plan's trials and
-        # the rival's run count only when timed (see _cached_measured_best)
-        deciding = verdict is None or (name == 'cached' and verdict and
-                                       self._repeat(fingerprint).cached_runs < self.cached_trials)
+        # a repeating summary's decision runs: the rival's run and the cached
+        # plan's last trial, the only one that is warm (see
+        # _cached_measured_best); the trials before it run untimed
+        deciding = verdict is None or (
+            name == 'cached' and verdict and
+            self._repeat(fingerprint).cached_runs == self.cached_trials - 1)
         self.last = {'choice': name, 'predicted_ms': sum(predictions[name]), 'deciding': deciding,
                      'raw_run_ms': raw[name][1], 'built': BUILT[0],
                      'unpriced': kind - self.model.family_step_us.keys(),

@@ -1157,6 +1157,30 @@ def test_analysis_that_did_one_time_work_is_not_learned_from():
     assert auto.last['choice'] == chosen and auto.model.analyse_us[chosen] != start[chosen]
 
 
+def test_a_repeating_summary_decides_on_two_timed_flushes():
+    """A structure that comes back runs its cached plan ``cached_trials``
+    times, then the best other strategy once; only the cached plan's last
+    trial (the first ones learn its recipes and compile it, slower) and
+    the rival's run are deciding, the flushes a threaded engine waits for.
+    Waiting for every trial made a training epoch that repeated the last
+    one's minibatches of 25 run ~1.7x slower for four epochs."""
+    cell = dyb.DynBatchBlock(ChildSumTreeLSTMCell(3, 3))
+    cell.initialize()
+    auto = dyb.Auto(model=dyb.CostModel())
+    rng = np.random.RandomState(5)
+    trees = [random_tree(rng, 12, max_arity=3) for _ in range(30)]
+    runs = []
+    for _ in range(auto.cached_trials + 5):
+        with dyb.batching(auto):
+            record_trees(cell, trees)
+        runs.append((auto.last['choice'], auto.last['deciding']))
+    trials = auto.cached_trials
+    assert [choice for choice, _ in runs[2:2 + trials]] == ['cached'] * trials
+    assert runs[2 + trials][0] != 'cached'          # the rival, timed once
+    assert [deciding for _, deciding in runs] == \
+        [False] * (1 + trials) + [True, True] + [False] * 2
+
+
 def test_cached_plan_not_yet_timed_keeps_running():
     """Under a threaded engine a cached plan can pass its trial runs
     without one timed flush; it keeps running until it is measured."""
