@@ -514,12 +514,9 @@ class Auto(Strategy):
             # learn nothing new)
             self._probe(nodes, summary, name, plan, kind)
         self.choices[name] = self.choices.get(name, 0) + 1
-        # a repeating summary's decision runs: the rival's run and the cached
-        # plan's last trial, the only one that is warm (see
-        # _cached_measured_best); the trials before it run untimed
-        deciding = verdict is None or (
-            name == 'cached' and verdict and
-            self._repeat(fingerprint).cached_runs == self.cached_trials - 1)
+        # a repeating summary's decision runs (see _cached_deciding)
+        deciding = verdict is None or (name == 'cached' and verdict and
+                                       self._cached_deciding(self._repeat(fingerprint)))
         self.last = {'choice': name, 'predicted_ms': sum(predictions[name]), 'deciding': deciding,
                      'raw_run_ms': raw[name][1], 'built': BUILT[0],
                      'unpriced': kind - self.model.family_step_us.keys(),
@@ -750,6 +747,20 @@ class Auto(Strategy):
         # not timed yet (a threaded engine times few flushes): keep it
         return (not others or record.best_ms.get('cached', 0.0) <= 1.05 * min(others)
                 or record.sightings % self.probe_every == 0)
+
+    def _cached_deciding(self, record):
+        """Whether this run of a repeating summary's cached plan decides,
+        so that a threaded engine waits for its steps to time it: the last
+        of its trials (those before learn its recipes and compile it, and
+        run slower), a run whose kind has no best time (its program came or
+        went), and a run on a probing sighting while it loses (untimed, it
+        could never win back).  A run that wins anyway is not timed: its
+        best time, a minimum, could only fall."""
+        if record.cached_runs < self.cached_trials:
+            return record.cached_runs == self.cached_trials - 1
+        best = record.best_ms.get('cached')
+        others = [ms for name, ms in record.best_ms.items() if name != 'cached']
+        return best is None or bool(others) and best > 1.05 * min(others)
 
     def _refreshed(self, fingerprint, key, entry, nodes):
         """On every ``probe_every``-th sighting of a repeating summary,

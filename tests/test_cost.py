@@ -1181,6 +1181,29 @@ def test_a_repeating_summary_decides_on_two_timed_flushes():
         [False] * (1 + trials) + [True, True] + [False] * 2
 
 
+def test_a_losing_cached_plan_is_timed_when_it_is_tried_again():
+    """Past its trials, a cached plan that loses to its rival runs again on
+    every ``probe_every``-th sighting; that run must be timed (a threaded
+    engine times a flush only when it decides), else it could never win
+    back.  So must a run whose kind (compiled or replayed) has no best time
+    yet; a winning run is not: its best time could only fall."""
+    auto = dyb.Auto(model=dyb.CostModel())
+    record = auto._repeat('summary')
+    assert [auto._cached_deciding(record) for record.cached_runs in range(4)] == \
+        [False, False, False, True]
+    record.cached_runs = auto.cached_trials
+    assert auto._cached_deciding(record)                # no best time of its kind
+    record.best_ms.update(cached=10.0, depth=11.0)
+    assert not auto._cached_deciding(record)            # winning
+    record.best_ms['depth'] = 5.0
+    record.rival_timed = True
+    record.sightings = 0
+    assert not auto._cached_measured_best('summary')    # losing...
+    record.sightings = auto.probe_every - 1
+    assert auto._cached_measured_best('summary')        # ...tried again...
+    assert auto._cached_deciding(record)                # ...and timed
+
+
 def test_cached_plan_not_yet_timed_keeps_running():
     """Under a threaded engine a cached plan can pass its trial runs
     without one timed flush; it keeps running until it is measured."""
