@@ -1634,3 +1634,39 @@ def test_the_package_never_leaves_mxnet_a_copy_of_a_graph(monkeypatch):
         loss = dyb.concat_rows(roots).sum()
     loss.backward()
     assert cell.signatures() and not leaking
+
+
+@pytest.mark.parametrize('strategy', ['depth', 'agenda', 'cached', 'auto'])
+def test_one_backward_per_samples_loss_needs_retain_graph(strategy):
+    """Batched, a step's rows are one autograd node: backward() on each
+    sample's loss in turn frees it with the first call, and the second
+    fails with MXNet's error (per sample it works; docs/quickstart.rst says
+    so).  With retain_graph=True on all but the last, the gradients added
+    up under grad_req='add' equal per-sample ones, structure repeated so
+    that cached plans replay."""
+    block = dyb.DynBatchBlock(nn.Dense(3, in_units=3))
+    block.initialize()
+    block.collect_params().setattr('grad_req', 'add')
+    xs = [mx.nd.array(np.random.RandomState(i).randn(1, 3)) for i in range(4)]
+
+    def grads(batched, retain):
+        block.collect_params().zero_grad()
+        with autograd.record():
+            if batched:
+                with dyb.batching(strategy):
+                    outs = [block(x) for x in xs]
+                outs = [out.data for out in outs]
+            else:
+                outs = [block.block(x) for x in xs]
+            losses = [(out ** 2).sum() for out in outs]
+        for number, loss in enumerate(losses):
+            loss.backward(retain_graph=retain and number < len(losses) - 1)
+        return {name: p.grad().asnumpy() for name, p in block.collect_params().items()}
+
+    expected = grads(False, False)
+    for _ in range(4):
+        got = grads(True, True)
+        for name, grad in expected.items():
+            np.testing.assert_allclose(got[name], grad, rtol=1e-5, atol=1e-6)
+    with pytest.raises(mx.base.MXNetError, match='require gradients|any container is empty'):
+        grads(True, False)
