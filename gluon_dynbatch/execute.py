@@ -195,10 +195,16 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hois
     # recording: outputs of host data alone (and of arguments that carry no
     # gradient) are handed out detached, as per sample
     free = sig.grad_free_outputs((True,) * len(sig.fmt)) if tables is not None else ()
+    by_node = None
     if free:
-        free = sig.grad_free_outputs(tuple(
-            item not in sources or all(_carries_no_gradient(part) for part in sources[item])
-            for item in range(len(sig.fmt))))
+        flags = tuple(item not in sources or all(map(_carries_no_gradient, sources[item]))
+                      for item in range(len(sig.fmt)))
+        narrowed = sig.grad_free_outputs(flags)
+        if len(narrowed) < len(free) and any(
+                not flag and any(map(_carries_no_gradient, sources[item]))
+                for item, flag in enumerate(flags)):
+            by_node = _grad_free_by_node(nodes, sig, flags, narrowed)
+        free = narrowed
     if host and tables is not None:
         for item in tables.reads(sig, host):
             sources[item] = [tables.positions(sources[item][0])]
@@ -227,7 +233,50 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hois
     if free:
         outs = [grad_free(out) if number in free else out for number, out in enumerate(outs)]
     (accel.finish_nodes or finish_nodes_py)(nodes, outs, rows)
+    if by_node:
+        for more, members in by_node.items():
+            arrays = [grad_free(out) if number in more else out
+                      for number, out in enumerate(outs)]
+            for node in members:
+                node.arrays = arrays
     return outs, learned
+
+
+def _grad_free_by_node(nodes, sig, flags, free):
+    """Where an argument's rows mix host data with rows that carry a
+    gradient (``flags`` False for it, though some of its sources carry
+    none), the outputs that carry no gradient for each node by its own
+    arguments, beyond ``free``: ``{outputs: [nodes]}``, so that those
+    nodes' values are handed out detached, as per sample (a user's
+    ``Embedding`` reading one as indices fails in backward otherwise).
+    Their arrays are other objects than the step's outputs, so a cached
+    plan finds the rows that read them anew instead of from a recipe."""
+    mixed = [item for item, flag in enumerate(flags) if not flag]
+    by_node, known = {}, {}
+    for node in nodes:
+        own = list(flags)
+        spans = node.sig.spans
+        for item in mixed:
+            pos, width = spans[item]
+            own[item] = all(map(_leaf_carries_no_gradient, node.leaves[pos:pos + width]))
+        own = tuple(own)
+        more = known.get(own)
+        if more is None:
+            more = known[own] = frozenset(sig.grad_free_outputs(own)) - set(free)
+        if more:
+            by_node.setdefault(more, []).append(node)
+    return by_node
+
+
+def _leaf_carries_no_gradient(leaf):
+    """:func:`_carries_no_gradient` for one call's argument: host data, a
+    padding row, a lazy value (its step's output as handed out) or an
+    ``NDArray``."""
+    if type(leaf) is LazyValue:
+        leaf = leaf._node.arrays[leaf._index]
+    elif type(leaf) is ZeroRow or not isinstance(leaf, mx.nd.NDArray):
+        return True
+    return _carries_no_gradient(leaf)
 
 
 def _upload_index(index, uploads, ctx):

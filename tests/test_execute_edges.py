@@ -735,6 +735,44 @@ def test_indices_from_a_step_mixing_rows_with_and_without_gradients(strategy, c_
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize('c_path', [True, False])
+@pytest.mark.parametrize('strategy', ['depth', 'agenda', 'cached', 'auto'])
+def test_a_host_only_row_of_a_mixed_step_reaches_user_code_detached(strategy, c_path):
+    """The same mix, read by the user's own Embedding: the step's output is
+    recorded for the row that carries a gradient, but the host-only row is
+    handed out detached, as per sample (it was recorded with the rest, and
+    backward failed with 'Embedding layer doesn't support calculate data
+    gradient'; found by a review).  Three times, so that cached plans
+    replay, and with a second step reading both rows."""
+    from gluon_dynbatch import accel
+    nxt, scale = dyb.DynBatchBlock(NextPosition()), dyb.DynBatchBlock(Scale())
+    embed = nn.Embedding(10, 4)
+    embed.initialize(mx.init.Xavier())
+    w = mx.nd.array([0.5])
+    w.attach_grad()
+
+    def run(batched):
+        with autograd.record():
+            with dyb.batching(strategy) if batched else contextlib.nullcontext():
+                p = nxt(nxt(np.array([1.], np.float32)))
+                q = nxt(nxt(w))
+                twice = [scale(p), scale(q)]
+            p, q = dyb.concat_rows([p]), dyb.concat_rows([q])
+            loss = (embed(p) ** 2).sum() + 3 * q.sum() + dyb.concat_rows(twice).sum()
+        loss.backward()
+        return [p.asnumpy(), w.grad.asnumpy().copy(), embed.weight.grad().asnumpy().copy()]
+
+    was_on = accel.record is not None
+    accel.enable(c_path)
+    try:
+        want = run(False)
+        for _ in range(3):
+            for a, b in zip(run(True), want):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    finally:
+        accel.enable(was_on)
+
+
 @pytest.mark.parametrize('strategy', ['per-sample', 'depth', 'cached'])
 def test_a_gradient_attached_to_a_detached_output_is_kept(strategy):
     """A step output of host data alone is handed out detached; read whole
