@@ -17,7 +17,7 @@ import time
 
 import mxnet as mx
 import numpy as np
-from mxnet.base import _LIB, NDArrayHandle, check_call, mx_uint
+from mxnet.base import _LIB, NDArrayHandle, SymbolHandle, check_call, mx_uint
 from mxnet.ndarray.ndarray import _DTYPE_NP_TO_MX, DLDataType, _int64_enabled
 
 from . import accel
@@ -57,6 +57,7 @@ def run_plan(plan, wait=False, after_step=None):
     recipes = plan.recipes
     outputs = []                                  # per step, its output arrays
     where = {} if recipes is not None else None   # id(output) -> (step, output index)
+    varied = set() if recipes is not None else None     # ids of outputs handed out per node
     # a hoisted step's outputs keep one row per call, so recipes replay with
     # it too; per-sample execution stays the unbatched baseline
     hoist = FlushHoist(plan.steps) if plan.strategy != 'per-sample' else None
@@ -68,7 +69,8 @@ def run_plan(plan, wait=False, after_step=None):
         start = clock()
         recipe = recipes[number] if recipes is not None else None
         hoisted = hoist.for_step(number) if hoist is not None else None
-        outs, learned = run_step(step, step.sig.ctx, recipe, outputs, where, tables, hoisted)
+        outs, learned = run_step(step, step.sig.ctx, recipe, outputs, where, tables, hoisted,
+                                 varied)
         if after_step is not None:
             after_step(number, step)
         if wait:
@@ -120,7 +122,8 @@ def run_compiled(plan):
     return [(time.perf_counter() - start) / len(steps)] * len(steps)
 
 
-def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hoisted=None):
+def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hoisted=None,
+             varied=None):
     """One batched call of ``step.sig`` over ``step.nodes``; returns its
     output arrays and a recipe for running it again in a flush of the same
     structure (None unless ``where`` maps earlier steps' outputs).  With
@@ -136,8 +139,15 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hois
     zero rows) whose outputs hold the rows, with the gather index already
     on the device (or None when the rows are the source in order);
     arguments that read user NDArrays or earlier flushes have no recipe
-    (None) and are gathered the long way every time."""
+    (None) and are gathered the long way every time.  ``varied`` (a set,
+    with a recipe) holds the ids of this flush's outputs that some of their
+    nodes hand out detached (:func:`_grad_free_by_node`): a recipe reading
+    one is not followed, since its rows must come from the nodes."""
     sig, nodes = step.sig, step.nodes
+    if varied and recipe is not None and any(
+            type(how) is tuple and any(number >= 0 and id(outputs[number][out]) in varied
+                                       for number, out in how[0]) for how in recipe):
+        recipe = None
     if recipe is not None and None in recipe and \
             any(type(how) is tuple and len(how) > 2 for how in recipe):
         # a ragged recipe with a list found anew: lay out every list anew,
@@ -239,6 +249,8 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hois
                       for number, out in enumerate(outs)]
             for node in members:
                 node.arrays = arrays
+            if varied is not None:
+                varied.update(id(outs[number]) for number in more)
     return outs, learned
 
 
@@ -250,7 +262,8 @@ def _grad_free_by_node(nodes, sig, flags, free):
     nodes' values are handed out detached, as per sample (a user's
     ``Embedding`` reading one as indices fails in backward otherwise).
     Their arrays are other objects than the step's outputs, so a cached
-    plan finds the rows that read them anew instead of from a recipe."""
+    plan finds the rows that read them anew instead of from a recipe
+    (``varied`` in :func:`run_step`)."""
     mixed = [item for item, flag in enumerate(flags) if not flag]
     by_node, known = {}, {}
     for node in nodes:
@@ -876,16 +889,20 @@ def _carries_no_gradient(part):
     and that has no gradient attached (MXNet has no cheaper way to ask
     than for its graph's symbol, which it refuses then: ~7 us an array,
     ~0.7 us when it has one; asked only for a signature with an output
-    that reads no trained parameter)."""
+    that reads no trained parameter), or only the variable that autograd
+    gave such an array when a recorded op read it."""
     if type(part) is GradFree or type(part) is np.ndarray:
         return True
-    handle = ctypes.c_void_p()
+    handle = SymbolHandle()
     try:
         check_call(_LIB.MXAutogradGetSymbol(part.handle, ctypes.byref(handle)))
     except mx.base.MXNetError:
         return True
-    check_call(_LIB.MXSymbolFree(handle))
-    return False
+    # a variable without a gradient attached: autograd made it when a
+    # recorded op read the array (MXNet's RecordOp does so for every input
+    # that has none), as a batched step whose other rows carry a gradient
+    # does where the per-sample op was not recorded
+    return mx.sym.Symbol(handle).get_children() is None and part.grad is None
 
 
 def grad_free(array):

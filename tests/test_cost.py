@@ -1204,6 +1204,34 @@ def test_a_losing_cached_plan_is_timed_when_it_is_tried_again():
     assert auto._cached_deciding(record)                # ...and timed
 
 
+def test_an_untimed_run_of_the_rival_does_not_ask_to_time_it_again():
+    """Once the rival of a repeating summary's cached plan has been timed,
+    its later runs (untimed under a threaded engine) must not ask for it to
+    be timed again: each did, so every other flush waited, and the cached
+    plan's retries, on every ``probe_every``-th sighting, always fell on a
+    rival's run (found by a review).  A deciding run that built a step
+    program still asks."""
+    from gluon_dynbatch.plan import Plan
+    auto = dyb.Auto(model=dyb.CostModel())
+    auto._seen['summary'] = 3
+    record = auto._repeat('summary')
+    record.cached_runs = auto.cached_trials
+    record.best_ms.update(cached=10.0)
+    assert auto._cached_measured_best('summary') is None       # time the rival
+    for deciding, seconds, built, kept in ((True, [0.004], BUILT[0], True),
+                                           (False, None, BUILT[0], True),
+                                           (True, [0.004], BUILT[0] - 1, False)):
+        record.rival_timed = True
+        auto.last = {'predicted_ms': 1.0, 'fingerprint': 'summary', 'choice': 'depth',
+                     'built': built, 'kind': frozenset(), 'sized': (frozenset(), 0),
+                     'raw_run_ms': 1.0, 'depth_steps': 0, 'deciding': deciding}
+        auto.observe(Plan('depth', ()), seconds, 0.001, [])
+        assert record.rival_timed == kept
+    record.rival_timed = True
+    record.sightings = auto.probe_every - 1
+    assert auto._cached_measured_best('summary')    # the losing plan's retry comes
+
+
 def test_cached_plan_not_yet_timed_keeps_running():
     """Under a threaded engine a cached plan can pass its trial runs
     without one timed flush; it keeps running until it is measured."""

@@ -773,6 +773,93 @@ def test_a_host_only_row_of_a_mixed_step_reaches_user_code_detached(strategy, c_
         accel.enable(was_on)
 
 
+@pytest.mark.parametrize('c_path', [True, False])
+@pytest.mark.parametrize('middle', ['no gradient', 'inference'])
+def test_a_replayed_recipe_does_not_skip_rows_handed_out_detached(middle, c_path):
+    """A cached plan whose recipe was learned where the first step was not
+    mixed (the user's NDArray had no gradient, or nothing was recorded)
+    replayed it where the step was mixed: the next step read the recorded
+    output for every row, so the host-only call's value came out recorded
+    and the user's Embedding failed in backward.  A recipe reading an
+    output that some nodes hand out detached is not followed (found by a
+    review)."""
+    from gluon_dynbatch import accel
+    nxt, scale = dyb.DynBatchBlock(NextPosition()), dyb.DynBatchBlock(Scale())
+    embed = nn.Embedding(10, 4)
+    embed.initialize(mx.init.Xavier())
+
+    def run(batched, attach, record):
+        w = mx.nd.array([0.5])
+        if attach:
+            w.attach_grad()
+        with autograd.record() if record else contextlib.nullcontext():
+            with dyb.batching('cached') if batched else contextlib.nullcontext():
+                twice = [scale(nxt(np.array([1.], np.float32))), scale(nxt(w))]
+            first = dyb.concat_rows(twice[:1]) if batched else twice[0]
+            both = dyb.concat_rows(twice) if batched else mx.nd.concat(*twice, dim=0)
+            loss = (embed(first) ** 2).sum() + both.sum()
+        if not record:
+            return [first.asnumpy()]
+        loss.backward()
+        return [first.asnumpy(), embed.weight.grad().asnumpy().copy()] + \
+            ([w.grad.asnumpy().copy()] if attach else [])
+
+    was_on = accel.record is not None
+    accel.enable(c_path)
+    try:
+        for attach, record in [(True, True), (middle == 'inference', middle != 'inference'),
+                               (True, True), (True, True)]:
+            for got, want in zip(run(True, attach, record), run(False, attach, record)):
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    finally:
+        accel.enable(was_on)
+
+
+class AddAndProject(gluon.HybridBlock):
+    """``a + b`` (no parameter) and a projection of ``b``."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        with self.name_scope():
+            self.dense = nn.Dense(1, in_units=1, flatten=False)
+
+    def hybrid_forward(self, F, a, b):
+        return a + b, self.dense(b)
+
+
+@pytest.mark.parametrize('strategy', ['depth', 'agenda', 'cached', 'auto'])
+def test_an_ndarray_a_mixed_step_read_still_carries_no_gradient(strategy):
+    """A batched step that reads a user's NDArray without a gradient next
+    to one with a gradient is recorded, and MXNet then gives the plain
+    array an autograd variable of its own; a later step took that for a
+    gradient and handed out recorded an output per sample outside the
+    graph (``w + 6``), which the user's Embedding then failed on in
+    backward (found by a review)."""
+    nxt, add = dyb.DynBatchBlock(NextPosition()), dyb.DynBatchBlock(AddAndProject())
+    add.initialize(mx.init.Xavier())
+    embed = nn.Embedding(10, 4)
+    embed.initialize(mx.init.Xavier())
+
+    def run(batched):
+        w, g = mx.nd.array([[1.]]), mx.nd.array([[2.]])
+        g.attach_grad()
+        with autograd.record():
+            with dyb.batching(strategy) if batched else contextlib.nullcontext():
+                nxt(w)
+                b = nxt(g)
+                c, e = add(w, nxt(np.array([[5.]], np.float32)))
+            c, b, e = (dyb.concat_rows([v]) for v in (c, b, e)) if batched else (c, b, e)
+            loss = (embed(c) ** 2).sum() + b.sum() + e.sum()
+        loss.backward()
+        return [c.asnumpy(), g.grad.asnumpy().copy(), embed.weight.grad().asnumpy().copy()] \
+            + _grads(add)
+
+    want = run(False)
+    for _ in range(3):
+        for got, expected in zip(run(True), want):
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize('strategy', ['per-sample', 'depth', 'cached'])
 def test_a_gradient_attached_to_a_detached_output_is_kept(strategy):
     """A step output of host data alone is handed out detached; read whole
