@@ -873,7 +873,7 @@ class Auto(Strategy):
             if timed and (name == 'cached' or BUILT[0] == self.last['built']):
                 total = (analyse_s - self.last_compile_s + sum(step_seconds)) * 1e3
                 record.best_ms[name] = min(total, record.best_ms.get(name, total))
-            elif name != 'cached' and self.last['deciding']:
+            elif name != 'cached' and self.last.get('deciding'):
                 # the rival's run, slowed by building a step program (~4 ms
                 # each: at SICK minibatch 256 auto then kept a compiled plan
                 # 17% slower than depth): time it again.  (Not after any

@@ -1279,7 +1279,7 @@ def test_rival_run_slowed_by_a_build_is_timed_again():
     for built, kept in ((BUILT[0] - 1, False), (BUILT[0], True)):
         auto.last = {'predicted_ms': 1.0, 'fingerprint': 'summary', 'choice': 'depth',
                      'built': built, 'kind': frozenset(), 'sized': (frozenset(), 0),
-                     'raw_run_ms': 1.0, 'depth_steps': 0}
+                     'raw_run_ms': 1.0, 'depth_steps': 0, 'deciding': True}
         auto.observe(Plan('depth', ()), [0.004], 0.001, [])
         assert ('depth' in record.best_ms) == kept
         assert record.rival_timed == kept
