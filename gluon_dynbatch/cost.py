@@ -564,7 +564,9 @@ class Auto(Strategy):
         """Flushes whose measurement is still missing: depth, agenda or
         per-sample run on a kind and size of graph where that choice has
         fewer than :data:`LEARN_RUNS` measured runs, and the runs that decide
-        a repeating summary (its cached plan's trials, the rival's run);
+        a repeating summary (the rival's run, and the cached plan's runs
+        that :meth:`_cached_deciding` names: its last trial, a retry while
+        it loses, a run of a kind with no best time yet);
         after that, one flush of this strategy in ``every``.  A waited flush
         is expensive under a threaded engine: Python cannot prepare a step
         while the last one runs, nor, in a pipelined scope, record the next

@@ -888,9 +888,10 @@ def _carries_no_gradient(part):
     rows, a :class:`GradFree` array, or an NDArray that no recorded op made
     and that has no gradient attached (MXNet has no cheaper way to ask
     than for its graph's symbol, which it refuses then: ~7 us an array,
-    ~0.7 us when it has one; asked only for a signature with an output
-    that reads no trained parameter), or only the variable that autograd
-    gave such an array when a recorded op read it."""
+    ~4-6 us when it has one, with the look at that symbol; asked only for
+    a signature with an output that reads no trained parameter), or only
+    the variable that autograd gave such an array when a recorded op read
+    it."""
     if type(part) is GradFree or type(part) is np.ndarray:
         return True
     handle = SymbolHandle()
