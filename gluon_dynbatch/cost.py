@@ -745,10 +745,8 @@ class Auto(Strategy):
         if not record.rival_timed:
             record.rival_timed = True
             return None
-        others = [ms for name, ms in record.best_ms.items() if name != 'cached']
-        # not timed yet (a threaded engine times few flushes): keep it
-        return (not others or record.best_ms.get('cached', 0.0) <= 1.05 * min(others)
-                or record.sightings % self.probe_every == 0)
+        # (not timed yet, it does not lose: a threaded engine times few flushes)
+        return not _cached_loses(record) or record.sightings % self.probe_every == 0
 
     def _cached_deciding(self, record):
         """Whether this run of a repeating summary's cached plan decides,
@@ -760,9 +758,7 @@ class Auto(Strategy):
         best time, a minimum, could only fall."""
         if record.cached_runs < self.cached_trials:
             return record.cached_runs == self.cached_trials - 1
-        best = record.best_ms.get('cached')
-        others = [ms for name, ms in record.best_ms.items() if name != 'cached']
-        return best is None or bool(others) and best > 1.05 * min(others)
+        return 'cached' not in record.best_ms or _cached_loses(record)
 
     def _refreshed(self, fingerprint, key, entry, nodes):
         """On every ``probe_every``-th sighting of a repeating summary,
@@ -889,6 +885,14 @@ class Auto(Strategy):
             self._observe_run(name, sum(step_seconds) * 1e3 if timed else None)
         if name == 'agenda':
             self._observe_agenda(len(plan.steps), self.last['depth_steps'], self.last['kind'])
+
+
+def _cached_loses(record):
+    """Whether a repeating summary's cached plan has a best time more than
+    5% over the best other strategy's (False while either is missing)."""
+    others = [ms for name, ms in record.best_ms.items() if name != 'cached']
+    best = record.best_ms.get('cached')
+    return bool(others) and best is not None and best > 1.05 * min(others)
 
 
 def _fewer_steps(nodes, entry):
