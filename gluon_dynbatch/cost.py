@@ -24,7 +24,6 @@ constants follow the machine and the workload.
 """
 import json
 import numbers
-import statistics
 import time
 from collections import deque
 from types import MappingProxyType
@@ -101,16 +100,21 @@ class CostModel:
         each step is charged its family's learned step cost, so a workload of
         cheap blocks is not priced with the costs of expensive ones."""
         rows_ms = n_nodes * self.row_us / 1e3
+        step_us = self.step_us
         if groups:
             family_cost = self.family_step_us.get
-            depth_us = sum(family_cost(family, self.step_us) for _, family in groups)
-            depth_us += (n_steps_by_depth - len(groups)) * self.step_us
-            sample_us = sum(count * family_cost(family, self.step_us)
-                            for (_, family), count in groups.items())
-            sample_us += (n_nodes - sum(groups.values())) * self.step_us
+            depth_us = sample_us = 0.0
+            grouped = 0
+            for (_, family), count in groups.items():    # (one pass: auto asks every flush)
+                cost = family_cost(family, step_us)
+                depth_us += cost
+                sample_us += count * cost
+                grouped += count
+            depth_us += (n_steps_by_depth - len(groups)) * step_us
+            sample_us += (n_nodes - grouped) * step_us
         else:
-            depth_us = n_steps_by_depth * self.step_us
-            sample_us = n_nodes * self.step_us
+            depth_us = n_steps_by_depth * step_us
+            sample_us = n_nodes * step_us
         per_step = depth_us / max(1, n_steps_by_depth)
         steps_us = {'per-sample': sample_us, 'depth': depth_us,
                     'agenda': max(per_step, depth_us * (agenda_ratio or self.agenda_ratio))}
@@ -461,8 +465,9 @@ class Auto(Strategy):
             self.choices['per-sample'] = self.choices.get('per-sample', 0) + 1
             self.last = {'choice': 'per-sample', 'kind': kind}
             return STRATEGIES['per-sample'].plan(nodes)
-        raw = self.model.predict(len(nodes), summary['depth_steps'],
-                                 self._seen.get(fingerprint), groups, self._ratios.get(kind))
+        model = self.model
+        raw = model.predict(len(nodes), summary['depth_steps'],
+                            self._seen.get(fingerprint), groups, self._ratios.get(kind))
         # run factors are learned per kind of graph and size (calls, within a
         # factor of two): the linear model's error changes with the size, and
         # a factor learned on graphs of 5,000 calls kept depth priced 1.3x at
@@ -507,7 +512,7 @@ class Auto(Strategy):
         if plan is None:
             setup, start = SETUP[0], time.perf_counter()
             plan = STRATEGIES[name].plan(nodes)
-            self.model.observe_analysis(name, time.perf_counter() - start, len(nodes), setup=setup)
+            model.observe_analysis(name, time.perf_counter() - start, len(nodes), setup=setup)
             plan = self._remember(summary, nodes, plan, name)
         if 'cached' not in predictions:
             # (a summary with a stored plan was seen before: a probe would
@@ -519,10 +524,10 @@ class Auto(Strategy):
                                        self._cached_deciding(self._repeat(fingerprint)))
         self.last = {'choice': name, 'predicted_ms': sum(predictions[name]), 'deciding': deciding,
                      'raw_run_ms': raw[name][1], 'built': BUILT[0],
-                     'unpriced': kind - self.model.family_step_us.keys(),
+                     'unpriced': kind - model.family_step_us.keys(),
                      'depth_steps': summary['depth_steps'], 'kind': kind, 'sized': sized,
                      'fingerprint': fingerprint,
-                     'predictions_ms': {k: round(sum(v), 3) for k, v in predictions.items()}}
+                     'predictions_ms': {k: round(a + r, 3) for k, (a, r) in predictions.items()}}
         return plan
 
     def _replayed(self, nodes, summary):
@@ -669,11 +674,12 @@ class Auto(Strategy):
         :meth:`_explore` tried the first again (one tradeoff.py run had
         auto run depth in 10 of 31 flushes on a layered DAG where agenda
         was 12% faster, 1.14x agenda)."""
-        sized = self.last['sized']
+        last = self.last
+        sized = last['sized']
         self._last_run[(sized, name)] = self._flushes
-        if run_ms is None or BUILT[0] != self.last['built'] or self.last['raw_run_ms'] <= 0:
+        if run_ms is None or BUILT[0] != last['built'] or last['raw_run_ms'] <= 0:
             return
-        unpriced = self.last.get('unpriced')
+        unpriced = last.get('unpriced')
         if unpriced and not unpriced.isdisjoint(self.model.family_step_us):
             # this flush's steps priced a family for the first time: its
             # prediction used the default step cost (ragged chains' 30 us
@@ -684,12 +690,12 @@ class Auto(Strategy):
             # a run of tradeoff.py lost (auto ran depth in 29 of 31
             # flushes, 1.28x agenda)
             return
-        ratio = min(2.0, max(0.5, run_ms / self.last['raw_run_ms']))
+        ratio = min(2.0, max(0.5, run_ms / last['raw_run_ms']))
         ratios = self._run_ratios.get((sized, name))
         if ratios is None:
             ratios = self._run_ratios[(sized, name)] = deque(maxlen=RUN_WINDOW)
         ratios.append(ratio)
-        self._run_factors.setdefault(sized, {})[name] = statistics.median(ratios)
+        self._run_factors.setdefault(sized, {})[name] = _median(ratios)
 
     def _note_kind(self, kind):
         """Mark ``kind`` as planned now, and forget what was learned about
@@ -851,10 +857,11 @@ class Auto(Strategy):
         timed = step_seconds is not None
         if timed and plan.program is None:      # a compiled plan has no per-step times
             self.model.observe_steps(plan, step_seconds)
-        if 'predicted_ms' not in self.last:
+        last = self.last
+        if 'predicted_ms' not in last:
             return
-        fingerprint = self.last['fingerprint']
-        name = self.last['choice']
+        fingerprint = last['fingerprint']
+        name = last['choice']
         if self._seen.get(fingerprint) is not None:     # a repeating summary
             # the best time seen: a structure costs the same every time, and
             # what varies (a one-off compile, a first call, a busy machine)
@@ -868,10 +875,10 @@ class Auto(Strategy):
                 if record.cached_compiled is not None and compiled != record.cached_compiled:
                     record.best_ms.pop('cached', None)
                 record.cached_compiled = compiled
-            if timed and (name == 'cached' or BUILT[0] == self.last['built']):
+            if timed and (name == 'cached' or BUILT[0] == last['built']):
                 total = (analyse_s - self.last_compile_s + sum(step_seconds)) * 1e3
                 record.best_ms[name] = min(total, record.best_ms.get(name, total))
-            elif name != 'cached' and self.last.get('deciding'):
+            elif name != 'cached' and last.get('deciding'):
                 # the rival's run, slowed by building a step program (~4 ms
                 # each: at SICK minibatch 256 auto then kept a compiled plan
                 # 17% slower than depth): time it again.  (Not after any
@@ -884,7 +891,15 @@ class Auto(Strategy):
         if name in ('depth', 'agenda', 'per-sample'):
             self._observe_run(name, sum(step_seconds) * 1e3 if timed else None)
         if name == 'agenda':
-            self._observe_agenda(len(plan.steps), self.last['depth_steps'], self.last['kind'])
+            self._observe_agenda(len(plan.steps), last['depth_steps'], last['kind'])
+
+
+def _median(values):
+    """The median of a few numbers (``statistics.median`` cost ~3 us of
+    each flush's bookkeeping)."""
+    ordered = sorted(values)
+    half = len(ordered) // 2
+    return ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
 
 
 def _cached_loses(record):
