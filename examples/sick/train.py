@@ -67,7 +67,9 @@ def build_parser():
                    help="'both' trains per-sample then dynbatch from the same seed and data "
                         'order, and plots the two learning curves together')
     p.add_argument('--strategy', default='depth',
-                   help='dynbatch grouping strategy (one of gluon_dynbatch.STRATEGIES)')
+                   help="dynbatch grouping strategy (one of gluon_dynbatch.STRATEGIES); depth's "
+                        "runs repeat bit for bit, 'auto' picks plans by measured time, so its "
+                        'gradients, and the scores after training, vary in the last digits')
     p.add_argument('--epochs', type=POSITIVE, default=DEFAULT_EPOCHS, help='training epochs')
     p.add_argument('--batch-size', type=POSITIVE, default=25,
                    help='pairs per batching scope (and per optimizer step) in training')
