@@ -44,10 +44,10 @@ functions in C:
   and without them such a scope flushes at fixed counts.
 
 ``record``, ``agenda_groups``, ``gather_index``, ``gather_item``, ``host_rows``,
-``host_item`` and ``wrap_host`` return None for anything but the common case (``record`` before changing
-anything), and the caller then
-runs the Python version, which stays the reference and the only place user
-errors are raised.
+``host_item`` and ``wrap_host`` return None for anything but the common case
+(``record`` before changing anything), and the caller then runs the Python
+version, which stays the reference and the only place user errors are
+raised.
 
 The extension is built by ``pip install`` when a C compiler is present
 (``setup.py`` marks it optional); without it everything runs in Python.

@@ -233,6 +233,7 @@ class BatchingScope:
                             (self.groups, self.used, self.unsafe))
         summary['structure'] = structure
         self.record_s += _clock() - counted
+        summary['record_s'] = self.record_s
         self.groups, self.used, self.unsafe = {}, {}, 0
         return nodes, summary
 

@@ -296,9 +296,22 @@ also how many measured runs it has there, so it is at least
 :data:`LEARN_RUNS`."""
 
 
+PACE_WINDOW = 15
+"""Flushes of a kind and size of graph whose median recording time per
+call is the machine's usual pace there (:meth:`Auto._pace`)."""
+
+PACE_LEARNED = 5
+"""Flushes of a kind and size of graph recorded before their pace counts."""
+
+
 LEARN_RUNS = 3
 """Measured runs of a choice on a kind and size of graph before
 :meth:`Auto.wants_step_times` stops timing each of its flushes."""
+
+LEARN_GAP = 3
+"""Flushes between runs of a runner-up among depth/agenda that has fewer
+than :data:`LEARN_RUNS` measured runs on a kind and size of graph
+(:meth:`Auto._explore`; ``probe_every`` once it has them)."""
 
 
 class Auto(Strategy):
@@ -399,6 +412,7 @@ class Auto(Strategy):
         self._run_ratios = {}   # ((set of families, size), strategy) -> its last ratios
         self._last_run = {}     # ((set of families, size), strategy) -> flush it last ran
         self._repeating = {}    # fingerprint -> _Repeating, for summaries with a stored plan
+        self._record_paces = {}  # (set of families, size) -> recent recording seconds per call
         self._next_probe = {}   # kind of graph -> flush number of its next probe
         self._probe_gap = {}    # kind of graph -> flushes between its probes
         self._kinds = {}        # kinds of graph above, least recently planned first
@@ -473,6 +487,7 @@ class Auto(Strategy):
         # a factor learned on graphs of 5,000 calls kept depth priced 1.3x at
         # 80, so auto ran agenda there (same steps, more analysis) unopposed
         sized = (kind, len(nodes).bit_length())
+        pace = self._pace(sized, summary.get('record_s'), len(nodes))
         predictions = self._corrected(raw, sized)
         ranked = sorted(predictions, key=lambda k: sum(predictions[k]))
         if 'agenda' in predictions and 'depth' in predictions and self._same_plans(sized) \
@@ -523,7 +538,7 @@ class Auto(Strategy):
         deciding = verdict is None or (name == 'cached' and verdict and
                                        self._cached_deciding(self._repeat(fingerprint)))
         self.last = {'choice': name, 'predicted_ms': sum(predictions[name]), 'deciding': deciding,
-                     'raw_run_ms': raw[name][1], 'built': BUILT[0],
+                     'raw_run_ms': raw[name][1], 'pace': pace, 'built': BUILT[0],
                      'unpriced': kind - model.family_step_us.keys(),
                      'depth_steps': summary['depth_steps'], 'kind': kind, 'sized': sized,
                      'fingerprint': fingerprint,
@@ -634,18 +649,26 @@ class Auto(Strategy):
     def _explore(self, ranked, predictions, sized):
         """Run the runner-up among depth/agenda (moving it to the front of
         ``ranked``) when it has not run on this kind and size of graph for
-        ``probe_every`` flushes (or ever) and either is predicted within
-        ``explore_within`` (10%) of the best or has fewer than
-        :data:`LEARN_RUNS` measured runs here: otherwise a near-tie that
-        the prediction gets wrong is never found out, and one slow first
-        run (its factor clipped at 2) would lock a strategy out for good
-        (one process had auto run depth in 192 of 200 flushes of a layered
-        DAG where agenda was 1.17x faster; near-tie exploring could not
-        undo that).  At most one flush in ``probe_every`` runs a plan
-        predicted up to 10% slower, and a few more a slower one while it
-        is measured.  Where the two share a run factor (:meth:`_pooled`),
-        their runs price both alike and only analysis tells them apart:
-        nothing to find out."""
+        ``probe_every`` flushes (or ever) and is predicted within
+        ``explore_within`` (10%) of the best, or for :data:`LEARN_GAP`
+        flushes while it has fewer than :data:`LEARN_RUNS` measured runs
+        here: otherwise a near-tie that the prediction gets wrong is never
+        found out, and one slow first run (its factor clipped at 2) would
+        lock a strategy out for good (one process had auto run depth in 192
+        of 200 flushes of a layered DAG where agenda was 1.17x faster;
+        near-tie exploring could not undo that).  A first run is often the
+        slow one, and with ``probe_every`` flushes between the runs that
+        measure a runner-up, a slow first run still locked it out for
+        16 flushes at a time: in 31-flush rounds of a layered DAG
+        and of ragged chains, three ``Auto`` instances side by side, auto
+        ran the slower depth in 11 or more of the 31 flushes in 9 of 15
+        rounds (1.13x agenda on average); with runs priced by the machine's
+        pace (:meth:`_pace`), in 3 of 15 (1.09x); with both that and these
+        runs 3 flushes apart, in 1 of 15 (1.06x).  At most one flush in
+        ``probe_every`` runs a plan predicted up to 10% slower, and a few
+        more a slower one while it is measured.  Where the two share a run
+        factor (:meth:`_pooled`), their runs price both alike and only
+        analysis tells them apart: nothing to find out."""
         factors = self._run_factors.get(sized)
         best = ranked[0]
         if not self.explore_within or not factors or best not in ('depth', 'agenda') \
@@ -658,7 +681,9 @@ class Auto(Strategy):
                 self._measured_runs(sized, other) >= LEARN_RUNS:
             return
         last_run = self._last_run.get((sized, other))
-        if last_run is None or self._flushes - last_run >= self.probe_every:
+        gap = self.probe_every if self._measured_runs(sized, other) >= LEARN_RUNS \
+            else LEARN_GAP
+        if last_run is None or self._flushes - last_run >= gap:
             ranked.remove(other)
             ranked.insert(0, other)
 
@@ -690,12 +715,35 @@ class Auto(Strategy):
             # a run of tradeoff.py lost (auto ran depth in 29 of 31
             # flushes, 1.28x agenda)
             return
-        ratio = min(2.0, max(0.5, run_ms / last['raw_run_ms']))
+        ratio = min(2.0, max(0.5, run_ms / (last['raw_run_ms'] * last.get('pace', 1.0))))
         ratios = self._run_ratios.get((sized, name))
         if ratios is None:
             ratios = self._run_ratios[(sized, name)] = deque(maxlen=RUN_WINDOW)
         ratios.append(ratio)
         self._run_factors.setdefault(sized, {})[name] = _median(ratios)
+
+    def _pace(self, sized, record_s, calls):
+        """How slowly the machine runs this flush against its usual pace on
+        this kind and size of graph: the flush's recording time per call
+        over the median of the last :data:`PACE_WINDOW` flushes' (1 until
+        there are :data:`PACE_LEARNED`; clipped to [0.5, 2]).  Recording
+        runs the same code whichever plan follows, and a run's time per
+        call tracked it (correlation 0.7 over 380 flushes of ragged chains
+        and of a layered DAG on a VM whose speed drifts), so
+        :meth:`_observe_run` divides each measured run by it: a slow spell
+        then does not price up whichever strategy ran during it against
+        one last measured before it (one ``tradeoff.py`` run had ``auto``
+        switch to depth on ragged chains in 15 of 31 flushes, 1.19x
+        agenda, after agenda's runs met such a spell)."""
+        if not record_s:
+            return 1.0
+        per_call = record_s / calls
+        recent = self._record_paces.get(sized)
+        if recent is None:
+            recent = self._record_paces[sized] = deque(maxlen=PACE_WINDOW)
+        usual = _median(recent) if len(recent) >= PACE_LEARNED else None
+        recent.append(per_call)
+        return 1.0 if not usual else min(2.0, max(0.5, per_call / usual))
 
     def _note_kind(self, kind):
         """Mark ``kind`` as planned now, and forget what was learned about
@@ -714,8 +762,9 @@ class Auto(Strategy):
         del kinds[old]
         for table in (self._ratios, self._same_sizes, self._next_probe, self._probe_gap):
             table.pop(old, None)
-        for key in [key for key in self._run_factors if key[0] == old]:
-            del self._run_factors[key]
+        for table in (self._run_factors, self._record_paces):
+            for key in [key for key in table if key[0] == old]:
+                del table[key]
         for table in (self._run_ratios, self._last_run):
             for key in [key for key in table if key[0][0] == old]:
                 del table[key]

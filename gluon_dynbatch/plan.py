@@ -343,7 +343,8 @@ def summarize(nodes, counts=None):
     groups, used, alone = counts
     groups = merge_sinks(groups, used)
     return {'depth_steps': len(groups) + alone,
-            'fingerprint': (frozenset(groups.items()), alone), 'structure': None}
+            'fingerprint': (frozenset(groups.items()), alone), 'structure': None,
+            'record_s': None}
 
 
 class Agenda(Strategy):

@@ -1398,3 +1398,68 @@ def test_auto_keeps_remembering_new_structures_after_its_memory_fills():
     flush(60)                            # seen twice: its plan is stored
     assert any(steps is not None for steps in auto._seen.values())
     np.testing.assert_allclose(flush(60), block(block(x * 59)).asnumpy(), rtol=1e-6)
+
+
+def test_a_runner_up_still_being_measured_runs_again_after_learn_gap_flushes():
+    """A runner-up predicted well over 10% slower, with fewer than
+    LEARN_RUNS measured runs, runs again LEARN_GAP flushes after its last
+    run, not ``probe_every``: a slow first run (first runs often are) had
+    locked agenda out of 16 flushes at a time on a layered DAG where it was
+    the faster.  Once measured, ``probe_every`` flushes apart, and only
+    within 10%."""
+    from gluon_dynbatch.cost import LEARN_GAP
+    auto = dyb.Auto(model=dyb.CostModel(), small=1)
+    raw = {'depth': (1.0, 10.0), 'agenda': (1.0, 15.0)}
+    auto._run_factors['k'] = {'depth': 1.0, 'agenda': 1.0}
+    auto._run_ratios[('k', 'agenda')] = [1.5]                # one (slow) run so far
+    auto._last_run[('k', 'agenda')] = auto._flushes = 100
+
+    def first():
+        ranked = ['depth', 'agenda']
+        auto._explore(ranked, auto._corrected(raw, 'k'), 'k')
+        return ranked[0]
+    auto._flushes += LEARN_GAP - 1
+    assert first() == 'depth'
+    auto._flushes += 1
+    assert first() == 'agenda'
+    auto._run_ratios[('k', 'agenda')] = [1.5] * LEARN_RUNS   # measured: 50% slower, let be
+    auto._flushes += 10 * auto.probe_every
+    assert first() == 'depth'
+
+
+def test_runs_are_priced_by_the_machine_pace_recording_shows():
+    """A flush whose calls recorded slower per call than the median of
+    recent flushes of its kind and size ran on a slow machine: its measured
+    run is divided by that pace before it moves the run factor, so a slow
+    spell does not price up whichever strategy ran in it against one
+    measured before (one tradeoff.py run had auto switch to the slower
+    depth in 15 of 31 flushes after agenda's runs met one)."""
+    from gluon_dynbatch.cost import PACE_LEARNED
+    auto = dyb.Auto(model=dyb.CostModel())
+    assert auto._pace('k', None, 100) == 1.0                 # no recording time: no pace
+    assert [auto._pace('k', 1e-4, 100) for _ in range(PACE_LEARNED)] == [1.0] * PACE_LEARNED
+    assert auto._pace('k', 1.5e-4, 100) == pytest.approx(1.5)
+    assert auto._pace('k', 1e-2, 100) == 2.0                 # clipped
+    assert auto._pace('other', 1.5e-4, 100) == 1.0          # per kind and size of graph
+    auto.last = {'sized': 'k', 'built': lower.BUILT[0], 'raw_run_ms': 10.0, 'pace': 1.5}
+    auto._observe_run('depth', 15.0)
+    assert auto._run_factors['k']['depth'] == pytest.approx(1.0)
+
+
+def test_a_scope_hands_auto_its_recording_time():
+    """The flush's summary carries the seconds its calls took to record
+    (``record_s``), which ``auto`` paces its runs by."""
+    seen = []
+
+    class Spy(dyb.Strategy):
+        name = 'spy'
+
+        def plan(self, nodes, summary=None):
+            seen.append(summary)
+            return dyb.STRATEGIES['depth'].plan(nodes)
+    block = dyb.DynBatchBlock(mx.gluon.nn.Dense(3, in_units=3))
+    block.initialize()
+    with dyb.batching(Spy()):
+        outs = [block(mx.nd.ones((1, 3))) for _ in range(40)]
+    assert outs[0].asnumpy().shape == (1, 3)
+    assert len(seen) == 1 and seen[0]['record_s'] > 0
