@@ -214,10 +214,13 @@ class BatchingScope:
             self.pipeline()
         return result
 
-    def take(self):
+    def take(self, repeated=0):
         """``(nodes, summary)``: the pending calls, which the scope forgets,
         and their :func:`~.plan.summarize` summary, whose ``'structure'`` is
-        their structure key when the tape wrote it (else None)."""
+        their structure key when the tape wrote it (else None), and whose
+        ``'record_s'`` and ``'recorded'`` are the seconds spent recording
+        them and the calls recorded (with the ``repeated`` ones that merged
+        into a pending call)."""
         nodes, self.pending = self.pending, []
         structure = None
         if self.tape is not None:
@@ -233,7 +236,7 @@ class BatchingScope:
                             (self.groups, self.used, self.unsafe))
         summary['structure'] = structure
         self.record_s += _clock() - counted
-        summary['record_s'] = self.record_s
+        summary['record_s'], summary['recorded'] = self.record_s, len(nodes) + repeated
         self.groups, self.used, self.unsafe = {}, {}, 0
         return nodes, summary
 
@@ -293,7 +296,7 @@ class BatchingScope:
         self.flushed += len(nodes)
         repeated, self.repeated = self.repeated, 0
         try:
-            nodes, summary = self.take()
+            nodes, summary = self.take(repeated)
             record_ms, self.record_s = self.record_s * 1e3, 0.0
             built, (checks, check_s) = programs_built(), padding_checks()
             start = time.perf_counter()

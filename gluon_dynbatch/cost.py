@@ -487,7 +487,7 @@ class Auto(Strategy):
         # a factor learned on graphs of 5,000 calls kept depth priced 1.3x at
         # 80, so auto ran agenda there (same steps, more analysis) unopposed
         sized = (kind, len(nodes).bit_length())
-        pace = self._pace(sized, summary.get('record_s'), len(nodes))
+        pace = self._pace(sized, summary.get('record_s'), summary.get('recorded') or len(nodes))
         predictions = self._corrected(raw, sized)
         ranked = sorted(predictions, key=lambda k: sum(predictions[k]))
         if 'agenda' in predictions and 'depth' in predictions and self._same_plans(sized) \
@@ -725,7 +725,9 @@ class Auto(Strategy):
     def _pace(self, sized, record_s, calls):
         """How slowly the machine runs this flush against its usual pace on
         this kind and size of graph: the flush's recording time per call
-        over the median of the last :data:`PACE_WINDOW` flushes' (1 until
+        recorded (``calls``, with those merged into a pending call as
+        repeats, whose share changes with the data) over the median of the
+        last :data:`PACE_WINDOW` flushes' (1 until
         there are :data:`PACE_LEARNED`; clipped to [0.5, 2]).  Recording
         runs the same code whichever plan follows, and a run's time per
         call tracked it (correlation 0.7 over 380 flushes of ragged chains

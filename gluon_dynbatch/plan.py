@@ -336,15 +336,17 @@ def summarize(nodes, counts=None):
     """What depth grouping will make of a flush, known before planning:
     ``depth_steps`` and a ``fingerprint`` (calls per merged (depth, family)
     group), from ``counts`` (see :func:`count_groups_py`) or, by default,
-    counted from the nodes.  Its ``structure`` is None: a scope puts there
-    the :func:`structure_key` its tape wrote while recording."""
+    counted from the nodes.  Its ``structure``, ``record_s`` and
+    ``recorded`` are None: a scope puts there the :func:`structure_key` its
+    tape wrote while recording, the seconds that recording took and the
+    calls it recorded."""
     if counts is None:
         counts = (accel.count_groups or count_groups_py)(nodes)
     groups, used, alone = counts
     groups = merge_sinks(groups, used)
     return {'depth_steps': len(groups) + alone,
             'fingerprint': (frozenset(groups.items()), alone), 'structure': None,
-            'record_s': None}
+            'record_s': None, 'recorded': None}
 
 
 class Agenda(Strategy):

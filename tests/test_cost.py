@@ -1448,7 +1448,8 @@ def test_runs_are_priced_by_the_machine_pace_recording_shows():
 
 def test_a_scope_hands_auto_its_recording_time():
     """The flush's summary carries the seconds its calls took to record
-    (``record_s``), which ``auto`` paces its runs by."""
+    (``record_s``) and how many it recorded, merged repeats included
+    (``recorded``): ``auto`` paces its runs by their ratio."""
     seen = []
 
     class Spy(dyb.Strategy):
@@ -1460,6 +1461,7 @@ def test_a_scope_hands_auto_its_recording_time():
     block = dyb.DynBatchBlock(mx.gluon.nn.Dense(3, in_units=3))
     block.initialize()
     with dyb.batching(Spy()):
-        outs = [block(mx.nd.ones((1, 3))) for _ in range(40)]
+        outs = [block(np.full((1, 3), i % 10, np.float32)) for i in range(40)]
     assert outs[0].asnumpy().shape == (1, 3)
-    assert len(seen) == 1 and seen[0]['record_s'] > 0
+    # 40 calls recorded, 30 of them merged into a pending call with equal host rows
+    assert len(seen) == 1 and seen[0]['record_s'] > 0 and seen[0]['recorded'] == 40
