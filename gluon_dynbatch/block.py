@@ -219,8 +219,8 @@ class BatchingScope:
         and their :func:`~.plan.summarize` summary, whose ``'structure'`` is
         their structure key when the tape wrote it (else None), and whose
         ``'record_s'`` and ``'recorded'`` are the seconds spent recording
-        them and the calls recorded (with the ``repeated`` ones that merged
-        into a pending call)."""
+        them (the scope's clock starts again) and the calls recorded (with
+        the ``repeated`` ones that merged into a pending call)."""
         nodes, self.pending = self.pending, []
         structure = None
         if self.tape is not None:
@@ -237,6 +237,7 @@ class BatchingScope:
         summary['structure'] = structure
         self.record_s += _clock() - counted
         summary['record_s'], summary['recorded'] = self.record_s, len(nodes) + repeated
+        self.record_s = 0.0
         self.groups, self.used, self.unsafe = {}, {}, 0
         return nodes, summary
 
@@ -297,7 +298,7 @@ class BatchingScope:
         repeated, self.repeated = self.repeated, 0
         try:
             nodes, summary = self.take(repeated)
-            record_ms, self.record_s = self.record_s * 1e3, 0.0
+            record_ms = summary['record_s'] * 1e3
             built, (checks, check_s) = programs_built(), padding_checks()
             start = time.perf_counter()
             plan = self.strategy.plan(nodes, summary)

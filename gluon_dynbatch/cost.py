@@ -309,8 +309,9 @@ LEARN_RUNS = 3
 :meth:`Auto.wants_step_times` stops timing each of its flushes."""
 
 LEARN_GAP = 3
-"""Flushes between runs of a runner-up among depth/agenda that has fewer
-than :data:`LEARN_RUNS` measured runs on a kind and size of graph
+"""Flushes (all of an :class:`Auto`'s, of any kind and size, as for
+``probe_every``) between runs of a runner-up among depth/agenda that has
+fewer than :data:`LEARN_RUNS` measured runs on a kind and size of graph
 (:meth:`Auto._explore`; ``probe_every`` once it has them)."""
 
 

@@ -1,5 +1,6 @@
 """Cost model, cached plans and the automatic choice."""
 import json
+import statistics
 
 import mxnet as mx
 from mxnet import autograd
@@ -1355,7 +1356,8 @@ def test_auto_keeps_what_it_learned_for_at_most_memory_kinds_of_graph():
     def kinds_in_tables():
         kinds = set(auto._ratios) | set(auto._same_sizes) | set(auto._next_probe) | \
             set(auto._probe_gap) | {key[0] for key in auto._run_factors} | \
-            {key[0][0] for key in auto._run_ratios} | {key[0][0] for key in auto._last_run}
+            {key[0][0] for key in auto._run_ratios} | {key[0][0] for key in auto._last_run} | \
+            {key[0] for key in auto._record_paces}
         return kinds
 
     blocks = [nn.Dense(3, in_units=3) for _ in range(3)]
@@ -1425,6 +1427,13 @@ def test_a_runner_up_still_being_measured_runs_again_after_learn_gap_flushes():
     auto._run_ratios[('k', 'agenda')] = [1.5] * LEARN_RUNS   # measured: 50% slower, let be
     auto._flushes += 10 * auto.probe_every
     assert first() == 'depth'
+    raw['agenda'] = (1.0, 10.5)                              # measured, within 10%:
+    auto._run_ratios[('k', 'agenda')] = [1.0] * LEARN_RUNS
+    auto._last_run[('k', 'agenda')] = auto._flushes
+    auto._flushes += auto.probe_every - 1
+    assert first() == 'depth'                                # probe_every flushes apart
+    auto._flushes += 1
+    assert first() == 'agenda'
 
 
 def test_runs_are_priced_by_the_machine_pace_recording_shows():
@@ -1465,3 +1474,40 @@ def test_a_scope_hands_auto_its_recording_time():
     assert outs[0].asnumpy().shape == (1, 3)
     # 40 calls recorded, 30 of them merged into a pending call with equal host rows
     assert len(seen) == 1 and seen[0]['record_s'] > 0 and seen[0]['recorded'] == 40
+
+
+def test_auto_paces_its_runs_by_the_recording_of_real_flushes(monkeypatch):
+    """End to end: flushes of a real scope fill auto's table of recording
+    paces for their kind and size, and once it holds PACE_LEARNED of them
+    a flush whose calls recorded twice as slowly (the recording clock made
+    to run double) gets a pace near 2, which divides its measured run."""
+    from gluon_dynbatch import block as block_module
+    from gluon_dynbatch.cost import PACE_LEARNED
+    dense = dyb.DynBatchBlock(nn.Dense(3, in_units=3))
+    dense.initialize()
+    auto = dyb.Auto(model=dyb.CostModel(), small=1)
+
+    def flush(n):       # (a new structure each time: no cached plan)
+        with dyb.batching(auto):
+            xs = [dense(mx.nd.ones((1, 3))) for _ in range(64 + n)]
+            [dense(x) for x in xs]
+    for n in range(PACE_LEARNED + 2):
+        flush(n)
+    sized = auto.last['sized']
+    assert len(auto._record_paces[sized]) == PACE_LEARNED + 2
+    assert 0.5 < auto.last['pace'] < 2
+    seen = []
+    original = auto._observe_run
+    monkeypatch.setattr(auto, '_observe_run', lambda name, run_ms: seen.append(
+        auto.last['pace']) or original(name, run_ms))
+    recorded = block_module.BatchingScope.take
+
+    def slow_take(scope, repeated=0):
+        nodes, summary = recorded(scope, repeated)
+        summary['record_s'] *= 2 * statistics.median(
+            auto._record_paces[sized]) * summary['recorded'] / summary['record_s']
+        return nodes, summary
+    monkeypatch.setattr(block_module.BatchingScope, 'take', slow_take)
+    flush(PACE_LEARNED + 2)
+    assert auto.last['sized'] == sized and auto.last['choice'] in ('depth', 'agenda')
+    assert seen and seen[-1] == pytest.approx(2.0)

@@ -68,8 +68,8 @@ def build_parser():
                         'order, and plots the two learning curves together')
     p.add_argument('--strategy', default='depth',
                    help="dynbatch grouping strategy (one of gluon_dynbatch.STRATEGIES); depth's "
-                        "runs repeat bit for bit, 'auto' picks plans by measured time, so its "
-                        'gradients, and the scores after training, vary in the last digits')
+                        "training repeats bit for bit, 'auto' picks plans by measured time, so "
+                        'its gradients, and the scores after training, vary in the last digits')
     p.add_argument('--epochs', type=POSITIVE, default=DEFAULT_EPOCHS, help='training epochs')
     p.add_argument('--batch-size', type=POSITIVE, default=25,
                    help='pairs per batching scope (and per optimizer step) in training')
