@@ -454,6 +454,7 @@ class ListThenX(mx.gluon.HybridBlock):
         return x
 
 
+@needs_extension
 def test_host_item_reads_one_argument_of_every_node_wherever_it_sits():
     """``execute.host_item_rows`` (one C pass, accel.host_item) gives the
     host rows of one argument of a step's nodes, also when the nodes'

@@ -328,6 +328,9 @@ def test_stored_plans_do_not_keep_dropped_blocks_alive(make, train):
     import gc
     import weakref
     strategy = make()
+    if not isinstance(strategy, dyb.CachedPlan) and accel.Tape is None:
+        pytest.skip('auto replays small flushes by the structure key that only the C '
+                    'recorder writes')
     cache = strategy if isinstance(strategy, dyb.CachedPlan) else strategy.replay
     kept = []
 
