@@ -328,12 +328,14 @@ class Auto(Strategy):
       Flushes that run a cached plan are not probed: their structure was
       seen before.
     * Each strategy's predicted run time is scaled by a factor learned per
-      kind of graph from its measured runs (:meth:`_corrected`; depth and
+      kind of graph from its measured runs, each divided by the machine's
+      pace at the time (:meth:`_pace`) (:meth:`_corrected`; depth and
       agenda share theirs where agenda makes depth's steps, and depth then
       runs: it does as well for less); a runner-up
       among depth/agenda predicted within ``explore_within`` (10%) runs
-      now and then (:meth:`_explore`), so a near-tie the model gets wrong
-      is found out.
+      now and then, and one not yet measured :data:`LEARN_RUNS` times runs
+      every :data:`LEARN_GAP` flushes (:meth:`_explore`), so a near-tie
+      the model gets wrong, or a slow first run, is found out.
     * Flushes of fewer than ``small`` nodes (calls after merged repeats) are
       planned by depth without deciding: the decision itself would cost
       more than it could save.  So are chains of one block (every call a
@@ -678,12 +680,12 @@ class Auto(Strategy):
         other = 'agenda' if best == 'depth' else 'depth'
         if other not in predictions:
             return
-        if sum(predictions[other]) > (1 + self.explore_within) * sum(predictions[best]) and \
-                self._measured_runs(sized, other) >= LEARN_RUNS:
+        measured = self._measured_runs(sized, other) >= LEARN_RUNS
+        if measured and \
+                sum(predictions[other]) > (1 + self.explore_within) * sum(predictions[best]):
             return
         last_run = self._last_run.get((sized, other))
-        gap = self.probe_every if self._measured_runs(sized, other) >= LEARN_RUNS \
-            else LEARN_GAP
+        gap = self.probe_every if measured else LEARN_GAP
         if last_run is None or self._flushes - last_run >= gap:
             ranked.remove(other)
             ranked.insert(0, other)
