@@ -870,8 +870,12 @@ def analyse_results(results):
             n: {'predicted_ms': preds[n],
                 'measured_ms': cells[n]['analyse_ms'] + cells[n]['run_ms']}
             for n in preds if n in cells and cells[n].get('analyse_ms') is not None}
+        reused = [kind for kind in cells.get('cached', {}).get('plans', {})
+                  if not kind.startswith('cached-miss')]
+        # only where a plan was reused: a miss plans afresh (the non-repeating
+        # SICK minibatches), and its share is a fixed strategy's, not the target's
         if 'total_ms' in cells.get('cached', {}) and res['kind'].startswith('sick') \
-                and res['name'].endswith('B=256'):
+                and res['name'].endswith('B=256') and reused:
             c = cells['cached']
             frac = (c['record_ms'] + c['analyse_ms']) / c['total_ms']
             res['cached_overhead_frac'] = frac
