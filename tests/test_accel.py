@@ -770,9 +770,16 @@ def test_errors_come_from_the_python_version():
     with pytest.raises(dyb.InputError, match='dtype float64 but earlier arguments have'):
         with dyb.batching():
             block(x, x.astype('float64'))
-    with pytest.raises(dyb.InputError, match='got float, expected an NDArray'):
+    with pytest.raises(dyb.InputError, match='got float, expected an NDArray.*make such a '
+                       'constant part of the block'):
         with dyb.batching():
             block(x, 1.0)
+    with pytest.raises(dyb.InputError, match='got NoneType.*constant part of the block'):
+        with dyb.batching():
+            block(x, None)
+    with pytest.raises(dyb.InputError, match=r'got str, expected an NDArray[^.]*\.$'):
+        with dyb.batching():                # no advice about constants for other types
+            block(x, 'x')
     with pytest.raises(RuntimeError):
         with dyb.batching():
             failed, _ = block(x, x)
