@@ -101,14 +101,19 @@ def _print_flush(plan, sizes, level):
                'compile %.2f ms, ' % last['compile_ms'] if last['compile_ms'] else '',
                last['run_ms'], last['strategy']))
     if last['programs_built']:      # a first flush of new shapes: its times include these
-        line += ', %d new programs built' % last['programs_built']
+        line += ', %d new program%s built' % (last['programs_built'],
+                                              's' if last['programs_built'] > 1 else '')
     if last['padding_checks']:      # new list lengths: the analysis includes these
         line += ', %d padding check%s (%.0f ms)' % (
             last['padding_checks'], 's' if last['padding_checks'] > 1 else '',
             last['padding_check_ms'])
     if 'predicted_ms' in last:
-        line += ' (auto chose %s: predicted %.2f ms, actual %.2f ms)' % (
-            last['choice'], last['predicted_ms'], last['analyse_ms'] + last['run_ms'])
+        # the prediction prices a warm run; building programs and checking
+        # padding are one-time costs, included in the actual time
+        one_time = ', including one-time building and checks' \
+            if last['programs_built'] or last['padding_checks'] else ''
+        line += ' (auto chose %s: predicted %.2f ms, actual %.2f ms%s)' % (
+            last['choice'], last['predicted_ms'], last['analyse_ms'] + last['run_ms'], one_time)
     print(line, file=sys.stderr)
     if level >= 2:
         print(plan, file=sys.stderr)

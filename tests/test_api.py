@@ -207,8 +207,8 @@ def test_a_flush_says_how_many_programs_it_built(capsys, monkeypatch):
     worker.join(30)
     assert programs_built() == before
     lines = [l for l in capsys.readouterr().err.splitlines() if 'flush:' in l]
-    assert lines[0].endswith(', %d new programs built' % counts[0]) and \
-        'programs built' not in lines[1], lines
+    built = ', %d new program%s built' % (counts[0], 's' if counts[0] > 1 else '')
+    assert lines[0].endswith(built) and 'built' not in lines[1], lines
 
 
 def test_a_flush_says_how_many_padding_checks_it_ran(capsys, monkeypatch):
@@ -312,6 +312,12 @@ def test_debug_output(capsys, monkeypatch):
         [block(block(mx.nd.ones((1, 3)))) for _ in range(40)]
     err = capsys.readouterr().err
     assert 'auto chose' in err and 'predicted' in err and 'actual' in err
+    # the first flush of 40 rows builds the wide program: its actual time says so
+    assert '1 new program built' in err and 'including one-time building' in err, err
+    with dyb.batching('auto'):              # the same again: nothing to build
+        [block(block(mx.nd.ones((1, 3)))) for _ in range(40)]
+    err = capsys.readouterr().err
+    assert 'auto chose' in err and 'built' not in err and 'one-time' not in err, err
     with dyb.batching('auto'):              # tiny graphs are planned by depth, no decision
         block(block(mx.nd.ones((1, 3))))
     assert 'auto chose' not in capsys.readouterr().err
