@@ -267,9 +267,12 @@ def test_script_frozen_glove_embeddings(example, sick_dir, tmp_path):
                              for w, v in zip(words, vectors)))
     out = tmp_path / 'run'
     proc = _run_script('--data', sick_dir, '--embeddings', glove, '--freeze-embeddings',
+                       '--embed-size', 50,
                        '--epochs', 1, '--train-limit', 30, '--dev-limit', 20,
                        '--test-limit', 20, '--no-progress', '--out', out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    # a size that the file contradicts is dropped, and said so
+    assert 'warning: --embed-size 50 ignored: %s holds 8-d vectors' % glove in proc.stderr
     results = json.loads((out / 'results.json').read_text())
     assert results['settings']['freeze_embeddings'] is True
     assert results['settings']['embeddings'] == str(glove)

@@ -30,6 +30,7 @@ import time
 MODES = ('per-sample', 'dynbatch')
 DEFAULT_EPOCHS = 10
 DEFAULT_TRAIN_LIMIT = 0  # 0: all 4500 training pairs
+DEFAULT_EMBED_SIZE = 300  # random embeddings' size without --embed-size
 
 
 def _number(kind, least, strict=False):
@@ -62,7 +63,7 @@ def build_parser():
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument('--data', default=None,
                    help='SICK folder holding train/ dev/ test/ (else $GLUON_DYNBATCH_SICK, '
-                        'else ../shared/data/sick)')
+                        'else ../shared/data/sick)%(default).0s')
     p.add_argument('--mode', choices=MODES + ('both',), default='dynbatch',
                    help="'both' trains per-sample then dynbatch from the same seed and data "
                         'order, and plots the two learning curves together')
@@ -84,14 +85,16 @@ def build_parser():
                    help='weight decay (L2) on every parameter but the embeddings')
     p.add_argument('--seed', type=COUNT, default=0,
                    help='seeds weights, data order and random embeddings')
-    p.add_argument('--embed-size', type=POSITIVE, default=300,
-                   help='size of random embeddings (a --embeddings file sets its own)')
+    p.add_argument('--embed-size', type=POSITIVE, default=None,
+                   help='size of random embeddings (default 300; a --embeddings file sets '
+                        'its own)%(default).0s')
     p.add_argument('--hidden-size', type=POSITIVE, default=150,
                    help="size of the Tree-LSTM's hidden state")
     p.add_argument('--sim-hidden-size', type=POSITIVE, default=50,
                    help='hidden units of the similarity head')
     p.add_argument('--embeddings', default=None,
-                   help='GloVe-format text file (word v1 v2 ...) to initialise embeddings')
+                   help='GloVe-format text file (word v1 v2 ...) to initialise embeddings '
+                        '(default: random ones of --embed-size)%(default).0s')
     p.add_argument('--freeze-embeddings', action='store_true',
                    help='do not train the embeddings (Tai et al. froze GloVe)')
     p.add_argument('--train-limit', type=COUNT, default=DEFAULT_TRAIN_LIMIT,
@@ -100,7 +103,7 @@ def build_parser():
     p.add_argument('--test-limit', type=COUNT, default=0, help='first N test pairs (0: all)')
     p.add_argument('--threads', type=POSITIVE, default=1,
                    help='OpenMP threads (sets OMP_NUM_THREADS before MXNet loads)')
-    p.add_argument('--out', default=None, help='output folder (None: runs/sick-<mode>)')
+    p.add_argument('--out', default=None, help='output folder (default: runs/sick-<mode>)%(default).0s')
     p.add_argument('--no-progress', action='store_true',
                    help='no tqdm progress bars (there are none when stderr is not a terminal)')
     return p
@@ -212,7 +215,8 @@ class Model:
 def read_embeddings(vocab, args):
     """``(matrix, tokens found)``: the ``--embeddings`` file's vectors for
     ``vocab`` (random for the rest, seeded), or all random without one."""
-    return make_embedding_matrix(vocab, dim=args.embed_size, path=args.embeddings,
+    return make_embedding_matrix(vocab, dim=args.embed_size or DEFAULT_EMBED_SIZE,
+                                 path=args.embeddings,
                                  seed=args.seed)
 
 
@@ -550,6 +554,9 @@ def main(args):
         return 2
     matrix, n_found = embeddings
     # the size the model uses: an --embeddings file sets its own
+    if args.embeddings and args.embed_size not in (None, matrix.shape[1]):
+        print('warning: --embed-size %d ignored: %s holds %d-d vectors'
+              % (args.embed_size, args.embeddings, matrix.shape[1]), file=sys.stderr)
     settings = dict(vars(args), data=str(data_dir), out=out_dir, modes=modes,
                     n_train=len(data['train']), n_dev=len(data['dev']),
                     n_test=len(data['test']), vocab_size=len(vocab),
@@ -564,7 +571,7 @@ def main(args):
     print('  model     embed %s%s, hidden %d, similarity hidden %d, %d classes'
           % ('%s (%d-d, %d of %d tokens found)' % (args.embeddings, matrix.shape[1], n_found,
                                                      len(vocab))
-             if args.embeddings else 'random %d-d' % args.embed_size,
+             if args.embeddings else 'random %d-d' % matrix.shape[1],
              ' (frozen)' if args.freeze_embeddings else '', args.hidden_size,
              args.sim_hidden_size, NUM_CLASSES))
     print('  runtime   threads %s  engine %s  MXNET_ENGINE_TYPE=%s  OMP_NUM_THREADS=%s  '
