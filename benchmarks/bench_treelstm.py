@@ -49,6 +49,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, 'results')
@@ -387,6 +388,10 @@ class HybridPerSampleForm(PerSampleForm):
         self.base, self.vocab_size = node, vocab_size
         self.TreeLSTMNode = TreeLSTMNode
         self.by_arity = {}
+        # a leaf's hybridized graph reads no child state, so Gluon warns that
+        # the h2h weights are unused in it: true, and expected
+        warnings.filterwarnings('ignore', message=r'Parameter .*h2h.* is not used by any '
+                                'computation', category=UserWarning)
         self.heads = {}
         for training, flags in self.FLAGS.items():
             head_h = Similarity(SIM_HIDDEN, CLASSES, in_units=HIDDEN, prefix=head.prefix,

@@ -97,7 +97,7 @@ def build_parser():
         description='Analysis-vs-batching trade-off of the gluon_dynbatch strategies.',
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument('--data', default=None, help='SICK folder (else $GLUON_DYNBATCH_SICK, '
-                                                'else ../shared/data/sick)')
+                                                'else ../shared/data/sick)%(default).0s')
     p.add_argument('--out', default=None,
                    help='folder for tradeoff.json / .png (default %s; with --quick %s, so that a smoke run '
                         'leaves the published results alone)%%(default).0s' % (DEFAULT_OUT, QUICK_OUT))
@@ -105,10 +105,10 @@ def build_parser():
     p.add_argument('--repeats', type=int, default=None,
                    help='measured repeats per workload, at least (default 11; quick 3); '
                         'small SICK minibatches get more (256 / B, quick 24 / B), the '
-                        'repeated one 21 and the synthetic graphs 31')
+                        'repeated one 21 and the synthetic graphs 31%(default).0s')
     p.add_argument('--per-sample-cap', type=int, default=None,
                    help='largest graph (nodes) on which plain and per-sample run '
-                        '(default 4500; quick 1500)')
+                        '(default 4500; quick 1500)%(default).0s')
     p.add_argument('--tol', type=float, default=1e-4, help='output equality tolerance')
     p.add_argument('--seed', type=int, default=0,
                    help='data order, synthetic graphs and parameters')
@@ -992,7 +992,7 @@ def _fmt(v, width=8, prec=2):
     return ('%.*f' % (prec, v)).rjust(width)
 
 
-def print_tables(results, flags):
+def print_tables(results, flags, quick=False):
     cols = [PLAIN] + list(FIXED) + ['auto']
     print()
     print('Total wall time per minibatch, ms (median); auto/best = median over repeats of auto '
@@ -1043,7 +1043,10 @@ def print_tables(results, flags):
             res['name'], eq['reference'], worst, 'OK' if eq['passed'] else 'MISMATCH'))
     print()
     if flags:
-        print('FLAGS:')
+        # a smoke run's few repeats cannot tell strategies apart (CI checks
+        # that it runs, never its speed)
+        print('FLAGS:%s' % (' (a --quick run: too few repeats to judge speed by)'
+                            if quick else ''))
         for f in flags:
             print('  - ' + f)
     else:
@@ -1237,7 +1240,7 @@ def main(argv=None):
             res['seconds']), flush=True)
 
     flags = analyse_results(results)
-    print_tables(results, flags)
+    print_tables(results, flags, args.quick)
     repeated = next(w for w in workloads if w.kind == 'sick-repeat')
     overhead = cached_overhead(mx, dyb, model, repeated.batches[0], len(repeated.batches))
     print()
