@@ -208,3 +208,51 @@ def test_fused_gates_probe_runs_and_agrees(tmp_path):
     for times in res['kernels_us'].values():
         for native, fused, diff in times.values():
             assert native > 0 and fused > 0 and diff < 1e-5
+
+
+PROFILE_TABLE = """
+operator
+=================
+Name                          Total Count        Time (ms)    Min Time (ms)    Max Time (ms)    Avg Time (ms)
+----                          -----------        ---------    -------------    -------------    -------------
+_backward_FullyConnected             1476         260.6070           0.0260           1.4550           0.1766
+add_n                                3365         117.0960           0.0020           4.8280           0.0348
+
+MXNET_C_API
+=================
+Name                          Total Count        Time (ms)    Min Time (ms)    Max Time (ms)    Avg Time (ms)
+----                          -----------        ---------    -------------    -------------    -------------
+MXAutogradBackwardEx                   80         377.7090           2.9160           9.7850           4.7214
+MXNet C API Calls                   36040          34.6900           0.0010          36.0400          18.0190
+"""
+
+
+def test_profile_step_reads_every_row_of_mxnets_table():
+    """The first row of each section is its largest: it must not be lost
+    under the header (an early version dropped it), and names may hold
+    spaces."""
+    sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
+    import profile_step
+    sections = profile_step.profile_sections(PROFILE_TABLE)
+    assert sections['operator'] == {'_backward_FullyConnected': (1476, 260.607),
+                                    'add_n': (3365, 117.096)}
+    assert sections['MXNET_C_API'] == {'MXAutogradBackwardEx': (80, 377.709),
+                                       'MXNet C API Calls': (36040, 34.69)}
+
+
+@needs_sick
+def test_profile_step_runs(tmp_path):
+    proc = run_benchmark('profile_step.py', '--setting', 'train 8', '--minibatches', 2,
+                         '--out', tmp_path)
+    with open(tmp_path / 'profile_train_8_dynbatch-auto.json') as f:
+        res = json.load(f)
+    timed, profiled = res['timed'], res['profiled']
+    assert res['minibatches'] == 2 and timed['wall_ms'] > 0
+    # the Python thread's parts add up to the wall time (the rest is their remainder)
+    assert math.isclose(sum(timed['python_ms'].values()), timed['wall_ms'], rel_tol=1e-6)
+    assert timed['python_ms']['backward() call'] > 0
+    # a training step's operators include the backward pass
+    assert profiled['operators']['FullyConnected']['calls'] > 0
+    assert profiled['operators']['_backward_FullyConnected']['calls'] > 0
+    assert 'MXAutogradBackwardEx' in profiled['python_waits_in_ms']
+    assert 'pass 2 (profiled)' in proc.stdout
