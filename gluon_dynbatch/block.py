@@ -478,12 +478,13 @@ def batching(strategy='auto', flush_every='auto', merge_repeats=True):
         _resume_collector()
 
 
-CONSTANT_ADVICE = (' Gluon passes None and Python numbers through outside a scope, but a '
+CONSTANT_ADVICE = (' Gluon passes None and numbers through outside a scope, but a '
                    'batched step cannot: make such a constant part of the block (an '
                    'attribute, or one wrapper block per value), or pass it as a (1, ...) '
                    'array.')
-"""Appended to the error for a ``None`` or a Python number among a call's
-arguments (see :doc:`quickstart`, "What a wrapped call takes")."""
+"""Appended to the error for a ``None`` or a number (Python's or numpy's)
+among a call's arguments (see :doc:`quickstart`, "What a wrapped call
+takes")."""
 
 
 # Recording makes many small objects; the cyclic collector would walk every
@@ -669,7 +670,7 @@ def _signature_key(dblock, fmt, leaves, scope):
                              'value or a numpy array (per-sample, leading axis of 1).%s'
                              % (dblock.block.name, _leaf_path(fmt, _position(leaves, leaf)),
                                 type(leaf).__name__, CONSTANT_ADVICE
-                                if leaf is None or isinstance(leaf, (bool, int, float))
+                                if leaf is None or isinstance(leaf, (numbers.Number, np.generic))
                                 else ''))
         if leaf_ctx is not ctx and leaf_ctx is not None:
             if ctx is None:

@@ -110,8 +110,10 @@ def _print_flush(plan, sizes, level):
     if 'predicted_ms' in last:
         # the prediction prices a warm run; building programs and checking
         # padding are one-time costs, included in the actual time
-        one_time = ', including one-time building and checks' \
-            if last['programs_built'] or last['padding_checks'] else ''
+        one_time = ' and '.join(what for what, done in (
+            ('building programs', last['programs_built']),
+            ('padding checks', last['padding_checks'])) if done)
+        one_time = ', including one-time ' + one_time if one_time else ''
         line += ' (auto chose %s: predicted %.2f ms, actual %.2f ms%s)' % (
             last['choice'], last['predicted_ms'], last['analyse_ms'] + last['run_ms'], one_time)
     print(line, file=sys.stderr)

@@ -774,9 +774,11 @@ def test_errors_come_from_the_python_version():
                        'constant part of the block'):
         with dyb.batching():
             block(x, 1.0)
-    with pytest.raises(dyb.InputError, match='got NoneType.*constant part of the block'):
-        with dyb.batching():
-            block(x, None)
+    for constant in (None, True, 3, np.float32(2), np.int64(1), np.bool_(True)):
+        with pytest.raises(dyb.InputError, match='got %s.*constant part of the block'
+                           % type(constant).__name__):
+            with dyb.batching():
+                block(x, constant)
     with pytest.raises(dyb.InputError, match=r'got str, expected an NDArray[^.]*\.$'):
         with dyb.batching():                # no advice about constants for other types
             block(x, 'x')
