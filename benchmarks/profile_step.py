@@ -12,22 +12,27 @@ plans, launches the steps' CachedOps and builds the backward pass, while
 MXNet's worker runs the operators.  The slower of the two sets the pace, so
 a speed-up must come from that one.  On fresh minibatches of the shuffled
 SICK test split (the model, weights, optimizer and settings of
-``bench_treelstm.py``, one form), the script runs:
+``bench_treelstm.py``, one form), after a warm-up (pairs holding every
+child count, the split's last 512 pairs as one minibatch, then up to 30
+minibatches of the setting), the script runs:
 
 1. a timed pass: wall ms per minibatch; the Python thread's split (for
-   ``dynbatch-*`` forms the scope's recording, analysis, compile and
-   launch from ``stats()``, and the user's loop around them; the
-   ``backward()`` call; the optimizer step; the rest), each thread's CPU
-   time per wall time (``time.thread_time`` for Python, the rest of the
-   process's for MXNet's worker);
+   ``dynbatch-*`` forms the scope's recording, analysis, padding checks,
+   compile and launch from ``stats()``, and the user's loop around them;
+   the loss; the ``backward()`` call; the optimizer step; the pass's last
+   wait for the worker), each thread's CPU time per wall time
+   (``time.thread_time`` for Python, the rest of the process's for MXNet's
+   worker).  Padding checks that fresh minibatches still meet (rare child
+   counts) are one-time work inside the pass: the line "without its
+   padding checks" takes their Python time out (their operators stay);
 2. a profiled pass over other fresh minibatches, with MXNet's profiler
-   aggregating operator times: operator ms per minibatch, each operator's
-   calls and share, and the ``MXAutogradBackwardEx`` / ``MXInvokeCachedOp``
-   C calls that Python waits in.  The profiler slows every operator a
-   little: compare shares, not its totals with pass 1's.
+   aggregating operator times: operator ms per minibatch (the engine's
+   frees and waits apart), each operator's calls and share, and the C
+   calls Python spends in MXNet (``WAITS``).  The profiler slows every
+   operator a little: compare shares, not its totals with pass 1's.
 
-It prints both and writes ``<out>/profile_<mode>_<B>_<form>.json``.  One
-process, one form: run forms one after the other to compare them.
+It prints both and writes ``<out>/profile_<mode>_<B>_<form>[_<engine>].json``.
+One process, one form: run forms one after the other to compare them.
 """
 import argparse
 import atexit
@@ -51,21 +56,35 @@ def parse_args(argv=None):
                    help="a form of bench_treelstm.py: dynbatch-<strategy>, hand-batched, "
                         "hand-batched-unique")
     p.add_argument('--minibatches', type=int, default=60,
-                   help='fresh minibatches in each pass, at most what the test split holds '
-                        'after the warm-up')
-    p.add_argument('--engine', default='ThreadedEnginePerDevice', choices=bt.ENGINES)
+                   help='fresh minibatches in each pass (at least 2), at most what the test '
+                        'split holds after the warm-up')
+    # the split is of two threads: the NaiveEngine runs the operators in
+    # Python's, inside the calls this script times
+    p.add_argument('--engine', default='ThreadedEnginePerDevice', choices=THREADED,
+                   help='MXNET_ENGINE_TYPE (a threaded one: the profile splits two threads)')
     p.add_argument('--top', type=int, default=15, help='operators listed')
-    p.add_argument('--data', default=None)
-    p.add_argument('--out', default=os.path.join(HERE, 'results'))
+    p.add_argument('--data', default=None, help='SICK folder (else $GLUON_DYNBATCH_SICK, else '
+                                                '../shared/data/sick)%(default).0s')
+    p.add_argument('--out', default=os.path.join(HERE, 'results'),
+                   help='folder for the JSON')
     args = p.parse_args(argv)
-    mode, batch = args.setting.split()
-    if mode not in ('infer', 'train') or not batch.isdigit() or int(batch) < 1:
+    parts = args.setting.split()
+    if len(parts) != 2 or parts[0] not in ('infer', 'train') or not parts[1].isdigit() \
+            or int(parts[1]) < 1:
         p.error("--setting must be 'infer B' or 'train B' with B >= 1, not %r" % args.setting)
-    args.mode, args.batch = mode, int(batch)
+    if args.minibatches < 2:
+        p.error('--minibatches must be at least 2, not %d' % args.minibatches)
+    args.mode, args.batch = parts[0], int(parts[1])
     return args
 
 
 PADDING_CHECKS = 'padding checks (once per new pair of list lengths)'
+THREADED = [engine for engine in bt.ENGINES if engine != 'NaiveEngine']
+BOOKKEEPING = ('DeleteVariable', 'WaitForVar')
+"""Engine operations that are no operators: freeing an array, a wait."""
+WAITS = ('MXAutogradBackwardEx', 'MXInvokeCachedOp', 'MXNDArraySyncCopyFromCPU',
+         'MXNDArraySyncCopyToCPU', 'MXNDArrayWaitAll')
+"""The C calls whose time Python spends in MXNet (building, launching, waiting)."""
 
 
 class Split:
@@ -130,15 +149,20 @@ def main(argv=None):
         ['--engine', args.engine] + (['--data', args.data] if args.data else []))
     bt.configure_env(bench_args)
     import mxnet as mx  # pylint: disable=import-outside-toplevel
+    import gluon_dynbatch  # pylint: disable=import-outside-toplevel
+    known = [bt.PER_SAMPLE, bt.HYBRID, bt.HAND, bt.HAND_UNIQUE, bt.DYB_PURE] + \
+        [bt.DYB_PREFIX + strategy for strategy in gluon_dynbatch.STRATEGIES]
+    if args.form not in known:
+        raise SystemExit('error: no form %r; forms: %s' % (args.form, ', '.join(known)))
     _, items, targets, vocab_size, embedding = bt.load_data(bench_args)
     ctx = bt.Forms(vocab_size, embedding, bench_args.seed, [args.form],
                    bench_args.sparse_grad, bench_args.optimizer)
     if args.form not in ctx.forms:
-        raise SystemExit('error: no form %r here (%s); forms: %s' % (
-            args.form, ctx.skipped.get(args.form, 'unknown'), ', '.join(sorted(ctx.forms))))
+        raise SystemExit('error: form %r cannot run here: %s'
+                         % (args.form, ctx.skipped.get(args.form, 'unknown reason')))
     form, dyb, batch = ctx.forms[args.form], ctx.dyb, args.batch
     # every minibatch fresh, as in the benchmark's walk over the split (a
-    # repeated one would reuse its cached plan): a fifth of the split warms up
+    # repeated one would reuse its cached plan): up to 30 warm up
     available = len(items) // batch
     warm = min(30, available // 5)
     count = min(args.minibatches, (available - warm) // 2)
@@ -213,18 +237,22 @@ def main(argv=None):
     mx.profiler.set_state('stop')
     sections = profile_sections(mx.profiler.dumps(reset=True))
     ops = sections.get('operator', {})
-    op_ms = sum(ms for _, ms in ops.values())
+    real = {name: row for name, row in ops.items() if name not in BOOKKEEPING}
+    kept = {name: row for name, row in ops.items() if name in BOOKKEEPING}
     capi = sections.get('MXNET_C_API', {})
-    profiled = {'wall_ms': 1e3 * profiled_wall / count, 'operator_ms': op_ms / count,
-                'operator_calls': sum(c for c, _ in ops.values()) / count,
+    profiled = {'wall_ms': 1e3 * profiled_wall / count,
+                'operator_ms': sum(ms for _, ms in real.values()) / count,
+                'operator_calls': sum(c for c, _ in real.values()) / count,
+                'bookkeeping_ms': sum(ms for _, ms in kept.values()) / count,
+                'bookkeeping_calls': sum(c for c, _ in kept.values()) / count,
                 'operators': {name: {'calls': c / count, 'ms': ms / count}
                               for name, (c, ms) in ops.items()},
-                'python_waits_in_ms': {name: capi[name][1] / count for name in
-                                       ('MXAutogradBackwardEx', 'MXInvokeCachedOp',
-                                        'MXNDArraySyncCopyFromCPU', 'MXNDArrayWaitAll')
+                'python_waits_in_ms': {name: capi[name][1] / count for name in WAITS
                                        if name in capi}}
     report(args, timed, profiled)
-    path = os.path.join(args.out, 'profile_%s_%d_%s.json' % (args.mode, batch, args.form))
+    engine = '' if args.engine == 'ThreadedEnginePerDevice' else '_' + args.engine
+    path = os.path.join(args.out, 'profile_%s_%d_%s%s.json'
+                        % (args.mode, batch, args.form, engine))
     with open(path, 'w') as f:
         json.dump({'setting': args.setting, 'form': args.form, 'minibatches': count,
                    'engine': os.environ['MXNET_ENGINE_TYPE'], 'timed': timed,
@@ -242,22 +270,26 @@ def report(args, timed, profiled):
         print('  without its padding checks: %.2f ms a minibatch, %.0f pairs/s'
               % (timed['wall_ms'] - checks, 1e3 * args.batch / (timed['wall_ms'] - checks)))
     if timed['programs_built'] or timed['padding_checks'] or timed['auto_choices']:
-        print('  gluon_dynbatch: %d programs built, %d padding checks; auto chose %s'
-              % (timed['programs_built'], timed['padding_checks'], timed['auto_choices']))
+        print('  gluon_dynbatch: %d programs built, %d padding checks%s'
+              % (timed['programs_built'], timed['padding_checks'],
+                 '; auto chose %s' % timed['auto_choices'] if timed['auto_choices'] else ''))
     print('  the Python thread, ms a minibatch:')
     for name, ms in timed['python_ms'].items():
         print('    %-58s %7.2f  %5.1f%%' % (name, ms, 100 * ms / timed['wall_ms']))
     print('\npass 2 (profiled): %.2f ms a minibatch; operators %.2f ms (%.0f calls) = %.0f%% '
-          'of it' % (profiled['wall_ms'], profiled['operator_ms'], profiled['operator_calls'],
-                     100 * profiled['operator_ms'] / profiled['wall_ms']))
+          'of it, and the engine\'s frees and waits %.2f ms (%.0f)'
+          % (profiled['wall_ms'], profiled['operator_ms'], profiled['operator_calls'],
+             100 * profiled['operator_ms'] / profiled['wall_ms'], profiled['bookkeeping_ms'],
+             profiled['bookkeeping_calls']))
     for name, ms in profiled['python_waits_in_ms'].items():
         print('  Python in %-26s %6.2f ms a minibatch' % (name, ms))
     print('  %-34s %8s %8s %8s %6s' % ('operator', 'calls/mb', 'ms/mb', 'us/call', 'share'))
     ranked = sorted(profiled['operators'].items(), key=lambda kv: -kv[1]['ms'])
-    for name, row in ranked[:args.top]:
+    for name, row in ranked[:args.top]:     # shares of the operators' time and the engine's
         print('  %-34s %8.1f %8.3f %8.1f %5.1f%%'
               % (name, row['calls'], row['ms'], 1e3 * row['ms'] / max(row['calls'], 1e-9),
-                 100 * row['ms'] / max(profiled['operator_ms'], 1e-9)))
+                 100 * row['ms'] / max(profiled['operator_ms'] + profiled['bookkeeping_ms'],
+                                       1e-9)))
 
 
 if __name__ == '__main__':

@@ -248,11 +248,16 @@ def test_profile_step_runs(tmp_path):
         res = json.load(f)
     timed, profiled = res['timed'], res['profiled']
     assert res['minibatches'] == 2 and timed['wall_ms'] > 0
-    # the Python thread's parts add up to the wall time (the rest is their remainder)
-    assert math.isclose(sum(timed['python_ms'].values()), timed['wall_ms'], rel_tol=1e-6)
+    # the named parts of the Python thread's time leave little unnamed
+    assert abs(timed['python_ms']['rest (between the parts)']) < 0.1 * timed['wall_ms'], timed
     assert timed['python_ms']['backward() call'] > 0
     # a training step's operators include the backward pass
     assert profiled['operators']['FullyConnected']['calls'] > 0
     assert profiled['operators']['_backward_FullyConnected']['calls'] > 0
     assert 'MXAutogradBackwardEx' in profiled['python_waits_in_ms']
+    # array frees are the engine's bookkeeping, counted apart from the operators
+    ops = profiled['operators']
+    assert math.isclose(profiled['operator_calls'] + profiled['bookkeeping_calls'],
+                        sum(row['calls'] for row in ops.values()))
+    assert profiled['bookkeeping_calls'] >= ops['DeleteVariable']['calls'] > 0
     assert 'pass 2 (profiled)' in proc.stdout
