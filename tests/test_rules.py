@@ -1116,3 +1116,16 @@ def test_pad_lists_gradient_check_passes_legitimate_blocks(kind):
         outs = forward()
     for got, expected in zip(outs, want):
         np.testing.assert_allclose(got.asnumpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_padding_check_tolerance_scales_with_the_outputs():
+    """Float rounding of large terms stays in an element that cancels to
+    near zero: the numbers of a Tree-LSTM cell's ``c`` whose check failed
+    with the block's own parameters under an absolute tolerance (the SICK
+    example with an 8-d GloVe file stopped with a false pad_lists error).
+    A real change, small against the largest output, still fails."""
+    from gluon_dynbatch.block import _close
+    a = np.array([[14.9, -0.030570239]], dtype=np.float32)
+    assert _close(a, np.array([[14.9, -0.0305717]], dtype=np.float32))
+    assert not _close(a, np.array([[14.9, -0.0302]], dtype=np.float32))
+    assert not _close(a, np.array([[14.95, -0.030570239]], dtype=np.float32))

@@ -258,6 +258,30 @@ def test_script_rejects_unknown_strategy(sick_dir, tmp_path):
     assert 'nope' in proc.stderr and 'depth' in proc.stderr
 
 
+GLOVE_8D = """a 0.844 0.758 0.421 0.259 0.511 0.405 0.784 0.303
+the 0.477 0.583 0.908 0.505 0.282 0.756 0.618 0.251
+man 0.910 0.983 0.810 0.902 0.310 0.730 0.899 0.684
+is 0.472 0.101 0.434 0.611 0.913 0.967 0.477 0.865
+woman 0.260 0.805 0.549 0.014 0.720 0.399 0.825 0.668
+dog 0.001 0.494 0.868 0.244 0.325 0.870 0.191 0.568
+playing 0.239 0.968 0.803 0.448 0.080 0.320 0.508 0.933
+. 0.109 0.551 0.707 0.547 0.814 0.540 0.964 0.603
+"""
+
+
+def test_script_trains_with_glove_vectors_of_its_own(sick_dir, tmp_path):
+    """A reviewer's 8-d GloVe file: its training met a padding check whose
+    absolute tolerance took float rounding for a wrong pad_lists claim, and
+    the run stopped with an InputError (see block._close)."""
+    glove = tmp_path / 'glove8.txt'
+    glove.write_text(GLOVE_8D)
+    proc = _run_script('--data', sick_dir, '--embeddings', glove, '--epochs', 1,
+                       '--train-limit', 30, '--dev-limit', 20, '--test-limit', 20,
+                       '--no-progress', '--out', tmp_path / 'run')
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert '(8-d, 8 of' in proc.stdout
+
+
 def test_script_frozen_glove_embeddings(example, sick_dir, tmp_path):
     words = ['a', 'man', 'is', 'the', 'dog', 'woman', 'playing', 'zzz-not-in-sick']
     rng = np.random.RandomState(3)
