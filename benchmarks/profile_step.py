@@ -42,6 +42,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections import defaultdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -87,39 +88,30 @@ WAITS = ('MXAutogradBackwardEx', 'MXInvokeCachedOp', 'MXNDArraySyncCopyFromCPU',
 """The C calls whose time Python spends in MXNet (building, launching, waiting)."""
 
 
-class Split:
-    """Seconds the Python thread spends in each part of a step."""
-
-    def __init__(self):
-        self.parts = {}
-
-    def add(self, name, seconds):
-        self.parts[name] = self.parts.get(name, 0.0) + seconds
-
-
 def run_step(ctx, form, mode, pairs, targets, split):
-    """``bench_treelstm.run_minibatch`` without waiting, timing its parts."""
+    """``bench_treelstm.run_minibatch`` without waiting, adding the seconds
+    of its parts to ``split`` (a ``defaultdict(float)``)."""
     mx = ctx.mx
     tic = time.perf_counter()
     if mode == 'infer':
         out = form(pairs)
-        split.add('forward', time.perf_counter() - tic)
+        split['forward'] += time.perf_counter() - tic
         tic = time.perf_counter()
         out.asnumpy()
-        split.add('read results (waits for the worker)', time.perf_counter() - tic)
+        split['read results (waits for the worker)'] += time.perf_counter() - tic
         return
     with mx.autograd.record():
         logp = form(pairs)
-        split.add('forward', time.perf_counter() - tic)
+        split['forward'] += time.perf_counter() - tic
         tic = time.perf_counter()
         loss = -(logp * bt._to_device(targets[:logp.shape[0]])).sum()
-    split.add('loss (its targets\' upload waits for the worker)', time.perf_counter() - tic)
+    split['loss (its targets\' upload waits for the worker)'] += time.perf_counter() - tic
     tic = time.perf_counter()
     loss.backward()
-    split.add('backward() call', time.perf_counter() - tic)
+    split['backward() call'] += time.perf_counter() - tic
     tic = time.perf_counter()
     ctx.trainer.step(logp.shape[0], ignore_stale_grad=True)
-    split.add('optimizer step', time.perf_counter() - tic)
+    split['optimizer step'] += time.perf_counter() - tic
 
 
 def operator_table(text):
@@ -185,25 +177,25 @@ def main(argv=None):
     # minibatches of the setting (calibration, auto's first choices)
     covering = bt.covering_pairs(items)
     for mode in ('infer', 'train'):
-        run_step(ctx, form, mode, covering, targets[:len(covering)], Split())
-        run_step(ctx, form, mode, items[-512:], targets[-512:], Split())
+        run_step(ctx, form, mode, covering, targets[:len(covering)], defaultdict(float))
+        run_step(ctx, form, mode, items[-512:], targets[-512:], defaultdict(float))
     for pairs, tg in minibatches(0, warm):
-        run_step(ctx, form, args.mode, pairs, tg, Split())
+        run_step(ctx, form, args.mode, pairs, tg, defaultdict(float))
     mx.nd.waitall()
 
     # pass 1: timed
-    split = Split()
+    split = defaultdict(float)
     dyb.reset_stats()
     wall, cpu, thread = time.perf_counter(), time.process_time(), time.thread_time()
     for pairs, tg in minibatches(warm, count):
         run_step(ctx, form, args.mode, pairs, tg, split)
     tic = time.perf_counter()
     mx.nd.waitall()
-    split.add('the pass\'s last wait for the worker', time.perf_counter() - tic)
+    split['the pass\'s last wait for the worker'] += time.perf_counter() - tic
     wall, cpu, thread = (time.perf_counter() - wall, time.process_time() - cpu,
                          time.thread_time() - thread)
     stats = dyb.stats()
-    per_mb = {name: 1e3 * s / count for name, s in split.parts.items()}
+    per_mb = {name: 1e3 * s / count for name, s in split.items()}
     if args.form.startswith(bt.DYB_PREFIX):
         inside = {'recording (recorder\'s clock)': stats['record_ms'],
                   'analysis': stats['analyse_ms'] - stats['padding_check_ms'],
@@ -231,7 +223,7 @@ def main(argv=None):
     mx.profiler.set_state('run')
     tic = time.perf_counter()
     for pairs, tg in minibatches(warm + count, count):
-        run_step(ctx, form, args.mode, pairs, tg, Split())
+        run_step(ctx, form, args.mode, pairs, tg, defaultdict(float))
     mx.nd.waitall()
     profiled_wall = time.perf_counter() - tic
     mx.profiler.set_state('stop')

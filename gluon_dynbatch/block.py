@@ -870,12 +870,10 @@ def _close(a, b):
     """Whether the padding check's outputs or gradients ``a`` and ``b``
     agree: float32 rounding, which longer sums order differently, grows
     with the values (~3e-7 of the largest output at a Tree-LSTM's sizes),
-    so the tolerance is scaled to the largest; NaNs in the same places are
-    the block's own.  An element that cancels to near zero keeps the
-    rounding of its large terms: a Tree-LSTM cell summing children's
-    ``c`` from [-8, 8] to -0.0306 came out 1.5e-6 apart padded and not,
-    with the block's own parameters (an 8-d GloVe file), and an absolute
-    tolerance of 1e-6 failed the check, and the SICK example, there."""
+    so the tolerance is scaled to the largest, for every element: one that
+    cancels to near zero keeps the rounding of its large terms (an absolute
+    tolerance failed a correct Tree-LSTM, see :doc:`history`).  NaNs in the
+    same places are the block's own."""
     atol = 1e-5 * np.nanmax(np.abs(a), initial=0.1)
     return np.allclose(a, b, rtol=1e-5, atol=atol, equal_nan=True)
 

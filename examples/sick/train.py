@@ -103,7 +103,8 @@ def build_parser():
     p.add_argument('--test-limit', type=COUNT, default=0, help='first N test pairs (0: all)')
     p.add_argument('--threads', type=POSITIVE, default=1,
                    help='OpenMP threads (sets OMP_NUM_THREADS before MXNet loads)')
-    p.add_argument('--out', default=None, help='output folder (default: runs/sick-<mode>)%(default).0s')
+    p.add_argument('--out', default=None,
+                   help='output folder (default: runs/sick-<mode>)%(default).0s')
     p.add_argument('--no-progress', action='store_true',
                    help='no tqdm progress bars (there are none when stderr is not a terminal)')
     return p
@@ -216,8 +217,7 @@ def read_embeddings(vocab, args):
     """``(matrix, tokens found)``: the ``--embeddings`` file's vectors for
     ``vocab`` (random for the rest, seeded), or all random without one."""
     return make_embedding_matrix(vocab, dim=args.embed_size or DEFAULT_EMBED_SIZE,
-                                 path=args.embeddings,
-                                 seed=args.seed)
+                                 path=args.embeddings, seed=args.seed)
 
 
 def build_model(vocab, args, ctx=None, embeddings=None):
