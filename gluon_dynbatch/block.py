@@ -29,11 +29,10 @@ from .errors import InputError, PerSampleWarning, ScopeError
 from .execute import collect, pad_leaves, run_plan, threaded_engine, to_device
 from .graph import (DONE, FAILED, PENDING, LazyValue, Node, lazy_results, recorded, repeat_node,
                     shared_results)
-from .lanes import graph_readers
 from .lower import INDEXED_OPS, make_cached_op, programs_built, ragged_lists
 from .plan import SETUP, STRATEGIES, Strategy, summarize
-from .trace import (error_line, flatten, inputs_below, leaf_count, regroup, symbol_json,
-                    trace_signature)
+from .trace import (error_line, flatten, graph_readers, inputs_below, leaf_count, regroup,
+                    symbol_json, trace_signature)
 
 __all__ = ['DynBatchBlock', 'batching', 'concat_rows', 'current_scope', 'private_scope']
 
@@ -123,8 +122,8 @@ class BatchingScope:
     (:meth:`pipeline`).
 
     Its fields are ``__slots__``: the C recorder reads ``tape``,
-    ``pending``, ``flush_at`` and ``mode`` at every call, straight from the
-    slots."""
+    ``pending``, ``flush_at``, ``mode``, ``repeats`` and ``repeated`` at
+    every call, straight from the slots."""
     __slots__ = ('strategy', 'pending', 'record_s', 'groups', 'used', 'unsafe', 'tape',
                  'flush_at', 'flush_every', 'follow_engine', 'marker', 'mode', 'thread',
                  'repeats', 'repeated', 'flushed', 'expected')

@@ -7,7 +7,10 @@ make, from a few constants measured on this machine:
 
 * ``step_us`` - fixed cost of one batched step (a CachedOp call, index
   uploads), and ``family_step_us`` the same per signature family, learned;
-* ``row_us`` - cost per input element inside a step;
+* ``row_us`` - cost per input element inside a step (learned per element,
+  calls x input leaves; :meth:`CostModel.predict` charges it once per call,
+  alike for every strategy, so it moves the predicted times but not the
+  choice);
 * ``analyse_us[name]`` - analysis cost per node of each strategy (for the
   cached plan: hashing the structure).
 
@@ -31,7 +34,7 @@ from types import MappingProxyType
 import mxnet as mx
 
 from .execute import run_plan
-from .lower import BUILT
+from .lower import programs_built
 from .plan import (PADDING_COST, PLANNING, SETUP, STRATEGIES, Agenda, ByDepth, CachedPlan,
                    PerSample, Strategy, summarize)
 
@@ -60,7 +63,8 @@ class CostModel:
     Parameters
     ----------
     step_us, row_us : float
-        Fixed cost per batched step and cost per row, microseconds.
+        Fixed cost per batched step and cost per input element inside a
+        step (charged once per call), microseconds.
     analyse_us : dict
         Per-node analysis cost of some strategies, microseconds (the others
         keep :data:`ANALYSE_US`).
@@ -541,7 +545,7 @@ class Auto(Strategy):
         deciding = verdict is None or (name == 'cached' and verdict and
                                        self._cached_deciding(self._repeat(fingerprint)))
         self.last = {'choice': name, 'predicted_ms': sum(predictions[name]), 'deciding': deciding,
-                     'raw_run_ms': raw[name][1], 'pace': pace, 'built': BUILT[0],
+                     'raw_run_ms': raw[name][1], 'pace': pace, 'built': programs_built(),
                      'unpriced': kind - model.family_step_us.keys(),
                      'depth_steps': summary['depth_steps'], 'kind': kind, 'sized': sized,
                      'fingerprint': fingerprint,
@@ -645,7 +649,7 @@ class Auto(Strategy):
     def _same_plans(self, sized):
         """Whether agenda makes depth's steps on this kind of graph (see
         :meth:`_pooled`)."""
-        kind = sized[0] if isinstance(sized, tuple) else None
+        kind = sized[0]
         ratio = self._ratios.get(kind)
         return ratio is not None and ratio >= SAME_STEPS and self._same_sizes.get(kind, True)
 
@@ -705,7 +709,7 @@ class Auto(Strategy):
         last = self.last
         sized = last['sized']
         self._last_run[(sized, name)] = self._flushes
-        if run_ms is None or BUILT[0] != last['built'] or last['raw_run_ms'] <= 0:
+        if run_ms is None or programs_built() != last['built'] or last['raw_run_ms'] <= 0:
             return
         unpriced = last.get('unpriced')
         if unpriced and not unpriced.isdisjoint(self.model.family_step_us):
@@ -929,7 +933,7 @@ class Auto(Strategy):
                 if record.cached_compiled is not None and compiled != record.cached_compiled:
                     record.best_ms.pop('cached', None)
                 record.cached_compiled = compiled
-            if timed and (name == 'cached' or BUILT[0] == last['built']):
+            if timed and (name == 'cached' or programs_built() == last['built']):
                 total = (analyse_s - self.last_compile_s + sum(step_seconds)) * 1e3
                 record.best_ms[name] = min(total, record.best_ms.get(name, total))
             elif name != 'cached' and last.get('deciding'):

@@ -525,11 +525,10 @@ class FlushHoist:
     def __init__(self, steps, alone=False):
         groups = {}
         for number, step in enumerate(steps):
-            nodes, sig = step.nodes, step.sig
+            sig = step.sig
             if not sig.batch_safe:
                 continue
-            host = [item for item, fmt in enumerate(sig.fmt)
-                    if fmt == 0 and _host_first(nodes, item)]
+            host = _host_items(step)
             split = host_split(sig, host) if host else None
             if split is not None:
                 groups.setdefault((split.key, sig.ctx), []).append((number, step, host))
@@ -675,11 +674,9 @@ class FlushTables:
         """Every id that one of ``steps`` reads through a table, sorted."""
         ids = []
         for step in steps:
-            nodes, sig = step.nodes, step.sig
-            host = [item for item, fmt in enumerate(sig.fmt) if fmt == 0 and
-                    _host_first(nodes, item)]
-            for item in self.reads(sig, host) if host else ():
-                rows = host_item_rows(nodes, item)
+            host = _host_items(step)
+            for item in self.reads(step.sig, host) if host else ():
+                rows = host_item_rows(step.nodes, item)
                 if rows is not None:
                     ids.append(rows.ravel())
         return np.unique(np.concatenate(ids)) if ids else np.zeros(0, np.float32)
@@ -695,6 +692,13 @@ def finish_nodes_py(nodes, arrays, rows=None):
         node.row = i if rows is None else int(rows[i])
         node.state = DONE
         node.leaves = None
+
+
+def _host_items(step):
+    """The top-level arguments of ``step`` whose rows are host (numpy)
+    rows, by its first node (see :func:`_host_first`)."""
+    return [item for item, fmt in enumerate(step.sig.fmt)
+            if fmt == 0 and _host_first(step.nodes, item)]
 
 
 def _host_first(nodes, item):
@@ -721,10 +725,15 @@ def host_item_rows(nodes, item):
     data = fast(nodes, lambda s: (s.item_pos(item), 1)) if fast is not None else None
     if data is None:
         return host_rows(_item_rows(nodes, item))
-    first = nodes[0].leaves[nodes[0].sig.item_pos(item)]
-    # (not -1 rows: a (1, 0) argument has no bytes to divide)
+    return _rows_from_bytes(data, nodes[0].leaves[nodes[0].sig.item_pos(item)], len(nodes))
+
+
+def _rows_from_bytes(data, first, count):
+    """The numpy rows of ``count`` host arrays shaped and typed as
+    ``first``, concatenated in ``data`` (bytes from the C extension); not
+    reshaped by -1 rows, since (1, 0) rows have no bytes to divide."""
     return np.frombuffer(data, dtype=first.dtype).reshape(
-        (len(nodes) * first.shape[0],) + first.shape[1:])
+        (count * first.shape[0],) + first.shape[1:])
 
 
 def _gather_item(nodes, sig, item, ctx, compact=False):
@@ -982,9 +991,7 @@ def host_rows(leaves):
     fast = accel.host_rows
     data = fast(leaves) if fast is not None else None
     if data is not None:
-        first = leaves[0]       # (not -1 rows: (1, 0) rows have no bytes to divide)
-        return np.frombuffer(data, dtype=first.dtype).reshape(
-            (len(leaves) * first.shape[0],) + first.shape[1:])
+        return _rows_from_bytes(data, leaves[0], len(leaves))
     if all(isinstance(leaf, np.ndarray) for leaf in leaves):
         return np.concatenate(leaves)
     return None

@@ -43,9 +43,9 @@ import json
 
 import numpy as np
 
-from .trace import load_graph, moved_entry, symbol_json
+from .trace import graph_readers, load_graph, moved_entry, symbol_json
 
-__all__ = ['CUT', 'SEGMENT', 'PADDED', 'vectorize_lists', 'graph_readers']
+__all__ = ['CUT', 'SEGMENT', 'PADDED', 'vectorize_lists']
 
 CUT = 'dynbatch_cut'
 """Name prefix of the ``SliceChannel`` that cuts a list argument into its
@@ -128,7 +128,7 @@ missing one (see :data:`SEGMENT`)."""
 def _all_cuts_closed(nodes, heads, sums):
     """Whether every cut's lanes are read only by ``sums`` and the copies in
     their sets (so the cuts themselves can go): what ragged lanes need."""
-    readers = set(sums) | {m for s in _sets_below(sums.values()) for m in _copies(s)}
+    readers = _sums_and_copies(sums)
     cuts = {i for i, node in enumerate(nodes)
             if node['op'] == 'SliceChannel' and node['name'].startswith(CUT)}
     if not cuts or not sums:
@@ -212,19 +212,6 @@ def _complete(group):
     return all(_complete(s) for s in group.inputs if s is not None)
 
 
-def graph_readers(nodes, heads):
-    """``{node: [reader, ...]}`` over a symbol's JSON ``nodes``: the nodes
-    that read any output of each node, once per input that does, and None
-    for each of the graph's ``heads`` that is one."""
-    readers = {}
-    for i, node in enumerate(nodes):
-        for entry in node['inputs']:
-            readers.setdefault(entry[0], []).append(i)
-    for entry in heads:
-        readers.setdefault(entry[0], []).append(None)
-    return readers
-
-
 def _closed_sums(nodes, heads, lanes):
     """``{add_n node: set}`` for each ``add_n`` of all lanes of one set
     whose sets (that one and those it reads, up to the cuts) are read by
@@ -241,7 +228,7 @@ def _closed_sums(nodes, heads, lanes):
         if sorted(k for _, k in read) == list(range(group.width)):
             sums[i] = group
     while True:   # drop sums whose copies are read elsewhere, until none is
-        allowed = set(sums) | {m for s in _sets_below(sums.values()) for m in _copies(s)}
+        allowed = _sums_and_copies(sums)
         bad = [i for i, group in sums.items()
                if any(r not in allowed for s in _sets_below([group]) for m in _copies(s)
                       for r in readers.get(m, ()))]
@@ -249,6 +236,12 @@ def _closed_sums(nodes, heads, lanes):
             return sums
         for i in bad:
             del sums[i]
+
+
+def _sums_and_copies(sums):
+    """The nodes that may read the lanes of ``sums``' sets: the sums and
+    the copies in those sets and the sets they read."""
+    return set(sums) | {m for s in _sets_below(sums.values()) for m in _copies(s)}
 
 
 def _copies(group):

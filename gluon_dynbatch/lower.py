@@ -5,11 +5,12 @@ argument of the block arrives either *direct* (an array whose rows already
 are the N calls in order, e.g. host token ids) or *gathered*: a source array
 (the earlier batched outputs the rows come from, passed as separate inputs
 and concatenated inside the program) plus an index array.  A list argument
-of length K is gathered with one ``(N, K)`` index into ``(N, K, ...)`` rows
-and cut into its K elements by one ``SliceChannel`` (a single op whose
-backward writes each gradient once, unlike K slices).  It is gathered
-element-major, ``(K, N, ...)``, and the block's per-element ops run once
-over all elements (:mod:`~gluon_dynbatch.lanes`).  A step whose calls have
+of length K is gathered with one index into element-major ``(K, N, ...)``
+rows (each element's rows together; ``(N, K, ...)`` with
+``VECTORIZE_LISTS`` off) and cut into its K elements by one
+``SliceChannel`` (a single op whose backward writes each gradient once,
+unlike K slices); the block's per-element ops then run once over all
+elements (:mod:`~gluon_dynbatch.lanes`).  A step whose calls have
 lists of different lengths either pads them with zero rows or runs them
 *ragged* (``'ragged'``: only the real elements, list after list, see
 :func:`ragged_lists`).
@@ -62,10 +63,10 @@ import weakref
 import mxnet as mx
 import numpy as np
 
-from .lanes import CUT, PADDED, SEGMENT, graph_readers, vectorize_lists
+from .lanes import CUT, PADDED, SEGMENT, vectorize_lists
 from .rules import NOT_FUNCTIONS, draws_random
-from .trace import EXACT, leaf_count, moved_entry, own_forms, symbol_json
-from .trace import load_graph as _load
+from .trace import (EXACT, graph_readers, leaf_count, load_graph, moved_entry, own_forms,
+                    symbol_json)
 
 __all__ = ['make_cached_op', 'ThreadCachedOp', 'StepProgram', 'step_program', 'element_major',
            'FlushProgram', 'flush_program', 'share_host_part', 'host_part', 'embedding_reads',
@@ -73,7 +74,7 @@ __all__ = ['make_cached_op', 'ThreadCachedOp', 'StepProgram', 'step_program', 'e
            'HostSplit', 'host_split', 'split_host_part', 'hoisted_rest', 'ragged_lists',
            'compose_takes', 'tanh_by_sigmoid', 'tanh_by_sigmoid_pays', 'adds_by_broadcast',
            'indices_without_gradient',
-           'STATIC_ALLOC_UNDER_AUTOGRAD', 'INVERSE', 'INVERSE_SEGMENT']
+           'INVERSE', 'INVERSE_SEGMENT']
 
 
 _BUILT = threading.local()
@@ -83,7 +84,8 @@ def programs_built():
     """CachedOps this thread has made so far (each a first call's compile
     and memory plan; a thread makes its own, see :class:`ThreadCachedOp`):
     ``DYNBATCH_DEBUG`` and :func:`~gluon_dynbatch.stats` say how many a
-    flush made, which is why a first flush of new shapes runs slower."""
+    flush made, which is why a first flush of new shapes runs slower, and
+    the cost model does not learn from such a flush's time."""
     return getattr(_BUILT, 'count', 0)
 
 
@@ -144,8 +146,10 @@ class StepProgram:
 
     No program that autograd records keeps its buffers between calls
     (``static_alloc``): MXNet 1.9.1 computes wrong gradients there in two
-    cases found so far (see :data:`STATIC_ALLOC_UNDER_AUTOGRAD`), for a
-    few percent of training speed.  Inference gained nothing from it
+    cases found so far (``elemwise_add`` with an operand that needs no
+    gradient, apache/mxnet issue 20293; a weight read by ``linalg_gemm2``
+    8 times or more; see :doc:`design`), for a few percent of training
+    speed.  Inference gained nothing from it
     (1.00x / 1.02x) either.
 
     :meth:`for_rows` picks, by the step's number of calls, this program,
@@ -163,8 +167,7 @@ class StepProgram:
         if training:
             symbol = indices_without_gradient(adds_by_broadcast(symbol))
         self.symbol = symbol
-        self.cached_op = ThreadCachedOp(
-            symbol, [('static_alloc', True)] if training and STATIC_ALLOC_UNDER_AUTOGRAD else [])
+        self.cached_op = ThreadCachedOp(symbol)
         self.feeds = feeds
         self.training = training
         self.rewrite_tanh = rewrite_tanh
@@ -193,7 +196,6 @@ class StepProgram:
         when the rewrite changed nothing or would take other inputs)."""
         if symbol is self.symbol or symbol.list_inputs() != self.symbol.list_inputs():
             return self
-        BUILT[0] += 1
         return StepProgram(symbol, self.feeds, self.training, rewrite_tanh=False)
 
 
@@ -217,7 +219,6 @@ def step_program(sig, pattern):
     program = programs.get(pattern)
     if program is None:
         program = programs[pattern] = _build(sig, pattern, training)
-        BUILT[0] += 1
     return program
 
 
@@ -238,11 +239,6 @@ def element_major(width):
     transposed on the host (:func:`~.execute.run_step`), which saved two
     ops per node step."""
     return VECTORIZE_LISTS and width > 1
-
-
-BUILT = [0]
-"""Step programs built so far: a flush that built one ran slower than it
-will next time (the cost model ignores such flushes)."""
 
 
 def ragged_lists(sig):
@@ -409,7 +405,7 @@ def tanh_by_sigmoid_pays(training):
     the rewrite must win in all but one of seven turns (the two forms
     timed back to back in each, in alternating order) and by 10% in the
     median turn.  The flush that probes counts as one that built a program
-    (:data:`BUILT`): the cost model does not learn from its time."""
+    (:func:`programs_built`): the cost model does not learn from its time."""
     pays = TANH_BY_SIGMOID_PAYS.get(training)
     if pays is not None:
         return pays
@@ -426,7 +422,6 @@ def tanh_by_sigmoid_pays(training):
             thread = threading.Thread(target=probe, name='dynbatch-tanh-probe')
             thread.start()
             thread.join()
-            BUILT[0] += 1
             _count_build()
             ratios = sorted(rewritten / plain for plain, rewritten in found[0]) \
                 if found else [float('inf')]
@@ -510,7 +505,7 @@ def tanh_by_sigmoid(symbol):
         else:
             out.append(node)
         moved[old] = len(out) - 1
-    return _load(graph, out, [moved_entry(entry, moved) for entry in graph['heads']])
+    return load_graph(graph, out, [moved_entry(entry, moved) for entry in graph['heads']])
 
 
 def adds_by_broadcast(symbol):
@@ -546,7 +541,7 @@ def adds_by_broadcast(symbol):
     for node, opened in zip(nodes, open_shape):    # (``a + b``, ``_plus`` and ``_Plus``
         if node['op'] == 'elemwise_add' and not opened:    # are saved as elemwise_add)
             node['op'] = 'broadcast_add'    # neither has parameters: attributes stay
-    return _load(graph, nodes, graph['heads'])
+    return load_graph(graph, nodes, graph['heads'])
 
 
 INDEXED_OPS = ('Embedding', '_contrib_SparseEmbedding')
@@ -581,39 +576,12 @@ def indices_without_gradient(symbol):
             inputs[0] = [len(out) - 1, 0, 0]
         out.append(dict(node, inputs=inputs))
         moved[old] = len(out) - 1
-    return _load(graph, out, [moved_entry(entry, moved) for entry in graph['heads']])
+    return load_graph(graph, out, [moved_entry(entry, moved) for entry in graph['heads']])
 
 
 OPEN_SHAPE_OPS = ('_zeros', '_ones', '_full', '_zeros_without_dtype')
 """Ops that make a constant whose shape may hold a 0 (a dimension MXNet
 infers from how the value is used)."""
-
-
-STATIC_ALLOC_UNDER_AUTOGRAD = False
-"""Whether programs that autograd records keep their buffers between calls
-(CachedOp ``static_alloc``; read when a program is built).  They do not:
-MXNet 1.9.1's backward with ``static_alloc`` computes wrong gradients in two cases found so far,
-and a batched program meets both more often than the per-sample block:
-
-* ``elemwise_add`` with one operand reached from the program's inputs
-  that needs no gradient (a user's NDArray, host rows, a frozen
-  parameter; apache/mxnet issue 20293): a block computing
-  ``tanh(x + W h)`` got zero or garbage gradients for ``W``
-  (:func:`adds_by_broadcast` avoids it, and a storage-type failure of the
-  same add without ``static_alloc``);
-* a weight read by ``linalg_gemm2`` (or ``linalg_gemm``) 8 times or more
-  in one program: from 8 uses MXNet sums a gradient in place
-  (``MXNET_EXEC_INPLACE_GRAD_SUM_CAP``), and those ops' backward does not
-  add into it, so ``W``'s gradient came out as garbage or NaN.  A flush
-  compiled in training (one program for every step of a plan; no longer
-  made) reached 8 uses with one use per block call.
-
-Plain Gluon is correct in both, and so is ``hybridize()`` without
-``static_alloc``.  Keeping the buffers made SICK training 1.00-1.02x
-faster at minibatch 25 and 1.04-1.06x at 256 in earlier in-process A/B
-runs, and removing them ran training 0.87x at 256 and 1.06x at 25; inference
-programs may keep theirs (only compiled flushes do, see
-:class:`FlushProgram`)."""
 
 
 def compose_takes(symbol):
@@ -657,7 +625,7 @@ def compose_takes(symbol):
         node['inputs'] = [moved_entry(entry, moved) for entry in node['inputs']]
         moved[old] = len(out)
         out.append(node)
-    return _load(graph, out, [moved_entry(entry, moved) for entry in graph['heads']])
+    return load_graph(graph, out, [moved_entry(entry, moved) for entry in graph['heads']])
 
 
 def _host_kinds(nodes, host, shared):
@@ -749,7 +717,7 @@ def read_tables(symbol, host):
             node['inputs'] = [moved_entry(e, moved) for e in node['inputs']]
         moved[old] = len(out)
         out.append(node)
-    return _load(graph, out, [moved_entry(e, moved) for e in graph['heads']])
+    return load_graph(graph, out, [moved_entry(e, moved) for e in graph['heads']])
 
 
 def share_host_part(symbol, host, shared, expand_outputs=True):
@@ -784,7 +752,7 @@ def share_host_part(symbol, host, shared, expand_outputs=True):
             node['inputs'] = [moved_entry(e, moved) for e in node['inputs']]
         moved[old] = len(out)
         out.append(node)
-    return _load(graph, out, [expand(entry) if expand_outputs else moved_entry(entry, moved)
+    return load_graph(graph, out, [expand(entry) if expand_outputs else moved_entry(entry, moved)
                               for entry in graph['heads']])
 
 
@@ -870,7 +838,7 @@ def split_host_part(symbol, host, shared):
                           node['inputs']))
     heads = [[moved[old], index, 0] for old, index in boundary]
     key = json.dumps([canonical, heads])
-    return HostSplit(key, _load(graph, out, heads),
+    return HostSplit(key, load_graph(graph, out, heads),
                      [(nodes[old]['name'], index) for old, index in boundary])
 
 
@@ -907,7 +875,7 @@ def hoisted_rest(symbol, boundary):
         node['inputs'] = [entry_for(entry) for entry in node['inputs']]
         moved[old] = len(out)
         out.append(node)
-    return _load(graph, out, [entry_for(entry) for entry in graph['heads']])
+    return load_graph(graph, out, [entry_for(entry) for entry in graph['heads']])
 
 
 def _take_along(out, moved, source, name, index=INVERSE):

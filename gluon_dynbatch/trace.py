@@ -20,7 +20,7 @@ from .rules import NOT_FUNCTIONS, OpView, batching_rule, draws_random
 
 __all__ = ['symbol_json', 'flatten', 'regroup', 'leaf_count', 'TracedSignature', 'trace_signature',
            'prelu_by_ops', 'fast_forms', 'own_forms', 'load_graph', 'inputs_below', 'moved_entry',
-           'is_function_of_inputs', 'error_line']
+           'graph_readers', 'is_function_of_inputs', 'error_line']
 
 
 _LISTS = (list, tuple)
@@ -491,12 +491,7 @@ def own_forms(symbol):
     marks = [node.get('attrs', {}).get(SLICED) for node in nodes]
     if not any(marks) and not any(EXACT in node.get('attrs', {}) for node in nodes):
         return symbol
-    readers = {}                # node -> nodes reading it (a head reads as -1)
-    for number, node in enumerate(nodes):
-        for entry in node['inputs']:
-            readers.setdefault(entry[0], []).append(number)
-    for entry in graph['heads']:
-        readers.setdefault(entry[0], []).append(-1)
+    readers = graph_readers(nodes, graph['heads'])
     sources, broken = {}, set()     # split name -> the entries its slices read
     for number, (node, mark) in enumerate(zip(nodes, marks)):
         if not mark or not mark.endswith(';slice'):
@@ -505,7 +500,7 @@ def own_forms(symbol):
         sources.setdefault(key, set()).add(tuple(node['inputs'][0][:2]))
         if squeeze == '1':      # read by its squeeze alone, in this graph
             mine, prefix = readers.get(number, []), mark[:-len('slice')]
-            if not mine or any(reader < 0 or not (marks[reader] or '').startswith(prefix)
+            if not mine or any(reader is None or not (marks[reader] or '').startswith(prefix)
                                for reader in mine):
                 broken.add(key)
     whole = {key for key, found in sources.items() if len(found) == 1 and key not in broken}
@@ -637,6 +632,19 @@ def load_graph(graph, nodes, heads):
                  arg_nodes=[i for i, node in enumerate(nodes) if node['op'] == 'null'])
     graph.pop('node_row_ptr', None)
     return mx.sym.load_json(json.dumps(graph))
+
+
+def graph_readers(nodes, heads):
+    """``{node: [reader, ...]}`` over a symbol's JSON ``nodes``: the nodes
+    that read any output of each node, once per input that does, and None
+    for each of the graph's ``heads`` that is one."""
+    readers = {}
+    for i, node in enumerate(nodes):
+        for entry in node['inputs']:
+            readers.setdefault(entry[0], []).append(i)
+    for entry in heads:
+        readers.setdefault(entry[0], []).append(None)
+    return readers
 
 
 def moved_entry(entry, moved):

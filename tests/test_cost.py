@@ -9,9 +9,9 @@ import pytest
 from mxnet.gluon import nn
 
 import gluon_dynbatch as dyb
-from gluon_dynbatch import accel, lower
+from gluon_dynbatch import accel
 from gluon_dynbatch.cost import LEARN_RUNS
-from gluon_dynbatch.lower import BUILT
+from gluon_dynbatch.lower import programs_built
 from gluon_dynbatch.plan import count_groups_py, summarize
 from gluon_dynbatch.models import ChildSumTreeLSTMCell
 
@@ -631,7 +631,7 @@ def test_auto_scales_run_predictions_by_what_it_measured(monkeypatch):
     assert ranked[0] == 'agenda'
 
     auto._run_ratios.clear()                        # (the runs made up above)
-    auto.last = {'sized': 'k', 'built': lower.BUILT[0], 'raw_run_ms': 10.0}
+    auto.last = {'sized': 'k', 'built': programs_built(), 'raw_run_ms': 10.0}
     auto._observe_run('agenda', 100.0)              # an outlier: clipped to 2
     assert auto._run_factors['k']['agenda'] == 2.0
     auto._observe_run('agenda', 5.0)                # the median of the runs so far
@@ -1019,7 +1019,7 @@ def test_run_factors_are_learned_per_size_of_graph():
         with dyb.batching(auto):
             [block(mx.nd.ones((1, 3))) for _ in range(n)]
         sized[n] = auto.last['sized']
-        auto.last['built'] = lower.BUILT[0]
+        auto.last['built'] = programs_built()
         auto._observe_run(auto.last['choice'], 2.0 * auto.last['raw_run_ms'])
     assert sized[40][1] == 6 and sized[5][1] == 3 and sized[40][0] == sized[5][0]
     assert auto._run_factors[sized[40]] == {'depth': 2.0}
@@ -1115,7 +1115,8 @@ def test_auto_times_what_it_has_not_measured_then_one_flush_in_every():
     flushes, two alternating scopes left one never timed."""
     from gluon_dynbatch.cost import LEARN_RUNS
     auto = dyb.Auto(model=dyb.CostModel())
-    auto.last = {'choice': 'depth', 'sized': ('kind', 9), 'raw_run_ms': 1.0, 'built': BUILT[0]}
+    auto.last = {'choice': 'depth', 'sized': ('kind', 9), 'raw_run_ms': 1.0,
+                 'built': programs_built()}
     for _ in range(LEARN_RUNS):
         assert auto.wants_step_times(8)
         auto._observe_run('depth', 1.0)
@@ -1226,9 +1227,9 @@ def test_an_untimed_run_of_the_rival_does_not_ask_to_time_it_again():
     record.cached_runs = auto.cached_trials
     record.best_ms.update(cached=10.0)
     assert auto._cached_measured_best('summary') is None       # time the rival
-    for deciding, seconds, built, kept in ((True, [0.004], BUILT[0], True),
-                                           (False, None, BUILT[0], True),
-                                           (True, [0.004], BUILT[0] - 1, False)):
+    for deciding, seconds, built, kept in ((True, [0.004], programs_built(), True),
+                                           (False, None, programs_built(), True),
+                                           (True, [0.004], programs_built() - 1, False)):
         record.rival_timed = True
         auto.last = {'predicted_ms': 1.0, 'fingerprint': 'summary', 'choice': 'depth',
                      'built': built, 'kind': frozenset(), 'sized': (frozenset(), 0),
@@ -1266,7 +1267,7 @@ def test_a_cached_plans_best_time_is_forgotten_when_its_program_comes_or_goes():
     for program, seconds, best in ((object(), 0.002, 3.0), (object(), 0.004, 3.0),
                                    (None, 0.006, 7.0), (None, 0.009, 7.0)):
         auto.last = {'predicted_ms': 1.0, 'fingerprint': 'summary', 'choice': 'cached',
-                     'built': BUILT[0], 'kind': frozenset(), 'sized': (frozenset(), 0),
+                     'built': programs_built(), 'kind': frozenset(), 'sized': (frozenset(), 0),
                      'raw_run_ms': 1.0, 'depth_steps': 0}
         auto.observe(Plan('cached', (), program=program), [seconds], 0.001, [])
         assert record.best_ms['cached'] == pytest.approx(best)
@@ -1277,14 +1278,13 @@ def test_rival_run_slowed_by_a_build_is_timed_again():
     """The run that times the best other strategy against a cached plan
     counts only if it built no step program (a build costs more than whole
     steps); otherwise the rival runs again at the next sighting."""
-    from gluon_dynbatch.lower import BUILT
     from gluon_dynbatch.plan import Plan
     auto = dyb.Auto(model=dyb.CostModel())
     auto._seen['summary'] = 3                       # a repeating summary, stored
     record = auto._repeat('summary')
     record.cached_runs = auto.cached_trials
     assert auto._cached_measured_best('summary') is None    # time the rival now
-    for built, kept in ((BUILT[0] - 1, False), (BUILT[0], True)):
+    for built, kept in ((programs_built() - 1, False), (programs_built(), True)):
         auto.last = {'predicted_ms': 1.0, 'fingerprint': 'summary', 'choice': 'depth',
                      'built': built, 'kind': frozenset(), 'sized': (frozenset(), 0),
                      'raw_run_ms': 1.0, 'depth_steps': 0, 'deciding': True}
@@ -1453,7 +1453,7 @@ def test_runs_are_priced_by_the_machine_pace_recording_shows():
     assert auto._pace('k', 1.5e-4, 100) == pytest.approx(1.5)
     assert auto._pace('k', 1e-2, 100) == 2.0                 # clipped
     assert auto._pace('other', 1.5e-4, 100) == 1.0          # per kind and size of graph
-    auto.last = {'sized': 'k', 'built': lower.BUILT[0], 'raw_run_ms': 10.0, 'pace': 1.5}
+    auto.last = {'sized': 'k', 'built': programs_built(), 'raw_run_ms': 10.0, 'pace': 1.5}
     auto._observe_run('depth', 15.0)
     assert auto._run_factors['k']['depth'] == pytest.approx(1.0)
 
