@@ -754,55 +754,54 @@ def check_padding_is_neutral(dblock, sig, padded):
     with zeros to ``padded``, for each range of
     :data:`PADDING_CHECK_RANGES`: once as it is, and once as the traced
     symbols (what batched steps run) with random values for every
-    parameter; raise unless the outputs agree, and, for the symbols, the
-    gradients of the parameters and of the real list elements for one
-    random head gradient (a zero row may leave the values alone and still
-    make a gradient NaN: the norm of a child's ``W h`` is 0 there, its
-    gradient 0/0).  The parameters as they
-    stand can hide a block that padding changes: Gluon starts biases at
+    parameter, in float64 where MXNet can (see :func:`_close`); raise
+    unless the outputs agree, and, for the symbols, the gradients of the
+    parameters and of the real list elements for one random head gradient
+    (a zero row may leave the values alone and still make a gradient NaN:
+    the norm of a child's ``W h`` is 0 there, its gradient 0/0).  The
+    parameters as they stand can hide a block that padding changes: Gluon starts biases at
     zero, and ``tanh(W 0 + b)`` is zero only while ``b`` is (its gradient,
     and after a step its output, would differ, silently).  The block's own
     parameters are never written (another thread may be running them)."""
     rng = np.random.RandomState(0)
     dtype = sig.key[-2]
-    zero = {}
-
-    def zeros(shape):
-        if shape not in zero:
-            zero[shape] = mx.nd.zeros(shape, ctx=sig.ctx, dtype=dtype)
-        return zero[shape]
     short_symbol, long_symbol = _small_tables(sig.symbol), _small_tables(padded.symbol)
-    params = _random_parameters(((sig, short_symbol), (padded, long_symbol)), dtype,
-                                np.random.RandomState(1), sig.ctx)
-    # gradients attached once: each backward writes every input's (zeros
-    # where none reaches it), and each is read before the next
-    arguments = set(long_symbol.list_arguments()) | set(short_symbol.list_arguments())
-    stypes = {param.name: getattr(param, '_grad_stype', 'default')
-              for _, param in padded.param_slots}
-    for name, value in params.items():
-        if name in arguments:       # (an Embedding with sparse_grad takes a row-sparse one)
-            value.attach_grad(stype=stypes.get(name, 'default'))
-    try:
-        short_op, long_op = make_cached_op(short_symbol)[0], make_cached_op(long_symbol)[0]
-    except mx.base.MXNetError as err:
-        # MXNet 1.9.1 cannot build some symbols as a CachedOp that it runs
-        # as NDArray calls
-        raise InputError(
-            'block %s declares pad_lists, but MXNet cannot run its traced symbol for its list '
-            'arguments padded (%s) to check that claim (%s).%s'
-            % (dblock.block.name, _padding_text(sig.fmt, padded.fmt), error_line(err),
-               _PADDING_ADVICE)) from None
+    # the symbols run in float64 where MXNet can: rounding then cannot hide
+    # a real difference behind the largest value of an output (see _close)
+    kinds = ([np.float64] if _runs_wide((sig, short_symbol), (padded, long_symbol), dtype)
+             else []) + [dtype]
+    made = {}
+
+    def runs_in(kind):
+        if kind not in made:
+            try:
+                made[kind] = _SymbolRuns(sig, padded, short_symbol, long_symbol, kind)
+            except mx.base.MXNetError as err:
+                # MXNet 1.9.1 cannot build some symbols as a CachedOp that it
+                # runs as NDArray calls
+                raise InputError(
+                    'block %s declares pad_lists, but MXNet cannot run its traced symbol for '
+                    'its list arguments padded (%s) to check that claim (%s).%s'
+                    % (dblock.block.name, _padding_text(sig.fmt, padded.fmt), error_line(err),
+                       _PADDING_ADVICE)) from None
+        return made[kind]
+    runs_in(kinds[0])
+    gradient_kinds = list(kinds)
     ids = _id_inputs(short_symbol) | _id_inputs(long_symbol)
+    zero = {}
     for low, high in PADDING_CHECK_RANGES:
         leaves = [mx.nd.array(rng.uniform(low, high, shape), ctx=sig.ctx, dtype=dtype)
                   for shape in sig.in_shapes]
-        longer = pad_leaves(sig.fmt, leaves, padded.fmt,
-                            lambda item: zeros(padded.item_shape(item)))
         with mx.autograd.pause():
+            longer = pad_leaves(sig.fmt, leaves, padded.fmt, lambda item: zero.setdefault(
+                item, mx.nd.zeros(padded.item_shape(item), ctx=sig.ctx, dtype=dtype)))
             runs = [(dblock.block(*regroup(sig.fmt, leaves)[0]),
-                     dblock.block(*regroup(padded.fmt, longer)[0]), 'its parameters'),
-                    (_run_symbol(short_op, sig, leaves, params),
-                     _run_symbol(long_op, padded, longer, params), 'random parameters')]
+                     dblock.block(*regroup(padded.fmt, longer)[0]), 'its parameters')]
+            for kind in kinds:
+                symbol_runs = runs_in(kind).outputs(leaves)
+                if symbol_runs is not None:
+                    break
+            runs.append(symbol_runs + ('random parameters',))
         # (the symbols' outputs come flat, in the order flatten() gives the block's)
         for short_out, long_out, parameters in runs:
             flat_short, flat_long = [], []
@@ -817,7 +816,7 @@ def check_padding_is_neutral(dblock, sig, padded):
                         % (dblock.block.name, _padding_text(sig.fmt, padded.fmt), out,
                            a.shape, b.shape, _shifted_outputs(runs, sig, padded),
                            _PADDING_ADVICE))
-                if not _close(a, b):
+                if not _close(a, b, wide=a.dtype != dtype):
                     raise InputError(
                         'block %s declares pad_lists, but padding its list arguments with '
                         'zeros (%s) changes its output %d (inputs drawn from [%g, %g], '
@@ -825,19 +824,12 @@ def check_padding_is_neutral(dblock, sig, padded):
                             dblock.block.name, _padding_text(sig.fmt, padded.fmt), out, low,
                             high, parameters, _shifted_outputs(runs, sig, padded),
                             _PADDING_ADVICE))
-        # the other arguments keep their random values (a gradient that
-        # scales with one is compared where it is not zero), but those read
-        # as ids are zero: a gradient lookup checks them (a row-sparse one
-        # refuses a negative id; the values above were clipped); where
-        # MXNet still refuses, all of them are zero
-        elements = _list_elements(sig.fmt, leaves)
-        others = {name for name, leaf in zip(sig.data_names, leaves)
-                  if not any(leaf is e for e in elements)}
-        tries = [[leaf.zeros_like() if name in zeroed else leaf
-                  for name, leaf in zip(sig.data_names, leaves)]
-                 for zeroed in [others & ids] + ([others] if others - ids else [])]
-        grads = _gradient_pair(short_op, long_op, sig, padded, tries, elements, params, rng,
-                               lambda item: zeros(padded.item_shape(item)))
+        for kind in list(gradient_kinds):
+            grads = runs_in(kind).gradients(leaves, ids, rng)
+            if grads is not None:
+                break
+            if kind is not dtype:   # (MXNet 1.9.1 fails some float64 backward passes,
+                gradient_kinds.remove(kind)     # a Tree-LSTM node's: not tried again)
         if grads is None:
             # no gradient to compare: MXNet 1.9.1 cannot run this backward
             # here (the Tree-LSTM cell in float64: 'Backward shape
@@ -852,7 +844,7 @@ def check_padding_is_neutral(dblock, sig, padded):
             b = long_grads.get(what)
             if a is None or b is None:
                 a, b = (np.zeros_like(b), b) if a is None else (a, np.zeros_like(a))
-            if not _close(a, b):
+            if not _close(a, b, wide=a.dtype != dtype):
                 raise InputError(
                     'block %s declares pad_lists, but padding its list arguments with zeros '
                     '(%s) changes the gradient of %s (inputs drawn from [%g, %g], random '
@@ -865,16 +857,42 @@ _PADDING_ADVICE = (' Pass pad_lists=False to DynBatchBlock (calls of different l
                    'then run as separate groups).')
 
 
-def _close(a, b):
+def _close(a, b, wide=False):
     """Whether the padding check's outputs or gradients ``a`` and ``b``
     agree: float32 rounding, which longer sums order differently, grows
     with the values (~3e-7 of the largest output at a Tree-LSTM's sizes),
     so the tolerance is scaled to the largest, for every element: one that
     cancels to near zero keeps the rounding of its large terms (an absolute
-    tolerance failed a correct Tree-LSTM, see :doc:`history`).  NaNs in the
-    same places are the block's own."""
-    atol = 1e-5 * np.nanmax(np.abs(a), initial=0.1)
-    return np.allclose(a, b, rtol=1e-5, atol=atol, equal_nan=True)
+    tolerance failed a correct Tree-LSTM, see :doc:`history`).  That
+    tolerance hides a real difference in small elements beside large ones
+    (a mean over the list beside a value of 1e6), so the symbols run in
+    float64 where they can (``wide``: see :func:`_runs_wide`), compared
+    within 1e-9 of the largest value.  NaNs in the same places are the
+    block's own."""
+    scale = 1e-9 if wide else 1e-5
+    atol = scale * np.nanmax(np.abs(a), initial=0.1)
+    return np.allclose(a, b, rtol=scale, atol=atol, equal_nan=True)
+
+
+def _runs_wide(*signatures):
+    """Whether the padding check runs the symbols of ``signatures`` (pairs
+    of a signature and its symbol, then the signatures' dtype) in float64:
+    the dtype is a narrower float, and every value of each symbol is
+    float64 when its inputs are (no cast or op of a fixed type keeps part
+    of it narrow, whose rounding would fail float64's tolerance)."""
+    *signatures, dtype = signatures
+    if np.dtype(dtype) not in (np.float32, np.float16):
+        return False
+    for one, symbol in signatures:
+        internals = symbol.get_internals()
+        try:
+            _, types, _ = internals.infer_type(
+                **{name: np.float64 for name in symbol.list_arguments()})
+        except mx.base.MXNetError:
+            return False
+        if types is None or any(np.dtype(t) != np.float64 for t in types):
+            return False
+    return True
 
 
 def _padding_text(short, long):
@@ -1013,24 +1031,81 @@ def _symbol_gradients(op, sig, leaves, real, params, rng):
     return grads
 
 
-def _gradient_pair(short_op, long_op, sig, padded, tries, elements, params, rng, zero):
-    """The gradients (see :func:`_symbol_gradients`) of the short and the
-    padded symbol on the first inputs of ``tries`` (each a list of the
-    short signature's leaves, padded with ``zero``) that MXNet can
-    differentiate; None where it can differentiate none."""
-    for leaves in tries:
-        longer = pad_leaves(sig.fmt, leaves, padded.fmt, zero)
-        real = elements
+class _SymbolRuns:
+    """The padding check's runs of the short and the padded traced symbol
+    in one float type (``kind``), with random values for every parameter:
+    drawn as :func:`_random_parameters` draws them, so the same in every
+    kind, their gradients attached once (each backward writes every
+    input's, zeros where none reaches it, and each is read before the
+    next)."""
+
+    def __init__(self, sig, padded, short_symbol, long_symbol, kind):
+        self.sig, self.padded, self.kind = sig, padded, kind
+        self.short_op = make_cached_op(short_symbol)[0]
+        self.long_op = make_cached_op(long_symbol)[0]
+        self.params = _random_parameters(((sig, short_symbol), (padded, long_symbol)), kind,
+                                         np.random.RandomState(1), sig.ctx)
+        arguments = set(long_symbol.list_arguments()) | set(short_symbol.list_arguments())
+        stypes = {param.name: getattr(param, '_grad_stype', 'default')
+                  for _, param in padded.param_slots}
+        for name, value in self.params.items():
+            if name in arguments:   # (an Embedding with sparse_grad takes a row-sparse one)
+                value.attach_grad(stype=stypes.get(name, 'default'))
+        self._zeros = {}
+
+    def pad(self, leaves):
+        """``leaves`` (the short signature's) padded with zero rows."""
+        def zeros(item):
+            if item not in self._zeros:
+                self._zeros[item] = mx.nd.zeros(self.padded.item_shape(item), ctx=self.sig.ctx,
+                                                dtype=self.kind)
+            return self._zeros[item]
+        return pad_leaves(self.sig.fmt, leaves, self.padded.fmt, zeros)
+
+    def outputs(self, leaves):
+        """``(short outputs, padded outputs)`` on ``leaves`` (cast to this
+        kind), or None where MXNet cannot run them in it."""
+        leaves = [leaf.astype(self.kind, copy=False) for leaf in leaves]
         try:
-            try:
-                short = _symbol_gradients(short_op, sig, leaves, real, params, rng)
-            except mx.base.MXNetError:  # an element read where it takes no gradient (an id)
-                real = []
-                short = _symbol_gradients(short_op, sig, leaves, real, params, rng)
-            return short, _symbol_gradients(long_op, padded, longer, real, params, rng)
+            runs = (_run_symbol(self.short_op, self.sig, leaves, self.params),
+                    _run_symbol(self.long_op, self.padded, self.pad(leaves), self.params))
+            for out in runs[0] + runs[1]:
+                out.wait_to_read()
         except mx.base.MXNetError:
-            continue
-    return None
+            if self.kind == self.sig.key[-2]:
+                raise
+            return None
+        return runs
+
+    def gradients(self, leaves, ids, rng):
+        """The gradients (see :func:`_symbol_gradients`) of the short and
+        the padded symbol, or None where MXNet can differentiate neither.
+        The other arguments keep their random values (a gradient that
+        scales with one is compared where it is not zero), but those read
+        as ids (``ids``) are zero: a gradient lookup checks them (a
+        row-sparse one refuses a negative id; the values were clipped);
+        where MXNet still refuses, all of them are zero."""
+        leaves = [leaf.astype(self.kind, copy=False) for leaf in leaves]
+        elements = _list_elements(self.sig.fmt, leaves)
+        others = {name for name, leaf in zip(self.sig.data_names, leaves)
+                  if not any(leaf is e for e in elements)}
+        for zeroed in [others & ids] + ([others] if others - ids else []):
+            tried = [leaf.zeros_like() if name in zeroed else leaf
+                     for name, leaf in zip(self.sig.data_names, leaves)]
+            real = elements
+            try:
+                try:
+                    short = _symbol_gradients(self.short_op, self.sig, tried, real, self.params,
+                                              rng)
+                except mx.base.MXNetError:  # an element read where it takes no gradient (an id)
+                    real = []
+                    short = _symbol_gradients(self.short_op, self.sig, tried, real, self.params,
+                                              rng)
+                return short, _symbol_gradients(self.long_op, self.padded, self.pad(tried), real,
+                                                self.params, rng)
+            except mx.base.MXNetError:
+                continue
+        return None
 
 
 ID_INPUTS = dict({op: 0 for op in INDEXED_OPS}, take=1, pick=1, batch_take=1, one_hot=0,

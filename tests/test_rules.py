@@ -1129,3 +1129,48 @@ def test_padding_check_tolerance_scales_with_the_outputs():
     assert _close(a, np.array([[14.9, -0.0305717]], dtype=np.float32))
     assert not _close(a, np.array([[14.9, -0.0302]], dtype=np.float32))
     assert not _close(a, np.array([[14.95, -0.030570239]], dtype=np.float32))
+
+
+class MeanBesideLarge(gluon.HybridBlock):
+    """``concat(1e6 (W x + sum_k h_k), mean_k h_k)``: with ``mean`` the
+    pad_lists claim is false (a zero child changes the mean), with a sum
+    it holds.  One output holds both parts, so a tolerance scaled to its
+    largest value (~1e6) would not see the mean change."""
+    dynbatch_pad_lists = True
+
+    def __init__(self, mean):
+        super().__init__()
+        self.mean = mean
+        with self.name_scope():
+            self.d = gluon.nn.Dense(4, in_units=4)
+
+    def hybrid_forward(self, F, x, hs):
+        total = F.add_n(*hs) if len(hs) > 1 else hs[0]
+        small = total / len(hs) if self.mean else total
+        return F.concat((self.d(x) + total) * 1e6, small, dim=1)
+
+
+@pytest.mark.parametrize('mean', [True, False])
+def test_padding_check_sees_small_values_beside_large_ones(mean):
+    """A false claim whose change hides beside a value of 1e6 in the same
+    output (found by a fuzzer: batched results silently wrong) is refused,
+    since the check runs the symbols in float64; the same block with a sum
+    passes and batches to the per-sample values."""
+    block = dyb.DynBatchBlock(MeanBesideLarge(mean))
+    block.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(0)
+    x = [mx.nd.array(rng.uniform(-1, 1, (1, 4))) for _ in range(3)]
+    h = [mx.nd.array(rng.uniform(-1, 1, (1, 4))) for _ in range(4)]
+    calls = [(x[0], h[:1]), (x[1], h[1:3]), (x[2], h[1:])]
+    if mean:
+        with pytest.raises(dyb.InputError, match=r'declares pad_lists.*changes its output 0 '
+                                                 r'\(.*random parameters\)'):
+            with dyb.batching('depth'):
+                for a, hs in calls:
+                    block(a, hs)
+        return
+    want = [block(a, hs).asnumpy() for a, hs in calls]
+    with dyb.batching('depth'):
+        outs = [block(a, hs) for a, hs in calls]
+    for got, expected in zip(outs, want):
+        np.testing.assert_allclose(got.asnumpy(), expected, rtol=1e-5)
