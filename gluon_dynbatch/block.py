@@ -768,14 +768,17 @@ def check_padding_is_neutral(dblock, sig, padded):
     short_symbol, long_symbol = _small_tables(sig.symbol), _small_tables(padded.symbol)
     # the symbols run in float64 where MXNet can: rounding then cannot hide
     # a real difference behind the largest value of an output (see _close)
-    kinds = ([np.float64] if _runs_wide((sig, short_symbol), (padded, long_symbol), dtype)
-             else []) + [dtype]
+    symbols = {dtype: (short_symbol, long_symbol)}
+    wide = (_widened(short_symbol, dtype), _widened(long_symbol, dtype))
+    if _runs_wide(wide, dtype):
+        symbols[np.float64] = wide
+    kinds = sorted(symbols, key=lambda kind: kind is dtype)     # float64 first
     made = {}
 
     def runs_in(kind):
         if kind not in made:
             try:
-                made[kind] = _SymbolRuns(sig, padded, short_symbol, long_symbol, kind)
+                made[kind] = _SymbolRuns(sig, padded, *symbols[kind], kind)
             except mx.base.MXNetError as err:
                 # MXNet 1.9.1 cannot build some symbols as a CachedOp that it
                 # runs as NDArray calls
@@ -874,23 +877,43 @@ def _close(a, b, wide=False):
     return np.allclose(a, b, rtol=scale, atol=atol, equal_nan=True)
 
 
-def _runs_wide(*signatures):
-    """Whether the padding check runs the symbols of ``signatures`` (pairs
-    of a signature and its symbol, then the signatures' dtype) in float64:
-    the dtype is a narrower float, and every value of each symbol is
-    float64 when its inputs are (no cast or op of a fixed type keeps part
-    of it narrow, whose rounding would fail float64's tolerance)."""
-    *signatures, dtype = signatures
+def _widened(symbol, dtype):
+    """``symbol`` with every op attribute ``dtype`` that names ``dtype``
+    (a cast, a constant of a fixed type) naming float64 instead, for the
+    padding check's float64 runs: in a block of that dtype such ops keep
+    the values as they are, and a part left narrow would round as
+    ``dtype`` does and fail float64's tolerance.  ``symbol`` itself when
+    there is none."""
+    graph = json.loads(symbol_json(symbol))
+    changed = False
+    for node in graph['nodes']:
+        value = node.get('attrs', {}).get('dtype')
+        if node['op'] != 'null' and value not in (None, 'None'):
+            try:
+                same = np.dtype(value) == np.dtype(dtype)
+            except TypeError:
+                continue
+            if same:
+                node['attrs']['dtype'] = 'float64'
+                changed = True
+    return mx.sym.load_json(json.dumps(graph)) if changed else symbol
+
+
+def _runs_wide(symbols, dtype):
+    """Whether the padding check runs ``symbols`` (for a block of
+    ``dtype``) in float64: ``dtype`` is a narrower float, and every value
+    of each symbol is float64 when its inputs are (see :func:`_widened`).
+    MXNet's ``infer_type`` prints its arguments when it fails; the method
+    behind it does not."""
     if np.dtype(dtype) not in (np.float32, np.float16):
         return False
-    for one, symbol in signatures:
-        internals = symbol.get_internals()
+    for symbol in symbols:
         try:
-            _, types, _ = internals.infer_type(
-                **{name: np.float64 for name in symbol.list_arguments()})
+            _, types, _ = symbol.get_internals()._infer_type_impl(
+                False, **{name: np.float64 for name in symbol.list_arguments()})
         except mx.base.MXNetError:
             return False
-        if types is None or any(np.dtype(t) != np.float64 for t in types):
+        if types is None or any(t is None or np.dtype(t) != np.float64 for t in types):
             return False
     return True
 
