@@ -780,6 +780,9 @@ def check_padding_is_neutral(dblock, sig, padded):
             try:
                 made[kind] = _SymbolRuns(sig, padded, *symbols[kind], kind)
             except mx.base.MXNetError as err:
+                if kind is not dtype:
+                    made[kind] = None       # the check runs in the block's own dtype
+                    return None
                 # MXNet 1.9.1 cannot build some symbols as a CachedOp that it
                 # runs as NDArray calls
                 raise InputError(
@@ -788,7 +791,7 @@ def check_padding_is_neutral(dblock, sig, padded):
                     % (dblock.block.name, _padding_text(sig.fmt, padded.fmt), error_line(err),
                        _PADDING_ADVICE)) from None
         return made[kind]
-    runs_in(kinds[0])
+    kinds = [kind for kind in kinds if runs_in(kind) is not None]
     gradient_kinds = list(kinds)
     ids = _id_inputs(short_symbol) | _id_inputs(long_symbol)
     zero = {}
@@ -799,14 +802,14 @@ def check_padding_is_neutral(dblock, sig, padded):
             longer = pad_leaves(sig.fmt, leaves, padded.fmt, lambda item: zero.setdefault(
                 item, mx.nd.zeros(padded.item_shape(item), ctx=sig.ctx, dtype=dtype)))
             runs = [(dblock.block(*regroup(sig.fmt, leaves)[0]),
-                     dblock.block(*regroup(padded.fmt, longer)[0]), 'its parameters')]
+                     dblock.block(*regroup(padded.fmt, longer)[0]), 'its parameters', False)]
             for kind in kinds:
                 symbol_runs = runs_in(kind).outputs(leaves)
                 if symbol_runs is not None:
                     break
-            runs.append(symbol_runs + ('random parameters',))
+            runs.append(symbol_runs + ('random parameters', kind is not dtype))
         # (the symbols' outputs come flat, in the order flatten() gives the block's)
-        for short_out, long_out, parameters in runs:
+        for short_out, long_out, parameters, wide in runs:
             flat_short, flat_long = [], []
             flatten([short_out], flat_short)
             flatten([long_out], flat_long)
@@ -819,7 +822,7 @@ def check_padding_is_neutral(dblock, sig, padded):
                         % (dblock.block.name, _padding_text(sig.fmt, padded.fmt), out,
                            a.shape, b.shape, _shifted_outputs(runs, sig, padded),
                            _PADDING_ADVICE))
-                if not _close(a, b, wide=a.dtype != dtype):
+                if not _close(a, b, wide):
                     raise InputError(
                         'block %s declares pad_lists, but padding its list arguments with '
                         'zeros (%s) changes its output %d (inputs drawn from [%g, %g], '
@@ -831,12 +834,11 @@ def check_padding_is_neutral(dblock, sig, padded):
             grads = runs_in(kind).gradients(leaves, ids, rng)
             if grads is not None:
                 break
-            if kind is not dtype:   # (MXNet 1.9.1 fails some float64 backward passes,
-                gradient_kinds.remove(kind)     # a Tree-LSTM node's: not tried again)
+            if kind is not dtype:   # (a float64 backward MXNet cannot run: not tried again)
+                gradient_kinds.remove(kind)
         if grads is None:
             # no gradient to compare: MXNet 1.9.1 cannot run this backward
-            # here (the Tree-LSTM cell in float64: 'Backward shape
-            # inconsistent'); the outputs were compared
+            # here; the outputs were compared
             continue
         short_grads, long_grads = grads
         # by name: a parameter only longer lists read (one per child
@@ -847,7 +849,7 @@ def check_padding_is_neutral(dblock, sig, padded):
             b = long_grads.get(what)
             if a is None or b is None:
                 a, b = (np.zeros_like(b), b) if a is None else (a, np.zeros_like(a))
-            if not _close(a, b, wide=a.dtype != dtype):
+            if not _close(a, b, kind is not dtype):
                 raise InputError(
                     'block %s declares pad_lists, but padding its list arguments with zeros '
                     '(%s) changes the gradient of %s (inputs drawn from [%g, %g], random '
@@ -1060,7 +1062,10 @@ class _SymbolRuns:
     drawn as :func:`_random_parameters` draws them, so the same in every
     kind, their gradients attached once (each backward writes every
     input's, zeros where none reaches it, and each is read before the
-    next)."""
+    next).  A gradient is made in the parameter's dtype and context:
+    MXNet 1.9.1's ``attach_grad(stype=...)`` makes a float32 one on the
+    default context, and every float64 backward failed ('Backward shape
+    inconsistent', its type check's message)."""
 
     def __init__(self, sig, padded, short_symbol, long_symbol, kind):
         self.sig, self.padded, self.kind = sig, padded, kind
@@ -1073,7 +1078,9 @@ class _SymbolRuns:
                   for _, param in padded.param_slots}
         for name, value in self.params.items():
             if name in arguments:   # (an Embedding with sparse_grad takes a row-sparse one)
-                value.attach_grad(stype=stypes.get(name, 'default'))
+                mx.autograd.mark_variables([value], [mx.nd.zeros(
+                    value.shape, ctx=value.context, dtype=value.dtype,
+                    stype=stypes.get(name, 'default'))])
         self._zeros = {}
 
     def pad(self, leaves):

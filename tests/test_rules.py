@@ -1180,3 +1180,31 @@ def test_padding_check_sees_small_values_beside_large_ones(mean, cast, capsys):
         for got, expected in zip(outs, want):
             np.testing.assert_allclose(got.asnumpy(), expected, rtol=1e-5)
     assert 'infer_type' not in capsys.readouterr().out
+
+
+def test_padding_check_compares_gradients_in_float64(monkeypatch):
+    """The check's gradients of a Tree-LSTM node (row-sparse embedding
+    gradients too) come from float64 runs: MXNet 1.9.1's
+    ``attach_grad(stype=...)`` made float32 gradient buffers, every float64
+    backward failed, and the gradients fell back to float32 unseen."""
+    from gluon_dynbatch import block as block_module
+    from gluon_dynbatch.models import TreeLSTMNode
+    compared, close = [], block_module._close
+
+    def recorded(a, b, wide=False):
+        compared.append((a.dtype, wide))
+        return close(a, b, wide)
+    monkeypatch.setattr(block_module, '_close', recorded)
+    for sparse in (False, True):
+        node = dyb.DynBatchBlock(TreeLSTMNode(20, 6, 5, sparse_grad=sparse))
+        node.initialize()
+        ids = np.array([1.0], dtype=np.float32)
+        del compared[:]
+        with dyb.batching('depth'):
+            leaf = node(ids, [], [])
+            node(ids, [leaf[0]], [leaf[1]])
+            node(ids, [leaf[0], leaf[0]], [leaf[1], leaf[1]])
+        wide = [dtype for dtype, is_wide in compared if is_wide]
+        assert wide and all(dtype == np.float64 for dtype in wide)
+        # outputs (2 a range) and gradients (parameters and list elements)
+        assert len(wide) > 2 * len(block_module.PADDING_CHECK_RANGES)
