@@ -759,9 +759,10 @@ def check_padding_is_neutral(dblock, sig, padded):
     parameters and of the real list elements for one random head gradient
     (a zero row may leave the values alone and still make a gradient NaN:
     the norm of a child's ``W h`` is 0 there, its gradient 0/0).  The
-    parameters as they stand can hide a block that padding changes: Gluon starts biases at
-    zero, and ``tanh(W 0 + b)`` is zero only while ``b`` is (its gradient,
-    and after a step its output, would differ, silently).  The block's own
+    parameters as they stand can hide a block that padding changes: Gluon
+    starts biases at zero, and ``tanh(W 0 + b)`` is zero only while ``b``
+    is (its gradient, and after a step its output, would differ,
+    silently).  The block's own
     parameters are never written (another thread may be running them)."""
     rng = np.random.RandomState(0)
     dtype = sig.key[-2]
@@ -791,7 +792,7 @@ def check_padding_is_neutral(dblock, sig, padded):
                     % (dblock.block.name, _padding_text(sig.fmt, padded.fmt), error_line(err),
                        _PADDING_ADVICE)) from None
         return made[kind]
-    kinds = [kind for kind in kinds if runs_in(kind) is not None]
+    kinds = [kind for kind in kinds if kind is dtype or runs_in(kind) is not None]
     gradient_kinds = list(kinds)
     ids = _id_inputs(short_symbol) | _id_inputs(long_symbol)
     zero = {}
