@@ -762,18 +762,18 @@ def check_padding_is_neutral(dblock, sig, padded):
     parameters as they stand can hide a block that padding changes: Gluon
     starts biases at zero, and ``tanh(W 0 + b)`` is zero only while ``b``
     is (its gradient, and after a step its output, would differ,
-    silently).  The block's own
-    parameters are never written (another thread may be running them)."""
+    silently).  The block's own parameters are never written (another
+    thread may be running them)."""
     rng = np.random.RandomState(0)
     dtype = sig.key[-2]
     short_symbol, long_symbol = _small_tables(sig.symbol), _small_tables(padded.symbol)
     # the symbols run in float64 where MXNet can: rounding then cannot hide
     # a real difference behind the largest value of an output (see _close)
-    symbols = {dtype: (short_symbol, long_symbol)}
+    symbols, kinds = {dtype: (short_symbol, long_symbol)}, [dtype]
     wide = (_widened(short_symbol, dtype), _widened(long_symbol, dtype))
     if _runs_wide(wide, dtype):
         symbols[np.float64] = wide
-    kinds = sorted(symbols, key=lambda kind: kind is dtype)     # float64 first
+        kinds.insert(0, np.float64)
     made = {}
 
     def runs_in(kind):
@@ -800,8 +800,7 @@ def check_padding_is_neutral(dblock, sig, padded):
         leaves = [mx.nd.array(rng.uniform(low, high, shape), ctx=sig.ctx, dtype=dtype)
                   for shape in sig.in_shapes]
         with mx.autograd.pause():
-            longer = pad_leaves(sig.fmt, leaves, padded.fmt, lambda item: zero.setdefault(
-                item, mx.nd.zeros(padded.item_shape(item), ctx=sig.ctx, dtype=dtype)))
+            longer = _pad_with_zeros(sig, padded, leaves, dtype, zero)
             runs = [(dblock.block(*regroup(sig.fmt, leaves)[0]),
                      dblock.block(*regroup(padded.fmt, longer)[0]), 'its parameters', False)]
             for kind in kinds:
@@ -1057,6 +1056,16 @@ def _symbol_gradients(op, sig, leaves, real, params, rng):
     return grads
 
 
+def _pad_with_zeros(sig, padded, leaves, dtype, made):
+    """``leaves`` (``sig``'s) padded to the lists of ``padded`` with zero
+    rows of ``dtype``, one per list element position, kept in ``made``."""
+    def zeros(item):
+        if item not in made:
+            made[item] = mx.nd.zeros(padded.item_shape(item), ctx=sig.ctx, dtype=dtype)
+        return made[item]
+    return pad_leaves(sig.fmt, leaves, padded.fmt, zeros)
+
+
 class _SymbolRuns:
     """The padding check's runs of the short and the padded traced symbol
     in one float type (``kind``), with random values for every parameter:
@@ -1086,12 +1095,7 @@ class _SymbolRuns:
 
     def pad(self, leaves):
         """``leaves`` (the short signature's) padded with zero rows."""
-        def zeros(item):
-            if item not in self._zeros:
-                self._zeros[item] = mx.nd.zeros(self.padded.item_shape(item), ctx=self.sig.ctx,
-                                                dtype=self.kind)
-            return self._zeros[item]
-        return pad_leaves(self.sig.fmt, leaves, self.padded.fmt, zeros)
+        return _pad_with_zeros(self.sig, self.padded, leaves, self.kind, self._zeros)
 
     def outputs(self, leaves):
         """``(short outputs, padded outputs)`` on ``leaves`` (cast to this
