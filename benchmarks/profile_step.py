@@ -28,8 +28,11 @@ minibatches of the setting), the script runs:
 2. a profiled pass over other fresh minibatches, with MXNet's profiler
    aggregating operator times: operator ms per minibatch (the engine's
    frees and waits apart), each operator's calls and share, and the C
-   calls Python spends in MXNet (``WAITS``).  The profiler slows every
-   operator a little: compare shares, not its totals with pass 1's.
+   calls Python spends in MXNet (``WAITS``), and from its event trace the
+   worker's timeline (:func:`worker_timeline`): how long it ran operators
+   and how long it waited in a minibatch, and how much of that wait came
+   before its first operator.  The profiler slows every operator a
+   little: compare shares, not its totals with pass 1's.
 
 It prints both and writes ``<out>/profile_<mode>_<B>_<form>[_<engine>].json``.
 One process, one form: run forms one after the other to compare them.
@@ -135,6 +138,50 @@ def profile_sections(dump):
     return sections
 
 
+MARKER = 'profile_step_minibatch'
+"""Name of the profiler's instant markers that pass 2 sets as each minibatch
+starts (and once after the pass's last wait)."""
+
+
+def worker_timeline(events):
+    """When MXNet's worker ran operators, minibatch by minibatch, from the
+    profiler's event trace: for each span between two :data:`MARKER` s,
+    the worker's busy ms, its idle ms, and the idle ms before its first
+    operator of the span (under a pipelined inference scope, the time
+    Python takes to record the first part), as medians over the spans (None
+    without markers).  Operators include the engine's bulks of a CachedOp's
+    operators (``ImperativeBulk``), not its frees and waits
+    (:data:`BOOKKEEPING`); the worker is the thread that ran the most of
+    them, and their intervals are merged, so time counts once."""
+    marks = sorted(e['ts'] for e in events if e.get('ph') == 'n' and e.get('name') == MARKER)
+    began, by_thread = {}, defaultdict(list)
+    for e in events:
+        if e.get('cat') != 'operator' or e.get('ph') not in ('B', 'E') or \
+                e.get('name') in BOOKKEEPING:
+            continue
+        key = (e['tid'], e['name'])
+        if e['ph'] == 'B':
+            began[key] = e['ts']
+        elif key in began:
+            by_thread[e['tid']].append((began.pop(key), e['ts']))
+    if len(marks) < 2 or not by_thread:
+        return None
+    ops = sorted(max(by_thread.values(), key=len))
+    spans = []
+    for start, end in zip(marks, marks[1:]):
+        busy, first, reached = 0.0, None, start     # reached: the merged intervals' end
+        for a, b in ops:
+            a, b = max(a, reached), min(b, end)
+            if b <= a:
+                continue
+            first = a if first is None else first
+            busy, reached = busy + b - a, b
+        spans.append((busy, end - start - busy, (first if first is not None else end) - start))
+    median = lambda values: sorted(values)[len(values) // 2]     # noqa: E731
+    return {name: median([span[i] for span in spans]) / 1e3
+            for i, name in enumerate(('busy', 'idle', 'idle_before_first_operator'))}
+
+
 def main(argv=None):
     args = parse_args(argv)
     bench_args = bt.build_parser().parse_args(
@@ -221,13 +268,19 @@ def main(argv=None):
                            filename=os.path.join(trace_dir, 'trace.json'))
     os.makedirs(args.out, exist_ok=True)
     mx.profiler.set_state('run')
+    domain = mx.profiler.Domain(MARKER)
     tic = time.perf_counter()
     for pairs, tg in minibatches(warm + count, count):
+        mx.profiler.Marker(domain, MARKER).mark('process')
         run_step(ctx, form, args.mode, pairs, tg, defaultdict(float))
     mx.nd.waitall()
+    mx.profiler.Marker(domain, MARKER).mark('process')
     profiled_wall = time.perf_counter() - tic
     mx.profiler.set_state('stop')
     sections = profile_sections(mx.profiler.dumps(reset=True))
+    mx.profiler.dump()
+    with open(os.path.join(trace_dir, 'trace.json')) as f:
+        timeline = worker_timeline(json.load(f)['traceEvents'])
     ops = sections.get('operator', {})
     real = {name: row for name, row in ops.items() if name not in BOOKKEEPING}
     kept = {name: row for name, row in ops.items() if name in BOOKKEEPING}
@@ -240,7 +293,8 @@ def main(argv=None):
                 'operators': {name: {'calls': c / count, 'ms': ms / count}
                               for name, (c, ms) in ops.items()},
                 'python_waits_in_ms': {name: capi[name][1] / count for name in WAITS
-                                       if name in capi}}
+                                       if name in capi},
+                'worker_timeline_ms': timeline}
     report(args, timed, profiled)
     engine = '' if args.engine == 'ThreadedEnginePerDevice' else '_' + args.engine
     path = os.path.join(args.out, 'profile_%s_%d_%s%s.json'
@@ -273,6 +327,11 @@ def report(args, timed, profiled):
           % (profiled['wall_ms'], profiled['operator_ms'], profiled['operator_calls'],
              100 * profiled['operator_ms'] / profiled['wall_ms'], profiled['bookkeeping_ms'],
              profiled['bookkeeping_calls']))
+    timeline = profiled['worker_timeline_ms']
+    if timeline:
+        print('  MXNet\'s worker (medians over the minibatches): busy %.2f ms, idle %.2f ms, '
+              'of which %.2f before its first operator'
+              % (timeline['busy'], timeline['idle'], timeline['idle_before_first_operator']))
     for name, ms in profiled['python_waits_in_ms'].items():
         print('  Python in %-26s %6.2f ms a minibatch' % (name, ms))
     print('  %-34s %8s %8s %8s %6s' % ('operator', 'calls/mb', 'ms/mb', 'us/call', 'share'))

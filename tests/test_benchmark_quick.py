@@ -240,6 +240,28 @@ def test_profile_step_reads_every_row_of_mxnets_table():
                                        'MXNet C API Calls': (36040, 34.69)}
 
 
+def test_profile_step_worker_timeline():
+    """The worker's busy and idle time per minibatch, from a trace: the
+    thread that ran the most operators, overlapping intervals counted once,
+    frees and waits left out, the idle before its first operator apart."""
+    sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
+    import profile_step
+
+    def op(tid, name, begin, end):
+        return [{'cat': 'operator', 'ph': 'B', 'tid': tid, 'name': name, 'ts': begin},
+                {'cat': 'operator', 'ph': 'E', 'tid': tid, 'name': name, 'ts': end}]
+
+    mark = [{'ph': 'n', 'name': profile_step.MARKER, 'ts': ts} for ts in (0, 10000, 20000)]
+    events = mark + op(1, 'ImperativeBulk', 4000, 7000) + op(1, 'FullyConnected', 6000, 9000) + \
+        op(1, 'DeleteVariable', 500, 3500) + op(2, 'take', 0, 9000) + \
+        op(1, 'take', 10000, 11000) + op(1, 'Concat', 13000, 20000)
+    # span 1: busy 4-9 ms, idle 5 of it first; span 2: busy 1 + 7, idle 2, none first;
+    # medians of two are the larger
+    assert profile_step.worker_timeline(events) == {
+        'busy': 8.0, 'idle': 5.0, 'idle_before_first_operator': 4.0}
+    assert profile_step.worker_timeline(events[3:]) is None     # no markers
+
+
 @needs_sick
 def test_profile_step_runs(tmp_path):
     proc = run_benchmark('profile_step.py', '--setting', 'train 8', '--minibatches', 2,
@@ -260,4 +282,6 @@ def test_profile_step_runs(tmp_path):
     assert math.isclose(profiled['operator_calls'] + profiled['bookkeeping_calls'],
                         sum(row['calls'] for row in ops.values()))
     assert profiled['bookkeeping_calls'] >= ops['DeleteVariable']['calls'] > 0
-    assert 'pass 2 (profiled)' in proc.stdout
+    timeline = profiled['worker_timeline_ms']
+    assert timeline['busy'] > 0 and timeline['idle'] >= timeline['idle_before_first_operator'] >= 0
+    assert 'pass 2 (profiled)' in proc.stdout and "MXNet's worker (medians" in proc.stdout
