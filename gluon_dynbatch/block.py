@@ -126,7 +126,7 @@ class BatchingScope:
     every call, straight from the slots."""
     __slots__ = ('strategy', 'pending', 'record_s', 'groups', 'used', 'unsafe', 'tape',
                  'flush_at', 'flush_every', 'follow_engine', 'marker', 'mode', 'thread',
-                 'repeats', 'repeated', 'flushed', 'expected')
+                 'repeats', 'repeated', 'flushed', 'expected', 'failure')
 
     def __init__(self, strategy, flush_every=None, follow_engine=False, merge_repeats=True):
         self.strategy = strategy
@@ -138,6 +138,9 @@ class BatchingScope:
         self.flushed = 0     # calls run so far
         # follow_engine: the calls this scope will likely record (see PIPELINE_TAIL)
         self.expected = _expected_size() if follow_engine else None
+        # the MXNetError that reading one of this scope's values raised (see
+        # LazyValue.asnumpy): every value of the scope then fails
+        self.failure = None
         self.pending = []
         self.record_s = 0.0
         self.groups = {}     # (depth, family) -> calls
@@ -585,7 +588,8 @@ def concat_rows(values):
                              'NDArrays%s' % (i, type(value).__name__, hint))
     shape = values[0].shape
     for i, value in enumerate(values):
-        if type(value) is LazyValue and value._node.state != DONE:
+        if type(value) is LazyValue and (value._node.state != DONE or
+                                         value._node.scope.failure is not None):
             value.data          # runs what is pending (raises for a failed scope)
         if value.shape[:1] != (1,):
             raise InputError('concat_rows(): value %d has shape %s; each value must be one '

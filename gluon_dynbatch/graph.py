@@ -112,8 +112,11 @@ class LazyValue:
         batched output, differentiable under ``autograd.record()``).  Treat
         it as read-only: it may be the batched output itself, shared with
         other calls' values (calls with equal host rows share one row)."""
+        node = self._node
+        if node.scope.failure is not None:
+            raise LazyValueError(_RUN_FAILED % (node.sig.block.name, self.shape,
+                                                node.scope.failure)) from node.scope.failure
         if self._data is None:
-            node = self._node
             if node.state == PENDING:
                 if node.scope.thread != threading.get_ident():
                     raise ScopeError(
@@ -136,8 +139,21 @@ class LazyValue:
         return self._data
 
     def asnumpy(self):
-        """The value as a numpy array."""
-        return self.data.asnumpy()
+        """The value as a numpy array.
+
+        Under MXNet's threaded engine an operator that fails when the
+        engine runs it (a custom op raising, say) fails the arrays computed
+        from it, but MXNet raises its error once, at the first read, and
+        then forgets it: the other values of a batched step, which share
+        its arrays, would read garbage.  So when this read raises, every
+        value of the scope fails from then on (:class:`LazyValueError`),
+        as the flush itself fails them under the ``NaiveEngine``."""
+        data = self.data
+        try:
+            return data.asnumpy()
+        except mx.base.MXNetError as error:
+            self._node.scope.failure = error
+            raise
 
     # A lazy value is no NDArray: NDArray code meeting one (``v + 1``,
     # ``v.sum()``, ``np.asarray(v)``) says how to get one instead of failing
@@ -171,6 +187,15 @@ class LazyValue:
     def __repr__(self):
         state = ('pending', 'ready', 'failed')[self._node.state]
         return 'LazyValue(%s, shape=%s, %s)' % (self._node.sig.block.name, self.shape, state)
+
+
+_RUN_FAILED = (
+    'this output of block %s (shape %s) comes from a batching() scope where an operator failed '
+    'when MXNet ran it, so it was not computed; MXNet raised the error once, when a value of '
+    'the scope was first read: %s. Per sample only the failing call, and the calls reading '
+    'it, would fail: to find it, run the scope with strategy=\'per-sample\' or under '
+    'MXNET_ENGINE_TYPE=NaiveEngine.')
+"""The error of a value whose scope failed at run time (LazyValue.asnumpy)."""
 
 
 _PAIR = (0, 0)

@@ -920,3 +920,66 @@ def test_threads_train_at_once_with_padded_lists():
     for thread in threads:
         thread.join()
     assert not errors, errors
+
+
+class _Refuses(mx.operator.CustomOp):
+    """Passes its input through, but fails when MXNet runs it on a value
+    over 100 (an error raised only when the engine runs the operator)."""
+
+    def forward(self, is_train, req, in_data, out_data, aux):
+        if (in_data[0].asnumpy() > 100).any():
+            raise ValueError('value over 100')
+        self.assign(out_data[0], req[0], in_data[0])
+
+    def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
+        self.assign(in_grad[0], req[0], out_grad[0])
+
+
+@mx.operator.register('dynbatch_test_refuses')
+class _RefusesProp(mx.operator.CustomOpProp):
+    def __init__(self):
+        super().__init__(need_top_grad=True)
+
+    def infer_shape(self, in_shape):
+        return in_shape, [in_shape[0]], []
+
+    def create_operator(self, ctx, shapes, dtypes):
+        return _Refuses()
+
+
+class _Check(gluon.HybridBlock):
+    def hybrid_forward(self, F, x):
+        return F.Custom(x, op_type='dynbatch_test_refuses')
+
+
+@pytest.mark.parametrize('strategy', ['depth', 'agenda'])
+def test_an_operator_failing_at_run_time_fails_every_value_of_its_scope(strategy):
+    """Found by a fuzzer: under the threaded engine a custom op failing for
+    one sample failed its batched step, MXNet raised the error at the first
+    value read, and every other value of the step then read garbage
+    silently (MXNet raises an engine error once).  Each now raises."""
+    check, dense = dyb.DynBatchBlock(_Check()), dyb.DynBatchBlock(TanhDense(3))
+    check.initialize()
+    dense.initialize(mx.init.Uniform(0.5))
+    xs = [np.full((1, 3), i, np.float32) for i in (1, 2, 3, 1000, 4)]
+    threaded = dyb.block.threaded_engine()
+    # the NaiveEngine runs the steps as the scope exits, which raises then
+    exits = contextlib.nullcontext() if threaded else pytest.raises(mx.base.MXNetError)
+    with pytest.warns(dyb.PerSampleWarning), exits:     # the custom op runs per sample
+        with dyb.batching(strategy):
+            values = [dense(check(x)) for x in xs]
+    errors = (mx.base.MXNetError, dyb.LazyValueError)
+    if threaded:        # the scope exited before the engine ran the steps
+        with pytest.raises(mx.base.MXNetError, match='custom'):
+            values[0].asnumpy()
+    for value in values if not threaded else values[1:]:
+        with pytest.raises(dyb.LazyValueError, match='failed when MXNet ran it|never computed'):
+            value.asnumpy()
+        with pytest.raises(errors):
+            dyb.concat_rows([value])
+    # a new scope runs as usual
+    with dyb.batching(strategy):
+        good = [dense(check(x)) for x in xs[:3]]
+    np.testing.assert_allclose(dyb.concat_rows(good).asnumpy(),
+                               np.concatenate([dense.block(mx.nd.array(x)).asnumpy()
+                                               for x in xs[:3]]), rtol=1e-6)
