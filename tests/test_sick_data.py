@@ -349,6 +349,40 @@ def test_error_glove_file_names_file_and_line(tmp_path, text, match):
         make_embedding_matrix(_toy_vocab(), path=path)
 
 
+@pytest.mark.parametrize('text,match', [
+    ('dog 1 nan 3\n', r'line 1: the vector of .dog. holds a NaN or an infinity'),
+    ('dog 1 2 3\ncat 1 2 -inf\n', r'line 2: the vector of .cat. holds a NaN or an infinity'),
+])
+def test_error_glove_vector_not_finite(tmp_path, text, match):
+    """A NaN in a vector trained to a NaN loss, and the run ended well."""
+    path = tmp_path / 'glove.txt'
+    path.write_text(text)
+    with pytest.raises(ValueError, match=r'glove\.txt ' + match):
+        make_embedding_matrix(_toy_vocab(), path=path)
+
+
+@pytest.mark.parametrize('opener,kind', [('zip', 'a zip archive'), ('gzip', 'gzip'),
+                                         ('bz2', 'bzip2'), ('lzma', 'xz'), (None, 'NUL bytes')])
+def test_error_glove_file_compressed_or_binary(tmp_path, opener, kind):
+    """GloVe comes as a zip: read as text it gave a 'dimension' of 1 or 2,
+    no token, and training went on with those random vectors."""
+    import bz2
+    import gzip
+    import lzma
+    import zipfile
+    text = b'dog 1 2 3\ncat 4 5 6\n'
+    path = tmp_path / 'glove.bin'
+    if opener == 'zip':
+        with zipfile.ZipFile(path, 'w', zipfile.ZIP_DEFLATED) as archive:
+            archive.writestr('glove.txt', text)
+    elif opener is None:
+        path.write_bytes(b'dog \x00\x00\x80?\x00\x00\x00@\n')     # word2vec's binary
+    else:
+        path.write_bytes({'gzip': gzip, 'bz2': bz2, 'lzma': lzma}[opener].compress(text))
+    with pytest.raises(ValueError, match=r'glove\.bin .*' + kind):
+        make_embedding_matrix(_toy_vocab(), path=path)
+
+
 def test_glove_file_without_vocabulary_words_keeps_the_random_init(tmp_path):
     path = tmp_path / 'glove.txt'
     path.write_text('zebra 1 2 3\nyak 4 5 6\n')

@@ -94,6 +94,28 @@ def test_dynbatch_matches_per_sample_step_by_step(example, small_data, per_sampl
                                atol=1e-5)
 
 
+def test_a_long_pass_prints_progress_lines_where_stderr_is_no_terminal(
+        example, small_data, monkeypatch, capsys):
+    """Where stderr is a file or a pipe (CI, nohup) there are no bars, and
+    a per-sample epoch ran for minutes without a word (found by a review)."""
+    data, vocab = small_data
+    args = _args(example, '--train-limit', '100', '--batch-size', '25')
+    model, _ = example.build_model(vocab, args)
+    order = example.epoch_orders(len(data['train']), 1, args.seed)[0]
+    monkeypatch.setattr(example, 'PROGRESS_LINE_EVERY_S', 0.0)     # a line every update
+    example.train_epoch(model, example.make_trainer(model, args), data['train'], order,
+                        'dynbatch', 'depth', 25, 'lines', desc='dynbatch epoch 1')
+    example.evaluate(model, data['dev'], 'dynbatch', 'depth', 16, 'lines', desc='dynbatch dev')
+    err = capsys.readouterr().err.splitlines()
+    assert re.fullmatch(r'  dynbatch epoch 1: 100/100 pairs, [\d.]+ pairs/s, loss [\d.]+',
+                        err[0]), err
+    assert re.fullmatch(r'  dynbatch dev: 16/40 pairs, [\d.]+ pairs/s', err[1]), err
+    assert len(err) == 1 + 3
+    monkeypatch.setattr(example, 'PROGRESS_LINE_EVERY_S', 3600.0)      # a short pass: none
+    example.evaluate(model, data['dev'], 'dynbatch', 'depth', 16, 'lines')
+    assert capsys.readouterr().err == ''
+
+
 def test_build_model_is_seeded(example, small_data):
     _, vocab = small_data
     args = _args(example)
@@ -219,6 +241,14 @@ def test_script_malformed_data_and_bad_paths_fail_clearly(sick_dir, tmp_path):
     blocked.write_text('not a folder')
     bad_vectors = tmp_path / 'bad.txt'      # (a traceback before, found by a review)
     bad_vectors.write_text('the 1 2 3\nA 4 5\n')
+    # a zip (GloVe's form) and a file of no SICK word trained on with random
+    # vectors of the size they seemed to give (found by a review)
+    import zipfile
+    zipped = tmp_path / 'glove.zip'
+    with zipfile.ZipFile(zipped, 'w', zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr('glove.txt', 'the 1 2 3\n')
+    foreign = tmp_path / 'foreign.txt'
+    foreign.write_text('zzyzx 1 2 3\nqwxv 4 5 6\n')
     out = tmp_path / 'out'
     for argv, message in (
             (['--data', data, '--out', out], r'sim\.txt line 1: bad score'),
@@ -226,6 +256,10 @@ def test_script_malformed_data_and_bad_paths_fail_clearly(sick_dir, tmp_path):
              'no.txt: no such file'),
             (['--data', sick_dir, '--out', out, '--train-limit', '20', '--embeddings',
               bad_vectors], 'bad.txt line 2'),
+            (['--data', sick_dir, '--out', out, '--train-limit', '20', '--embeddings', zipped],
+             r'glove\.zip is a zip archive: unpack it first'),
+            (['--data', sick_dir, '--out', out, '--train-limit', '20', '--embeddings', foreign],
+             r'foreign\.txt holds no vector for any of the \d+ tokens'),
             (['--data', sick_dir, '--out', blocked / 'out'], 'cannot create the output folder')):
         proc = _run_script(*argv, timeout=120)
         assert proc.returncode == 2, proc.stderr

@@ -5,7 +5,7 @@ per sample or with just-in-time dynamic batching.
 The model code is the plain per-sample recursion of the paper; the only
 change that batches it is ``with dyb.batching():`` around each minibatch::
 
-    python examples/sick/train.py                    # dynbatch, 10 epochs (~25 s, 2 cores)
+    python examples/sick/train.py                    # dynbatch, 10 epochs (20-40 s, 2 cores)
     python examples/sick/train.py --mode both --epochs 3   # per-sample vs dynbatch
     python examples/sick/train.py --epochs 1 --train-limit 500 --dev-limit 100 \
         --test-limit 100                             # a quick look
@@ -106,7 +106,8 @@ def build_parser():
     p.add_argument('--out', default=None,
                    help='output folder (default: runs/sick-<mode>)%(default).0s')
     p.add_argument('--no-progress', action='store_true',
-                   help='no tqdm progress bars (there are none when stderr is not a terminal)')
+                   help='no progress output: tqdm bars on a terminal, else a line on stderr '
+                        'every %d s of a long pass' % PROGRESS_LINE_EVERY_S)
     return p
 
 
@@ -278,6 +279,45 @@ def kl_loss(logp, target):
     return mx.nd.sum(target * (mx.nd.log(target + 1e-12) - logp), axis=1)
 
 
+PROGRESS_LINE_EVERY_S = 30
+"""Where stderr is no terminal (a file, a pipe, CI), a pass that runs longer
+than this prints a plain progress line this often instead of a bar, whose
+redraws would pile up there: an epoch per sample takes minutes."""
+
+
+class _ProgressLines:
+    """tqdm's ``update`` / ``set_postfix`` / ``close`` as a plain line on
+    stderr every :data:`PROGRESS_LINE_EVERY_S` seconds."""
+
+    def __init__(self, total, desc):
+        self.total, self.desc, self.done, self.postfix = total, desc, 0, ''
+        self.start = self.last = time.perf_counter()
+
+    def update(self, n):
+        self.done += n
+        now = time.perf_counter()
+        if now - self.last >= PROGRESS_LINE_EVERY_S:
+            self.last = now
+            print('  %s: %d/%d pairs, %.1f pairs/s%s'
+                  % (self.desc, self.done, self.total, self.done / (now - self.start),
+                     self.postfix), file=sys.stderr, flush=True)
+
+    def set_postfix(self, refresh=False, **values):
+        self.postfix = ''.join(', %s %s' % item for item in values.items())
+
+    def close(self):
+        pass
+
+
+def progress_meter(total, desc, progress):
+    """How a pass reports its progress: ``progress`` is ``'bar'`` (tqdm),
+    ``'lines'`` (:class:`_ProgressLines`) or false (nothing)."""
+    if progress == 'lines':
+        return _ProgressLines(total, desc)
+    return tqdm(total=total, desc=desc, unit='pair', mininterval=0.5, leave=False,
+                disable=not progress, dynamic_ncols=True)
+
+
 READ_LOSS_EVERY = 8
 """Training reads its losses (for the progress bar and the returned
 numbers) every this many steps: reading one waits for that step's backward
@@ -296,8 +336,7 @@ def train_epoch(model, trainer, examples, order, mode, strategy='depth', batch_s
     loss of every step, and timing."""
     ctx = ctx or mx.cpu()
     step_losses, weighted, seen = [], 0.0, 0
-    bar = tqdm(total=len(order), desc=desc, unit='pair', mininterval=0.5, leave=False,
-               disable=not progress, dynamic_ncols=True)
+    bar = progress_meter(len(order), desc, progress)
     pending = []        # (mean loss NDArray, pairs) of the steps not read yet
     start = time.perf_counter()
     for first in range(0, len(order), batch_size):
@@ -316,8 +355,8 @@ def train_epoch(model, trainer, examples, order, mode, strategy='depth', batch_s
             step_losses.append(step_loss)
             weighted += step_loss * n
             seen += n
-        bar.update(sum(n for _, n in pending))
         bar.set_postfix(loss='%.4f' % (weighted / seen), refresh=False)
+        bar.update(sum(n for _, n in pending))
         pending = []
     seconds = time.perf_counter() - start
     bar.close()
@@ -335,8 +374,7 @@ def evaluate(model, examples, mode, strategy='depth', batch_size=256, progress=F
              desc='eval'):
     """Pearson, Spearman and MSE of the expected score against gold, with
     timing and the predictions themselves."""
-    bar = tqdm(total=len(examples), desc=desc, unit='pair', mininterval=0.5, leave=False,
-               disable=not progress, dynamic_ncols=True)
+    bar = progress_meter(len(examples), desc, progress)
     preds = []
     start = time.perf_counter()
     for first in range(0, len(examples), batch_size):
@@ -364,8 +402,8 @@ def run(mode, args, data, vocab, out_dir, log=print, embeddings=None):
     """Train ``mode`` for ``args.epochs`` from the seed, keep the best dev
     checkpoint, reload it and evaluate on test.  Returns a results dict."""
     # bars redraw a line with \r: where stderr is a file or a pipe they would
-    # pile up among the epoch lines
-    progress = not args.no_progress and sys.stderr.isatty()
+    # pile up among the epoch lines, so a long pass prints a line now and then
+    progress = None if args.no_progress else 'bar' if sys.stderr.isatty() else 'lines'
     model, n_found = build_model(vocab, args, embeddings=embeddings)
     trainer = make_trainer(model, args)
     ckpt = os.path.join(out_dir, '%s-' % mode)
@@ -553,6 +591,11 @@ def main(args):
         print('error: %s' % err, file=sys.stderr)
         return 2
     matrix, n_found = embeddings
+    if args.embeddings and not n_found:     # a wrong file: its size would still set the model's
+        print('error: --embeddings %s holds no vector for any of the %d tokens of SICK\'s '
+              'vocabulary: is it the right file?' % (args.embeddings, len(vocab)),
+              file=sys.stderr)
+        return 2
     # the size the model uses: an --embeddings file sets its own
     if args.embeddings and args.embed_size not in (None, matrix.shape[1]):
         print('warning: --embed-size %d ignored: %s holds %d-d vectors'

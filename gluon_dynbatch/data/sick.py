@@ -23,6 +23,7 @@ recursion limit.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -412,12 +413,43 @@ def _numbers(fields: List[str]) -> bool:
     return True
 
 
+COMPRESSED = ((b'PK\x03\x04', 'a zip archive'), (b'\x1f\x8b', 'gzip-compressed'),
+              (b'BZh', 'bzip2-compressed'), (b'\xfd7zXZ\x00', 'xz-compressed'))
+"""Leading bytes of the compressed forms GloVe files come in (Stanford's are
+zips), which read as text give a few 'vectors' of one or two numbers."""
+
+
+def _check_text_file(path: Path) -> None:
+    """Raise a ValueError naming ``path`` when it is compressed or binary
+    (a NUL byte in its first 4 KB; word2vec's binary format, say): read as
+    text such a file yields no token of the vocabulary but a 'dimension',
+    and training would go on with random vectors of that size."""
+    with open(path, 'rb') as f:
+        start = f.read(4096)
+    for magic, kind in COMPRESSED:
+        if start.startswith(magic):
+            raise ValueError('embedding file {} is {}: unpack it first and give the text '
+                             'file (GloVe: one word and its numbers per line)'.format(path, kind))
+    if b'\x00' in start:
+        raise ValueError('embedding file {} is not a text file (it holds NUL bytes); give '
+                         'vectors in GloVe\'s text format (one word and its numbers per '
+                         'line), e.g. word2vec\'s binary files converted to text'.format(path))
+
+
+def _finite(fields: List[str]) -> bool:
+    """Whether every field is a finite number (``nan`` and ``inf`` parse)."""
+    return all(math.isfinite(float(x)) for x in fields)
+
+
 def _vocab_lines(path: Path, tokens: set) -> Tuple[List[str], int]:
     """The lines of GloVe file ``path`` whose token is in ``tokens``
     (``token v1 ... vD``, the token being all but the last D fields), and
     D, the dimension most of the first lines give.  Raises a ValueError
-    naming the file (and the 1-based line) when it holds no vectors or a
-    wanted token's vector is not D numbers."""
+    naming the file (and the 1-based line) when it is compressed or binary
+    (:func:`_check_text_file`), holds no vectors, or a wanted token's
+    vector is not D finite numbers."""
+    _check_text_file(path)
+
     def fields(raw):
         return raw.decode('utf8', errors='replace').rstrip('\r\n').rstrip(' ').split(' ')
 
@@ -455,6 +487,9 @@ def _vocab_lines(path: Path, tokens: set) -> Tuple[List[str], int]:
             if not _numbers(parts[-dim:]):
                 raise ValueError('{} line {}: the vector of {!r} is not {} numbers (one space '
                                  'between fields)'.format(path, number, token, dim))
+            if not _finite(parts[-dim:]):
+                raise ValueError('{} line {}: the vector of {!r} holds a NaN or an infinity'
+                                 .format(path, number, token))
             seen.add(token)
             picked.append(' '.join(parts) + '\n')
     return picked, dim
