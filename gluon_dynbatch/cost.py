@@ -229,7 +229,10 @@ class CostModel:
     @classmethod
     def load(cls, path):
         """A model from a profile written by :meth:`save` (no probe runs);
-        a ValueError naming the file when it is not one."""
+        a ValueError naming the file when it is not one.  A profile written
+        by hand may hold some of the constants: the others keep their
+        defaults (one holding none, ``{}``, is refused: it would skip the
+        probe and run on the defaults alone)."""
         with open(path) as f:
             try:
                 saved = json.load(f)
@@ -237,7 +240,7 @@ class CostModel:
                 raise ValueError('CostModel.load(%r): not a saved profile (JSON): %s'
                                  % (path, err)) from None
         fields = ('step_us', 'row_us', 'analyse_us', 'agenda_ratio')
-        if not isinstance(saved, dict) or set(saved) - set(fields):
+        if not isinstance(saved, dict) or not saved or set(saved) - set(fields):
             raise ValueError('CostModel.load(%r): a saved profile holds an object with the keys '
                              '%s; got %r' % (path, ', '.join(fields), saved))
         try:

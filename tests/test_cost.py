@@ -90,6 +90,7 @@ def test_partial_analysis_costs_keep_the_defaults_for_the_rest(tmp_path):
     ('{"step_us": 1', 'not a saved profile'),
     ('[1, 2]', 'keys step_us'),
     ('{"speed": 3}', 'keys step_us'),
+    ('{}', 'keys step_us'),        # no constant: it skipped the probe (found by a review)
     ('{"step_us": "fast"}', 'step_us must be a finite number'),
     ('{"analyse_us": {"greedy": 1}}', 'names no strategy'),
 ])

@@ -184,6 +184,19 @@ def _check_run(run, n_epochs):
         assert os.path.isfile(path)
 
 
+def test_script_uses_no_more_threads_than_cores(sick_dir, tmp_path):
+    """--threads was exported as it came: 100,000 crashed MXNet (found by a
+    review).  More than the machine's cores are capped, with a warning."""
+    cores = os.cpu_count() or 1
+    out = tmp_path / 'run'
+    proc = _run_script('--data', sick_dir, '--epochs', 1, '--train-limit', 20, '--dev-limit',
+                       10, '--test-limit', 10, '--threads', 1000, '--no-progress', '--out', out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert 'warning: --threads 1000 is more than the %d cores here; using %d' % (cores, cores) \
+        in proc.stderr
+    assert json.loads((out / 'results.json').read_text())['env']['OMP_NUM_THREADS'] == str(cores)
+
+
 def test_script_end_to_end_both_modes(sick_dir, tmp_path):
     out = tmp_path / 'run'
     proc = _run_script('--data', sick_dir, '--mode', 'both', '--epochs', 2,

@@ -30,6 +30,10 @@ import time
 MODES = ('per-sample', 'dynbatch')
 DEFAULT_EPOCHS = 10
 DEFAULT_TRAIN_LIMIT = 0  # 0: all 4500 training pairs
+PROGRESS_LINE_EVERY_S = 30
+"""Where stderr is no terminal (a file, a pipe, CI), a pass that runs longer
+than this prints a plain progress line this often instead of a bar, whose
+redraws would pile up there: an epoch per sample takes minutes."""
 DEFAULT_EMBED_SIZE = 300  # random embeddings' size without --embed-size
 
 
@@ -119,14 +123,23 @@ def configure_env(threads):
     Python records the next steps: the fastest setting for ``auto`` in the
     four latest settings sweeps on the 2-core development VM,
     and this script's training ran 1.55x faster than under the NaiveEngine
-    (1,141-1,296 against 774-826 pairs/s), with the same losses."""
+    (1,141-1,296 against 774-826 pairs/s), with the same losses.
+
+    Returns the threads used: at most the machine's cores (more only
+    compete for them, and 100,000 crashed MXNet), with a warning."""
+    cores = os.cpu_count() or 1
+    if threads > cores:
+        print('warning: --threads %d is more than the %d cores here; using %d'
+              % (threads, cores, cores), file=sys.stderr)
+        threads = cores
     os.environ['OMP_NUM_THREADS'] = str(threads)
     os.environ.setdefault('MXNET_ENGINE_TYPE', 'ThreadedEnginePerDevice')
+    return threads
 
 
 if __name__ == '__main__':
     ARGS = build_parser().parse_args()
-    configure_env(ARGS.threads)
+    ARGS.threads = configure_env(ARGS.threads)
 
 # pylint: disable=wrong-import-position
 import mxnet as mx                       # noqa: E402
@@ -277,12 +290,6 @@ def kl_loss(logp, target):
     """Per-pair KL(target || p), shape (n,); ``target`` is Tai's sparse
     distribution, so 0 * log 0 is taken as 0."""
     return mx.nd.sum(target * (mx.nd.log(target + 1e-12) - logp), axis=1)
-
-
-PROGRESS_LINE_EVERY_S = 30
-"""Where stderr is no terminal (a file, a pipe, CI), a pass that runs longer
-than this prints a plain progress line this often instead of a bar, whose
-redraws would pile up there: an epoch per sample takes minutes."""
 
 
 class _ProgressLines:
