@@ -462,6 +462,8 @@ def batching(strategy='auto', flush_every='auto', merge_repeats=True):
                          "a value is read or the scope exits) or 'auto'." % (flush_every,))
     elif flush_every is not None:
         flush_every = int(flush_every)      # numpy integers too; the C recorder reads an int
+    if not isinstance(merge_repeats, (bool, np.bool_, numbers.Integral)):
+        raise ScopeError('merge_repeats=%r: give True or False.' % (merge_repeats,))
     strategy.prepare()
     scope = BatchingScope(strategy, flush_every, follow_engine, bool(merge_repeats))
     try:
@@ -577,7 +579,11 @@ def concat_rows(values):
     if type(values) is LazyValue or isinstance(values, NDArray):
         raise InputError('concat_rows() takes a list of values, one per sample; got one %s '
                          '(concat_rows([value]), or value.data).' % type(values).__name__)
-    values = list(values)
+    try:
+        values = list(values)
+    except TypeError:
+        raise InputError('concat_rows() takes a list of values, one per sample; got %s.'
+                         % type(values).__name__) from None
     if not values:
         raise InputError('concat_rows() needs at least one value.')
     for i, value in enumerate(values):

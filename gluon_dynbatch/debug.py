@@ -14,11 +14,19 @@ _TOTALS = {}
 _LAST = {}
 
 
+OFF = ('', 'false', 'no', 'off')
+"""Values of ``DYNBATCH_DEBUG`` (any case, spaces around) that mean 0."""
+
+
 def debug_level():
-    """``DYNBATCH_DEBUG`` as an int: 0 when unset, 1 when set to something
-    that is not a number (see the module's docstring for the levels)."""
+    """``DYNBATCH_DEBUG`` as an int: 0 when unset or one of :data:`OFF`, 1
+    when set to something else that is not a number (see the module's
+    docstring for the levels)."""
+    value = os.environ.get('DYNBATCH_DEBUG', '0').strip()
+    if value.lower() in OFF:
+        return 0
     try:
-        return int(os.environ.get('DYNBATCH_DEBUG', '0'))
+        return int(value)
     except ValueError:
         return 1
 

@@ -213,7 +213,10 @@ class Strategy:
         self._thread_state().compile_s = seconds
 
     def plan(self, nodes, summary=None):
-        raise NotImplementedError
+        raise NotImplementedError(
+            'strategy %s (%s) does not implement plan(nodes, summary=None), which must return a '
+            'Plan of the nodes (see gluon_dynbatch.plan.ByDepth for an example)'
+            % (self.name, type(self).__name__))
 
     def prepare(self):
         """Called when a scope opens (one-time set-up, kept out of timings)."""

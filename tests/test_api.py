@@ -629,6 +629,37 @@ def test_error_strategy_that_is_no_strategy(strategy):
         pass
 
 
+class NoPlan(dyb.Strategy):
+    name = 'noplan'
+
+
+def test_error_strategy_without_plan_names_what_to_implement():
+    """A bare NotImplementedError('') came out of the scope's exit (found
+    by a review)."""
+    block = dense()
+    with pytest.raises(NotImplementedError, match=r'noplan \(NoPlan\) does not implement '
+                                                  r'plan\(nodes, summary=None\)'):
+        with dyb.batching(NoPlan()):
+            block(mx.nd.ones((1, 3)))
+
+
+@pytest.mark.parametrize('value', ['no', None, 0.5])
+def test_error_merge_repeats_not_a_bool(value):
+    """merge_repeats='no' left merging on (bool('no')): found by a review."""
+    with pytest.raises(dyb.ScopeError, match=r'merge_repeats=.*True or False'):
+        with dyb.batching(merge_repeats=value):
+            pass
+
+
+@pytest.mark.parametrize('value,level', [('false', 0), (' Off ', 0), ('no', 0), ('', 0),
+                                         ('0', 0), ('2', 2), ('yes', 1), ('on', 1)])
+def test_debug_level_reads_words_for_off(monkeypatch, value, level):
+    """DYNBATCH_DEBUG=false turned printing on (any word counted as 1)."""
+    from gluon_dynbatch.debug import debug_level
+    monkeypatch.setenv('DYNBATCH_DEBUG', value)
+    assert debug_level() == level
+
+
 def test_flush_every_takes_numpy_integers():
     block = dense()
     x = mx.nd.ones((1, 3))
@@ -937,8 +968,9 @@ def test_error_an_output_that_is_no_array_names_the_block(extra):
     block = dyb.DynBatchBlock(_ReturnsNonArray(extra))
     block.initialize()
     assert block(mx.nd.ones((1, 3)))[1] == extra
-    with pytest.raises(dyb.InputError, match=r'_returnsnonarray\d+ \(_ReturnsNonArray\) returns '
-                                             r'.* as its output 1: a wrapped block returns arrays'):
+    with pytest.raises(dyb.InputError,
+                       match=r'_returnsnonarray\d+ \(_ReturnsNonArray\) returns '
+                             r'.* as its output 1: a wrapped block returns arrays'):
         with dyb.batching():
             block(mx.nd.ones((1, 3)))
 
@@ -951,6 +983,9 @@ def test_error_concat_rows_of_one_value_or_of_call_results():
         dyb.concat_rows(pair[0])
     with pytest.raises(dyb.InputError, match=r'value 1 is a tuple.*\[out for out, _ in'):
         dyb.concat_rows([pair[0], pair])
+    for bad in (None, 3):       # a TypeError from list() before (found by a review)
+        with pytest.raises(dyb.InputError, match='takes a list of values, one per sample; got'):
+            dyb.concat_rows(bad)
 
 
 def test_error_mixed_contexts():
