@@ -18,7 +18,9 @@ calls from ``stats()``, and projects the saving per minibatch: each step's
 tail at its calls and its forget gates at as many rows (each node is the
 child of one parent, so a minibatch's child rows are its calls less its
 roots).  It prints the ratio that the fusion would give at most, and writes
-``<out>/fused_gates.json``.
+``<out>/fused_gates.json`` (``--out`` defaults to ``benchmarks/results/``;
+with ``--quick`` to ``benchmarks/results/quick/``, so that a smoke run
+leaves the published results alone).
 
     python benchmarks/fused_gates.py [--batch 256] [--minibatches 8] [--out DIR]
 """
@@ -30,6 +32,10 @@ import subprocess
 import sys
 import tempfile
 import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_OUT = os.path.join(HERE, 'results')
+QUICK_OUT = os.path.join(DEFAULT_OUT, 'quick')
 
 KERNELS = r'''
 #include <cmath>
@@ -158,19 +164,30 @@ def _outputs(result):
     return result if isinstance(result, (list, tuple)) else [result]
 
 
-def main():
+def parse_args(argv=None):
+    """The command line; ``--out`` defaults by ``--quick`` (no MXNet import)."""
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--data', default=None)
     p.add_argument('--seed', type=int, default=0, help='order of the SICK test pairs')
     p.add_argument('--batch', type=int, default=256)
     p.add_argument('--minibatches', type=int, default=8)
     p.add_argument('--repeats', type=int, default=7)
-    p.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results'))
+    p.add_argument('--out', default=None,
+                   help='folder for fused_gates.json (default %s; with --quick %s, so that '
+                        'a smoke run leaves the published results alone)'
+                        % (DEFAULT_OUT, QUICK_OUT))
     p.add_argument('--quick', action='store_true', help='smoke run: 2 minibatches, few timings')
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.out is None:
+        args.out = QUICK_OUT if args.quick else DEFAULT_OUT
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     os.environ.setdefault('MXNET_ENGINE_TYPE', 'ThreadedEnginePerDevice')
     os.environ['OMP_NUM_THREADS'] = '1'
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, HERE)
     import bench_treelstm as bt
     import mxnet as mx
     if args.quick:

@@ -4,6 +4,7 @@ checks that every form computes the same thing, and writes its results.
 Speeds are not asserted (CI machines vary); only that every form produced a
 positive, finite throughput in every setting of the quick run.
 """
+import importlib
 import json
 import math
 import os
@@ -63,13 +64,14 @@ def test_quick_benchmark(tmp_path):
         assert '| ' + ' | '.join(row) + ' |' in table
 
 
-def _bench_module():
+def _bench_module(name='bench_treelstm'):
+    """``benchmarks/<name>.py`` imported (the scripts import MXNet only in
+    ``main``, after setting its engine and threads)."""
     sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
     try:
-        import bench_treelstm
+        return importlib.import_module(name)
     finally:
         sys.path.pop(0)
-    return bench_treelstm
 
 
 def test_throughput_table_rows():
@@ -208,6 +210,18 @@ def test_fused_gates_probe_runs_and_agrees(tmp_path):
     for times in res['kernels_us'].values():
         for native, fused, diff in times.values():
             assert native > 0 and fused > 0 and diff < 1e-5
+
+
+def test_fused_gates_quick_leaves_the_published_results_alone():
+    """``fused_gates.py --quick`` writes under ``results/quick/`` (git-ignored),
+    as the other benchmarks' smoke runs do, not over ``results/fused_gates.json``;
+    an explicit ``--out`` wins either way."""
+    fused = _bench_module('fused_gates')
+    results = os.path.join(ROOT, 'benchmarks', 'results')
+    assert os.path.samefile(fused.parse_args([]).out, results)
+    assert os.path.samefile(os.path.dirname(fused.parse_args(['--quick']).out), results)
+    assert os.path.basename(fused.parse_args(['--quick']).out) == 'quick'
+    assert fused.parse_args(['--quick', '--out', 'elsewhere']).out == 'elsewhere'
 
 
 PROFILE_TABLE = """
