@@ -288,8 +288,8 @@ class Forms:
         self.can_cut.add(HYBRID)
         hand = _load_handbatched()
         if isinstance(hand, str):
-            self.skipped[HAND] = hand
-            print('NOTE: hand-batched form skipped: %s' % hand, flush=True)
+            self.skipped[HAND] = self.skipped[HAND_UNIQUE] = hand
+            print('NOTE: hand-batched forms skipped: %s' % hand, flush=True)
         else:
             self.forms[HAND] = HandForm(hand(self.node, self.head))
             self.forms[HAND_UNIQUE] = HandForm(hand(self.node, self.head, i2h='unique'))
@@ -312,15 +312,28 @@ class Forms:
             pure_auto.cached = dyb.CachedPlan()
             self.forms[DYB_PURE] = PurePythonForm(dyb, self.dnode, self.dhead, pure_auto)
         if wanted:
+            # the names known before any is filtered out (main() checks
+            # --forms against form_names() earlier; this is the last word)
+            known = list(self.forms) + [n for n in self.skipped if n not in self.forms]
+            unknown = set(wanted) - set(known)
+            if unknown:
+                raise SystemExit('unknown form(s) %s; available: %s' % (sorted(unknown), known))
             for name in list(self.forms):
                 if name != PER_SAMPLE and name not in wanted:
                     del self.forms[name]
-            unknown = set(wanted) - set(self.forms) - set(self.skipped)
-            if unknown:
-                raise SystemExit('unknown form(s) %s; available: %s'
-                                 % (sorted(unknown), list(self.forms)))
         self.order = list(self.forms)
         self.measured = [n for n in self.order if not wanted or n in wanted]
+
+
+def form_names(dyb):
+    """The name of every form that :class:`Forms` builds, in its order: what
+    ``--forms`` may name, known from ``dyb`` alone so that a misspelt name
+    fails before the data is loaded and a cost model calibrated."""
+    names = [PER_SAMPLE, HYBRID, HAND, HAND_UNIQUE]
+    names += [DYB_PREFIX + strategy for strategy in dyb.STRATEGIES]
+    if dyb.accel.STATUS == 'C extension':
+        names.append(DYB_PURE)
+    return names
 
 
 def _load_handbatched():
@@ -1250,7 +1263,8 @@ def run_sweep(args):
 # ==========================================================================
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.out is None:
         args.out = QUICK_OUT if args.quick else DEFAULT_OUT
     if args.sweep_settings:
@@ -1274,6 +1288,10 @@ def main(argv=None):
 
     import mxnet as mx  # pylint: disable=import-outside-toplevel
     import gluon_dynbatch as dyb  # pylint: disable=import-outside-toplevel
+    unknown = [name for name in args.forms or () if name not in form_names(dyb)]
+    if unknown:
+        parser.error('unknown form(s) %s; available: %s'
+                     % (', '.join(unknown), ', '.join(form_names(dyb))))
 
     config = runtime_config(args, mx)
     print('MXNet %s | engine %s | OMP_NUM_THREADS=%s | MXNET_CPU_WORKER_NTHREADS=%s | '

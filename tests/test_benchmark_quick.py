@@ -9,6 +9,7 @@ import json
 import math
 import os
 import shutil
+import subprocess
 import sys
 
 import numpy as np
@@ -210,6 +211,41 @@ def test_fused_gates_probe_runs_and_agrees(tmp_path):
     for times in res['kernels_us'].values():
         for native, fused, diff in times.values():
             assert native > 0 and fused > 0 and diff < 1e-5
+
+
+BAD_COMMAND_LINES = [
+    # (script, arguments ('OUT': a scratch folder), what the error must say)
+    ('bench_treelstm.py', ['--quick', '--forms', 'dynbatch-autoo', '--out', 'OUT'],
+     'unknown form(s) dynbatch-autoo; available: per-sample, per-sample-hybrid'),
+]
+
+
+@pytest.mark.parametrize('script, args, message', BAD_COMMAND_LINES,
+                         ids=['%s %s' % (s, ' '.join(a)) for s, a, _ in BAD_COMMAND_LINES])
+def test_bad_command_line_is_an_argparse_error(tmp_path, script, args, message):
+    """A malformed flag ends the script at once with argparse's usage, exit
+    status 2 and a message that says what is expected: not a traceback from
+    deep in the run, nor an error after the data is loaded."""
+    args = [str(tmp_path) if arg == 'OUT' else arg for arg in args]
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, 'benchmarks', script)] + args,
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-2000:])
+    assert 'Traceback' not in proc.stderr, proc.stderr[-2000:]
+    assert 'usage: ' + script in proc.stderr
+    assert message in proc.stderr, proc.stderr[-2000:]
+    assert not any(tmp_path.iterdir())
+
+
+def test_form_names_are_the_forms_built():
+    """``--forms`` is checked against :func:`form_names` before the data is
+    loaded: it must name what :class:`Forms` builds, in its order, and a
+    name that is neither is refused with the full list, not the filtered one."""
+    import gluon_dynbatch as dyb
+    bench = _bench_module()
+    embedding = np.zeros((10, bench.EMBED), np.float32)
+    assert list(bench.Forms(10, embedding, 0).forms) == bench.form_names(dyb)
+    with pytest.raises(SystemExit, match=r"'dynbatch-autoo'.*'per-sample-hybrid'.*'dynbatch-auto'"):
+        bench.Forms(10, embedding, 0, wanted=['dynbatch-autoo'])
 
 
 def test_fused_gates_quick_leaves_the_published_results_alone():
