@@ -38,11 +38,44 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
+MODES = ('infer', 'train', 'record')
+
+
+def parse_setting(text):
+    """A ``--settings`` entry, ``'<infer|train|record> <minibatch size>'``,
+    checked as the command line is read (a malformed one is a usage error,
+    not a traceback after the revision is built and the data loaded)."""
+    parts = text.split()
+    if len(parts) != 2 or parts[0] not in MODES or not parts[1].isdigit() \
+            or int(parts[1]) < 1:
+        raise argparse.ArgumentTypeError(
+            "%r: write '<%s> <minibatch size>', e.g. 'infer 25'" % (text, '|'.join(MODES)))
+    return '%s %d' % (parts[0], int(parts[1]))
+
+
+def check_revision(rev):
+    """Why ``git archive`` could not take ``rev``, or None: a revision that is
+    not a commit of this repository, or has no ``gluon_dynbatch`` folder,
+    is named as such before anything runs."""
+    try:
+        found = subprocess.run(['git', '-C', ROOT, 'rev-parse', '--verify', '--quiet',
+                                rev + '^{commit}'], capture_output=True, text=True)
+    except OSError as err:
+        return 'git cannot be run (%s)' % err
+    if found.returncode:
+        return '%r is not a commit of the git repository at %s' % (rev, ROOT)
+    commit = found.stdout.strip()
+    if subprocess.run(['git', '-C', ROOT, 'cat-file', '-e', commit + ':gluon_dynbatch'],
+                      capture_output=True).returncode:
+        return 'revision %r (%s) has no gluon_dynbatch folder' % (rev, commit[:12])
+    return None
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--rev', required=True, help='git revision to compare against')
-    p.add_argument('--settings', nargs='+', default=['infer 25', 'infer 256', 'train 25',
-                                                     'train 256'],
+    p.add_argument('--settings', nargs='+', type=parse_setting,
+                   default=['infer 25', 'infer 256', 'train 25', 'train 256'],
                    help="'<infer|train|record> <minibatch size>' pairs")
     p.add_argument('--strategy', default='auto')
     p.add_argument('--engine', default='NaiveEngine',
@@ -51,7 +84,11 @@ def parse_args(argv=None):
     p.add_argument('--repeats', type=int, default=5)
     p.add_argument('--pairs', type=int, default=1500, help='pairs timed per repeat and side')
     p.add_argument('--data', default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    problem = check_revision(args.rev)
+    if problem:
+        p.error('--rev: %s' % problem)
+    return args
 
 
 def load_revision(rev):

@@ -25,6 +25,18 @@ import time
 SETTINGS = (('infer', 256), ('infer', 512), ('infer', 1024), ('train', 256), ('train', 1024))
 
 
+def parse_setting(text):
+    """A ``--settings`` entry, ``'infer 256'`` or ``'train 1024'``, checked as
+    the command line is read: a malformed one is a usage error before the
+    data is loaded, not a traceback after."""
+    parts = text.split()
+    if len(parts) != 2 or parts[0] not in ('infer', 'train') or not parts[1].isdigit() \
+            or int(parts[1]) < 1:
+        raise argparse.ArgumentTypeError(
+            "%r: write '<infer|train> <minibatch size>', e.g. 'infer 256'" % text)
+    return '%s %d' % (parts[0], int(parts[1]))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0].replace('\n', ' '))
     p.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results'))
@@ -33,8 +45,9 @@ def main():
     p.add_argument('--repeats', type=int, default=25, help='minibatches per setting')
     p.add_argument('--every', type=int, nargs='+', default=[3072, 6144, 12288],
                    help='flush_every values to compare with one flush per minibatch')
-    p.add_argument('--settings', nargs='+', default=['%s %d' % s for s in SETTINGS],
-                   help="'infer B' or 'train B'")
+    p.add_argument('--settings', nargs='+', type=parse_setting,
+                   default=['%s %d' % s for s in SETTINGS],
+                   help="'infer <minibatch size>' or 'train <minibatch size>'")
     p.add_argument('--engine', default='ThreadedEnginePerDevice')
     args = p.parse_args()
     os.environ['MXNET_ENGINE_TYPE'] = args.engine

@@ -449,6 +449,18 @@ def random_pairs(n_pairs, vocab_size, rng, mean_len=10, max_len=30):
     return pairs
 
 
+def positive_int(text):
+    """A count for the command line, at least 1: ``--batch 0`` would be a
+    zero ``range()`` step far into the run, ``--repeats 0`` a median of nothing."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError('%r is not a positive integer' % text)
+    return value
+
+
 def main():
     """Throughput in pairs/s of the hand-batched model on SICK-like random
     pairs: inference (prepare + forward + ``asnumpy``) and training (prepare,
@@ -462,9 +474,9 @@ def main():
     from gluon_dynbatch.models.treelstm import TreeLSTMNode, Similarity
 
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument('--batch', type=int, nargs='+', default=[25, 256])
-    parser.add_argument('--pairs', type=int, default=2048)
-    parser.add_argument('--repeats', type=int, default=5)
+    parser.add_argument('--batch', type=positive_int, nargs='+', default=[25, 256])
+    parser.add_argument('--pairs', type=positive_int, default=2048)
+    parser.add_argument('--repeats', type=positive_int, default=5)
     parser.add_argument('--vocab', type=int, default=2400)
     parser.add_argument('--embed', type=int, default=300)
     parser.add_argument('--hidden', type=int, default=150)

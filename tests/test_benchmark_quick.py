@@ -217,11 +217,24 @@ BAD_COMMAND_LINES = [
     # (script, arguments ('OUT': a scratch folder), what the error must say)
     ('bench_treelstm.py', ['--quick', '--forms', 'dynbatch-autoo', '--out', 'OUT'],
      'unknown form(s) dynbatch-autoo; available: per-sample, per-sample-hybrid'),
+    ('bench_pipeline.py', ['--settings', 'infer', '--out', 'OUT'],
+     "argument --settings: 'infer': write '<infer|train> <minibatch size>'"),
+    ('bench_pipeline.py', ['--settings', 'infer 8', 'infer B=25', '--out', 'OUT'],
+     "argument --settings: 'infer B=25': write '<infer|train> <minibatch size>'"),
+    ('ab_revision.py', ['--rev', 'HEAD', '--settings', 'infer'],
+     "argument --settings: 'infer': write '<infer|train|record> <minibatch size>'"),
+    pytest.param('ab_revision.py', ['--rev', 'nosuchrev'],
+                 "--rev: 'nosuchrev' is not a commit of the git repository",
+                 marks=pytest.mark.skipif(shutil.which('git') is None or not os.path.exists(
+                     os.path.join(ROOT, '.git')), reason='not a git checkout')),
+    ('handbatched.py', ['--batch', '0', '--pairs', '10', '--repeats', '1'],
+     "argument --batch: '0' is not a positive integer"),
 ]
 
 
 @pytest.mark.parametrize('script, args, message', BAD_COMMAND_LINES,
-                         ids=['%s %s' % (s, ' '.join(a)) for s, a, _ in BAD_COMMAND_LINES])
+                         ids=[' '.join([s] + a) for s, a, _ in
+                              (getattr(line, 'values', line) for line in BAD_COMMAND_LINES)])
 def test_bad_command_line_is_an_argparse_error(tmp_path, script, args, message):
     """A malformed flag ends the script at once with argparse's usage, exit
     status 2 and a message that says what is expected: not a traceback from
