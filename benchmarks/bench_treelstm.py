@@ -106,18 +106,23 @@ def build_parser():
         description='Tree-LSTM/SICK throughput: per-sample, hybridized, hand-batched and '
                     'gluon_dynbatch, same weights.',
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument('--data', default=None, help='SICK folder (else $GLUON_DYNBATCH_SICK, '
-                                                'else ../shared/data/sick)')
+    # ArgumentDefaultsHelpFormatter adds '(default: ...)' to every help that
+    # holds no '%(default)': a help that says its default itself ends with
+    # the empty '%(default).0s', so that the default is said once
+    p.add_argument('--data', default=None, help='SICK folder (default $GLUON_DYNBATCH_SICK, '
+                                                'else ../shared/data/sick)%(default).0s')
     p.add_argument('--out', default=None,
-                   help='folder for results.json and the PNG (default %s; with --quick %s, so that a smoke run '
-                        'leaves the published results alone)%%(default).0s' % (DEFAULT_OUT, QUICK_OUT))
+                   help='folder for results.json and the PNG (default %s; with --quick %s, '
+                        'so that a smoke run leaves the published results alone)%%(default).0s'
+                        % (DEFAULT_OUT, QUICK_OUT))
     p.add_argument('--threads', type=int, default=1,
                    help='OpenMP/MKL threads per operator (OMP_NUM_THREADS, MKL_NUM_THREADS)')
     p.add_argument('--engine', choices=ENGINES, default='ThreadedEnginePerDevice',
                    help='MXNET_ENGINE_TYPE (NaiveEngine: exact per-step times, runs '
                         'comparable with those before this default)')
     p.add_argument('--workers', type=int, default=None,
-                   help='MXNET_CPU_WORKER_NTHREADS for the threaded engines (MXNet default: 1)')
+                   help='MXNET_CPU_WORKER_NTHREADS for the threaded engines (default: unset, '
+                        'which MXNet reads as 1)%(default).0s')
     p.add_argument('--quick', action='store_true',
                    help='tiny run for CI: B in {1, 25}, train 25, short timings')
     p.add_argument('--sweep-settings', action='store_true',
@@ -128,28 +133,33 @@ def build_parser():
     p.add_argument('--sweep-child', action='store_true', help=argparse.SUPPRESS)
     p.add_argument('--budget', type=float, default=None,
                    help='seconds of minibatches per form per repeat per setting '
-                        '(default %g; quick 0.3)' % BUDGET_S)
+                        '(default %g; quick 0.3)%%(default).0s' % BUDGET_S)
     p.add_argument('--repeats', type=int, default=None,
                    help='repeats per setting, forms interleaved (default %d; quick 2)'
-                        % REPEATS)
+                        '%%(default).0s' % REPEATS)
     p.add_argument('--max-batch-s', type=float, default=1.0,
                    help='skip a setting for a form that cannot stop mid-minibatch when one '
                         'minibatch is estimated to take longer than this')
     p.add_argument('--forms', nargs='+', default=None,
-                   help='only these forms (per-sample is always run for the check)')
+                   help='only these forms (default: all; per-sample is always run for the '
+                        'check)%(default).0s')
     p.add_argument('--settings', nargs='+', default=None,
                    help="only these settings, e.g. 'infer B=25' 'train B=256' "
-                        "'infer B=256 same' (any minibatch size)")
+                        "'infer B=256 same' (any minibatch size; default: those of the full "
+                        "run, or of --quick)%(default).0s")
     p.add_argument('--check-pairs', type=int, default=None,
-                   help='pairs per equivalence-check minibatch (default 25; quick 8)')
-    p.add_argument('--check-batches', type=int, default=2)
+                   help='pairs per equivalence-check minibatch (default 25; quick 8)'
+                        '%(default).0s')
+    p.add_argument('--check-batches', type=int, default=2,
+                   help='minibatches of the equivalence check')
     p.add_argument('--tol', type=float, default=1e-4,
                    help='equivalence tolerance: log-probs absolute, gradients relative to '
                         'the largest gradient entry of the parameter')
     p.add_argument('--seed', type=int, default=0, help='weights and pair order')
     grads = p.add_mutually_exclusive_group()
     grads.add_argument('--dense-grad', dest='sparse_grad', action='store_false',
-                       default=argparse.SUPPRESS, help='dense embedding gradients in every form (a vocabulary-sized '
+                       default=argparse.SUPPRESS,
+                       help='dense embedding gradients in every form (a vocabulary-sized '
                             'gradient and update per step)')
     grads.add_argument('--sparse-grad', dest='sparse_grad', action='store_true', default=True,
                        help='row-sparse embedding gradients in every form, as the SICK '

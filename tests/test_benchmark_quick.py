@@ -8,6 +8,7 @@ import importlib
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -247,6 +248,16 @@ def test_bad_command_line_is_an_argparse_error(tmp_path, script, args, message):
     assert 'usage: ' + script in proc.stderr
     assert message in proc.stderr, proc.stderr[-2000:]
     assert not any(tmp_path.iterdir())
+
+
+def test_bench_treelstm_help_says_each_default_once():
+    """``ArgumentDefaultsHelpFormatter`` appends '(default: ...)' to every
+    help: one that states its own default (the full run's and --quick's)
+    must not get a second, nor any option a bare '(default: None)'."""
+    helps = re.split(r'\n  (?=-)', _bench_module().build_parser().format_help())
+    assert len(helps) > 20
+    for text in helps:
+        assert text.count('(default') <= 1 and 'default: None' not in text, text
 
 
 def test_form_names_are_the_forms_built():
