@@ -376,12 +376,14 @@ def write(args, out):
     text = table(out['results'])
     print(text)
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, 'cells.json'), 'w') as f:
+    json_path, md_path = (os.path.join(out_dir, name) for name in ('cells.json', 'cells.md'))
+    with open(json_path, 'w') as f:
         json.dump(out, f, indent=1)
-    with open(os.path.join(out_dir, 'cells.md'), 'w') as f:
+    with open(md_path, 'w') as f:
         f.write('`python benchmarks/bench_cells.py` (%s)\n%s' % (
             ', '.join('%s %s' % kv for kv in out['config'].items()), text))
-    print('wrote %s' % os.path.join(out_dir, 'cells.json'))
+    print('wrote %s' % json_path)
+    print('wrote %s (the tables in Markdown)' % md_path)
 
 
 def main(argv=None):

@@ -179,7 +179,9 @@ def test_quick_cells_benchmark(tmp_path):
     forms ran what they say: the cells' own slow ops (both cut their gates
     by SliceChannel; LSTMCell also applies sigmoid and tanh ops), and the
     fast forms."""
-    run_benchmark('bench_cells.py', '--quick', '--out', tmp_path)
+    proc = run_benchmark('bench_cells.py', '--quick', '--out', tmp_path)
+    for name in ('cells.json', 'cells.md'):     # it says where each file went
+        assert 'wrote %s' % (tmp_path / name) in proc.stdout
     res = json.loads((tmp_path / 'cells.json').read_text())
     assert set(res['results']) == {'LSTMCell', 'GRUCell'}
     assert res['config']['processes'] == 'one per cell'     # merged from two processes
