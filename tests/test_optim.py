@@ -11,8 +11,7 @@ import pytest
 from mxnet import autograd, gluon
 from mxnet.gluon import nn
 
-import gluon_dynbatch  # noqa: F401  (registers 'fusedadagrad')
-from gluon_dynbatch import optim
+from gluon_dynbatch import optim    # importing the package registers 'fusedadagrad'
 from gluon_dynbatch.execute import threaded_engine, to_device
 from gluon_dynbatch.optim import FusedAdaGrad
 
