@@ -1178,20 +1178,39 @@ def _run_symbol(op, sig, leaves, params):
     return [outputs] if isinstance(outputs, mx.nd.NDArray) else list(outputs)
 
 
-def _materialize(args):
+def _materialize(args, ctx=None):
     """Arguments for the wrapped block outside a scope: lazy values become
-    their NDArrays and host numpy arrays become NDArrays."""
+    their NDArrays and host numpy arrays become NDArrays on the context of
+    the call's first NDArray or lazy value (else the current one), as a
+    scope runs the call (:func:`_signature_key`): on ``mx.current_context()``
+    a GPU model's token ids failed there, or sent its gradients to another
+    context's copy of its parameters."""
+    if ctx is None:
+        ctx = _first_context(args) or mx.current_context()
     out = []
     for arg in args:
         if isinstance(arg, (list, tuple)):
-            out.append(type(arg)(_materialize(arg)))
+            out.append(type(arg)(_materialize(arg, ctx)))
         elif type(arg) is LazyValue:
             out.append(arg.data)
         elif isinstance(arg, np.ndarray):
-            out.append(mx.nd.array(arg, dtype=arg.dtype))
+            out.append(mx.nd.array(arg, ctx=ctx, dtype=arg.dtype))
         else:
             out.append(arg)
     return out
+
+
+def _first_context(args):
+    """The context of the first NDArray or lazy value in ``args`` (nested
+    lists too), or None."""
+    for arg in args:
+        if isinstance(arg, (list, tuple)):
+            found = _first_context(arg)
+            if found is not None:
+                return found
+        elif type(arg) is LazyValue or isinstance(arg, NDArray):
+            return arg.context
+    return None
 
 
 class DynBatchBlock(Block):

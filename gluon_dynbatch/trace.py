@@ -274,8 +274,11 @@ def trace_signature(sig_id, block, fmt, shapes, dtypes):
             % (_block_name(block), np.dtype(dtypes[0]).name if dtypes else None,
                ', '.join(param_types) or 'none', error_line(err))) from None
     out_dtypes = [np.dtype(t).type for t in out_types]
+    written = symbol
     symbol = prelu_by_ops(symbol, known)
     batch_safe, reason = check_batch_safe(symbol, set(data_names), known)
+    if not batch_safe:
+        reason = _prelu_reason(written, reason)
     symbol = fast_forms(symbol, known, types)
     return TracedSignature(sig_id, block, symbol, data_names, out_fmt, out_shapes,
                            out_dtypes, batch_safe, reason,
@@ -651,6 +654,25 @@ def moved_entry(entry, moved):
     """A graph entry ``[node, output, version]`` of a rewritten graph:
     ``entry`` with its node renumbered by ``moved`` (old index -> new)."""
     return [moved[entry[0]], entry[1], 0]
+
+
+PRELU_PARTS = ('_alpha', '_scaled')
+"""Suffixes of the ops :func:`prelu_by_ops` makes of a prelu's slope: a
+refusal there means the slope is per sample."""
+
+
+def _prelu_reason(symbol, reason):
+    """``reason`` (a refusal of the rewritten symbol), told in terms of the
+    block's own ``LeakyReLU(act_type='prelu')`` when it names an op that
+    :func:`prelu_by_ops` made of its slope (the user never wrote a
+    ``broadcast_mul``)."""
+    for node in json.loads(symbol_json(symbol))['nodes']:
+        if _is_prelu(node) and any('(%s%s)' % (node['name'], part) in reason
+                                   for part in PRELU_PARTS):
+            return ("op LeakyReLU (%s, act_type='prelu') reads a per-sample slope (gamma); "
+                    "it runs batched only with a slope the same for every sample, such as a "
+                    "parameter" % node['name'])
+    return reason
 
 
 def _is_prelu(node):

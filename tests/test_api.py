@@ -68,6 +68,37 @@ def test_outside_a_scope_the_block_is_the_wrapped_block():
     np.testing.assert_allclose(block(x).asnumpy(), inner(x).asnumpy())
 
 
+class _IdsAndState(gluon.HybridBlock):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        with self.name_scope():
+            self.embedding = nn.Embedding(10, 4)
+            self.dense = nn.Dense(4, in_units=4, flatten=False)
+
+    def hybrid_forward(self, F, ids, h):
+        return F.tanh(self.dense(self.embedding(ids).sum(axis=1)) + h)
+
+
+def test_outside_a_scope_host_arguments_go_to_the_other_arguments_context():
+    """Outside a scope numpy token ids became NDArrays on the current
+    context, where a scope runs the call on its other arguments': a model
+    on another context (a GPU) failed unscoped, or sent its gradients to
+    another context's copy of its parameters (found by a fuzzer)."""
+    other = mx.cpu(1)       # stands for a GPU
+    block = dyb.DynBatchBlock(_IdsAndState())
+    block.initialize(ctx=other)
+    ids, h = np.array([[1.0, 2.0]], np.float32), mx.nd.ones((1, 4), ctx=other)
+    with dyb.batching('depth'):
+        scoped = block(ids, h)
+    unscoped = block(ids, h)
+    assert unscoped.context == other
+    np.testing.assert_allclose(unscoped.asnumpy(), scoped.asnumpy(), rtol=1e-6)
+    # numpy arguments alone: the current context, in and out of a scope
+    with mx.Context(other):
+        assert block.block.embedding(mx.nd.array(ids)).context == other
+        assert block(ids, h.asnumpy()).context == other
+
+
 def test_parameters_are_shared_and_files_interchange(tmp_path):
     inner = ChildSumTreeLSTMCell(4, 3)
     wrapped = dyb.DynBatchBlock(inner)

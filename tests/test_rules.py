@@ -1208,3 +1208,21 @@ def test_padding_check_compares_gradients_in_float64(monkeypatch):
         assert wide and all(dtype == np.float64 for dtype in wide)
         # outputs (2 a range) and gradients (parameters and list elements)
         assert len(wide) > 2 * len(block_module.PADDING_CHECK_RANGES)
+
+
+class _PReLUOfArgument(gluon.HybridBlock):
+    def hybrid_forward(self, F, x, slope):
+        return F.LeakyReLU(x, slope, act_type='prelu')
+
+
+@pytest.mark.parametrize('shape', [(1, 4), (1, 2, 4)])
+def test_a_prelu_of_a_per_sample_slope_is_refused_in_its_own_terms(shape):
+    """The refusal named the ops prelu is computed from (``broadcast_mul``,
+    ``reshape``), which the user never wrote (found by a fuzzer)."""
+    block = dyb.DynBatchBlock(_PReLUOfArgument())
+    with pytest.warns(dyb.PerSampleWarning, match=r"LeakyReLU \(.*act_type='prelu'\) reads a "
+                                                  r"per-sample slope"):
+        with dyb.batching('depth'):
+            outs = [block(-mx.nd.ones(shape), mx.nd.array([0.1 * k])) for k in range(3)]
+    for k, out in enumerate(outs):
+        np.testing.assert_allclose(out.asnumpy(), np.full(shape, -0.1 * k), rtol=1e-6)
