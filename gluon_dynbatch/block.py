@@ -59,7 +59,8 @@ worker does not wait for Python to record a whole minibatch (it waits
 while these are recorded).  Against 2,048: 1.01-1.05x at SICK inference
 256, 1.04-1.09x at 512, 1.06-1.08x at 128 and 0.98-1.02x at 1,024
 (``benchmarks/ab_revision.py``, 15 repeats, in three runs; two at 512);
-1,024 ran 0.86x at 256 (more, smaller parts)."""
+1,024 ran 0.86x at 256 (more, smaller parts), and later, in one process
+(40 rounds), 1,024, 768 and 512 0.985x, 0.909x and 0.897x."""
 PIPELINE_NEXT = 2048
 """Calls after which such a scope runs its next part if the engine's worker
 has run most of the part before (see :meth:`BatchingScope.pipeline`); a
