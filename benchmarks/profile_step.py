@@ -154,16 +154,16 @@ def worker_timeline(events):
     (:data:`BOOKKEEPING`); the worker is the thread that ran the most of
     them, and their intervals are merged, so time counts once."""
     marks = sorted(e['ts'] for e in events if e.get('ph') == 'n' and e.get('name') == MARKER)
-    began, by_thread = {}, defaultdict(list)
+    began, by_thread = defaultdict(list), defaultdict(list)     # began: a stack per name
     for e in events:
         if e.get('cat') != 'operator' or e.get('ph') not in ('B', 'E') or \
                 e.get('name') in BOOKKEEPING:
             continue
         key = (e['tid'], e['name'])
         if e['ph'] == 'B':
-            began[key] = e['ts']
-        elif key in began:
-            by_thread[e['tid']].append((began.pop(key), e['ts']))
+            began[key].append(e['ts'])
+        elif began[key]:
+            by_thread[e['tid']].append((began[key].pop(), e['ts']))
     if len(marks) < 2 or not by_thread:
         return None
     ops = sorted(max(by_thread.values(), key=len))

@@ -78,6 +78,20 @@ static PyObject *s_out_info, *s_batch_safe, *s_group_key, *s_out_fmt,
 
 enum { PENDING = 0, DONE = 1, FAILED = 2 };
 
+/* The scopes' class and its ``failure`` slot (set by call_method) */
+static PyTypeObject *ScopeType;
+static Py_ssize_t sc_failure;
+
+/* Whether a computed value of ``producer`` may not be read: its scope
+ * failed when one of its values was read (``failure``, see
+ * LazyValue.asnumpy), or is not a scope this module knows.  The call then
+ * goes to Python, which raises the LazyValueError. */
+static int producer_failed(PyObject *producer)
+{
+    PyObject *scope = SLOT(producer, n_scope);
+    return Py_TYPE(scope) != ScopeType || SLOT(scope, sc_failure) != Py_None;
+}
+
 static int configured = 0;
 static int numpy_fields_read = 0;  /* see NumpyFields */
 
@@ -577,6 +591,8 @@ static int leaf_words(CallWords *cw, PyObject *leaf, long *depth, PyObject **mar
         long state = small_int(SLOT(producer, n_state));
         if (state == PENDING && SLOT(producer, n_scope) != scope)
             return 0;
+        if (state == DONE && producer_failed(producer))
+            return 0;
         SigInfo *info = state == PENDING || state == DONE ? sig_info(SLOT(producer, n_sig)) : NULL;
         long index = info ? PyLong_AsLong(SLOT(leaf, lv_index)) : -1;
         if (index < 0 || !push_call_word(cw, info->sig_id) || !push_call_word(cw, index)) {
@@ -779,7 +795,6 @@ static PyObject *flatten_flat(PyObject *const *args, Py_ssize_t n, PyObject *lea
 /* A field of the scope (a new reference): straight from its slot when it
  * is a BatchingScope (see call_method), else by attribute; NULL with an
  * exception set when unset. */
-static PyTypeObject *ScopeType;
 static Py_ssize_t sc_tape, sc_pending, sc_flush_at, sc_mode, sc_repeats, sc_repeated;
 
 /* MXNet's MXAutogradIsRecording and MXAutogradIsTraining (set_autograd_state) */
@@ -1056,6 +1071,9 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
             leaf_ctx = PyTuple_GET_ITEM(info, 2);
             Py_INCREF(shape);
             long state = small_int(SLOT(producer, n_state));
+            if (state == DONE && producer_failed(producer)) {
+                Py_DECREF(shape); PyErr_Clear(); BAIL(fallback);    /* Python raises */
+            }
             if (state != DONE) {
                 if (state != PENDING || SLOT(producer, n_scope) != scope) {
                     /* failed, or pending in another scope: Python raises */
@@ -1412,7 +1430,8 @@ static PyObject *call_method(PyObject *self, PyObject *args)
         || slot_offset((PyTypeObject *)scope_cls, "flush_at", &sc_flush_at)
         || slot_offset((PyTypeObject *)scope_cls, "mode", &sc_mode)
         || slot_offset((PyTypeObject *)scope_cls, "repeats", &sc_repeats)
-        || slot_offset((PyTypeObject *)scope_cls, "repeated", &sc_repeated))
+        || slot_offset((PyTypeObject *)scope_cls, "repeated", &sc_repeated)
+        || slot_offset((PyTypeObject *)scope_cls, "failure", &sc_failure))
         return NULL;
     Py_INCREF(scope_cls);
     Py_XSETREF(ScopeType, (PyTypeObject *)scope_cls);

@@ -59,8 +59,9 @@ worker does not wait for Python to record a whole minibatch (it waits
 while these are recorded).  Against 2,048: 1.01-1.05x at SICK inference
 256, 1.04-1.09x at 512, 1.06-1.08x at 128 and 0.98-1.02x at 1,024
 (``benchmarks/ab_revision.py``, 15 repeats, in three runs; two at 512);
-1,024 ran 0.86x at 256 (more, smaller parts), and later, in one process
-(40 rounds), 1,024, 768 and 512 0.985x, 0.909x and 0.897x."""
+1,024 ran 0.86x at 256 (more, smaller parts).  Against 1,536 at
+inference 256, later, in one process (40 rounds): 1,024, 768 and 512 ran
+0.985x, 0.909x and 0.897x."""
 PIPELINE_NEXT = 2048
 """Calls after which such a scope runs its next part if the engine's worker
 has run most of the part before (see :meth:`BatchingScope.pipeline`); a
@@ -464,7 +465,8 @@ def batching(strategy='auto', flush_every='auto', merge_repeats=True):
     elif flush_every is not None:
         flush_every = int(flush_every)      # numpy integers too; the C recorder reads an int
     if not isinstance(merge_repeats, (bool, np.bool_, numbers.Integral)):
-        raise ScopeError('merge_repeats=%r: give True or False.' % (merge_repeats,))
+        raise ScopeError('merge_repeats=%r: give True or False (or 1 or 0).'
+                         % (merge_repeats,))
     strategy.prepare()
     scope = BatchingScope(strategy, flush_every, follow_engine, bool(merge_repeats))
     try:
@@ -657,6 +659,8 @@ def _signature_key(dblock, fmt, leaves, scope):
         if kind is LazyValue:
             node = leaf._node
             shape, leaf_dtype, leaf_ctx = node.sig.out_info[leaf._index]
+            if node.scope.failure is not None:
+                leaf.data   # its scope failed at run time: raises LazyValueError
             if node.state != DONE:
                 if node.state == FAILED:
                     leaf.data  # raises LazyValueError with the details

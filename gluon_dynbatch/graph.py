@@ -103,8 +103,9 @@ class LazyValue:
 
     @property
     def ready(self):
-        """True once the value has been computed."""
-        return self._node.state == DONE
+        """True once the value has been computed (and its scope has not
+        failed since, see :meth:`asnumpy`)."""
+        return self._node.state == DONE and self._node.scope.failure is None
 
     @property
     def data(self):
@@ -115,7 +116,7 @@ class LazyValue:
         node = self._node
         if node.scope.failure is not None:
             raise LazyValueError(_RUN_FAILED % (node.sig.block.name, self.shape,
-                                                node.scope.failure)) from node.scope.failure
+                                                node.scope.failure))
         if self._data is None:
             if node.state == PENDING:
                 if node.scope.thread != threading.get_ident():
@@ -145,14 +146,19 @@ class LazyValue:
         engine runs it (a custom op raising, say) fails the arrays computed
         from it, but MXNet raises its error once, at the first read, and
         then forgets it: the other values of a batched step, which share
-        its arrays, would read garbage.  So when this read raises, every
+        its arrays, and of the steps reading them, would read garbage.
+        Which steps it reached is unknown, so when this read raises, every
         value of the scope fails from then on (:class:`LazyValueError`),
-        as the flush itself fails them under the ``NaiveEngine``."""
+        those of its earlier flushes too, and none may be passed to a
+        call.  (Under the ``NaiveEngine`` the failing flush raises and
+        fails its own values.)"""
         data = self.data
         try:
             return data.asnumpy()
         except mx.base.MXNetError as error:
-            self._node.scope.failure = error
+            # its text: the error's traceback would hold this frame, and so
+            # the scope, in a cycle (recorded objects form none)
+            self._node.scope.failure = str(error).strip().splitlines()[-1]
             raise
 
     # A lazy value is no NDArray: NDArray code meeting one (``v + 1``,
@@ -185,15 +191,17 @@ class LazyValue:
     __hash__ = object.__hash__      # (values are dict keys and set members by identity)
 
     def __repr__(self):
-        state = ('pending', 'ready', 'failed')[self._node.state]
+        state = 'failed' if self._node.scope.failure is not None else \
+            ('pending', 'ready', 'failed')[self._node.state]
         return 'LazyValue(%s, shape=%s, %s)' % (self._node.sig.block.name, self.shape, state)
 
 
 _RUN_FAILED = (
     'this output of block %s (shape %s) comes from a batching() scope where an operator failed '
-    'when MXNet ran it, so it was not computed; MXNet raised the error once, when a value of '
-    'the scope was first read: %s. Per sample only the failing call, and the calls reading '
-    'it, would fail: to find it, run the scope with strategy=\'per-sample\' or under '
+    'when MXNet ran it (%s). MXNet raised that error once, at the first read of a value '
+    'computed from it, and then forgot it, so no value of the scope can be trusted: every '
+    'one now fails. Per sample only the failing call, and the calls reading it, would fail: '
+    'to find it, run the scope with strategy=\'per-sample\' under '
     'MXNET_ENGINE_TYPE=NaiveEngine.')
 """The error of a value whose scope failed at run time (LazyValue.asnumpy)."""
 

@@ -327,15 +327,20 @@ def test_profile_step_worker_timeline():
         return [{'cat': 'operator', 'ph': 'B', 'tid': tid, 'name': name, 'ts': begin},
                 {'cat': 'operator', 'ph': 'E', 'tid': tid, 'name': name, 'ts': end}]
 
-    mark = [{'ph': 'n', 'name': profile_step.MARKER, 'ts': ts} for ts in (0, 10000, 20000)]
+    mark = [{'ph': 'n', 'name': profile_step.MARKER, 'ts': ts}
+            for ts in (0, 10000, 20000, 30000)]
     events = mark + op(1, 'ImperativeBulk', 4000, 7000) + op(1, 'FullyConnected', 6000, 9000) + \
         op(1, 'DeleteVariable', 500, 3500) + op(2, 'take', 0, 9000) + \
-        op(1, 'take', 10000, 11000) + op(1, 'Concat', 13000, 20000)
-    # span 1: busy 4-9 ms, idle 5 of it first; span 2: busy 1 + 7, idle 2, none first;
-    # medians of two are the larger
+        op(1, 'take', 10000, 11000) + op(1, 'Concat', 13000, 20000) + \
+        [{'cat': 'operator', 'ph': 'B', 'tid': 1, 'name': 'Concat', 'ts': 21000}] + \
+        op(1, 'Concat', 22000, 23000) + \
+        [{'cat': 'operator', 'ph': 'E', 'tid': 1, 'name': 'Concat', 'ts': 27000}]
+    # span 1: busy 4-9 ms (5), idle 5, 4 of it first; span 2: busy 1 + 7, idle 2, none
+    # first; span 3: busy 21-27 (6, one operator inside another of its name), idle 4, 1
+    # first; the medians: busy 6, idle 4, first 1
     assert profile_step.worker_timeline(events) == {
-        'busy': 8.0, 'idle': 5.0, 'idle_before_first_operator': 4.0}
-    assert profile_step.worker_timeline(events[3:]) is None     # no markers
+        'busy': 6.0, 'idle': 4.0, 'idle_before_first_operator': 1.0}
+    assert profile_step.worker_timeline(events[4:]) is None     # no markers
 
 
 @needs_sick

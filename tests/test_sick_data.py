@@ -383,6 +383,15 @@ def test_error_glove_file_compressed_or_binary(tmp_path, opener, kind):
         make_embedding_matrix(_toy_vocab(), path=path)
 
 
+def test_a_glove_word_that_starts_like_a_compressed_file_is_text(tmp_path):
+    """'BZh' and a digit begin bzip2 files and also words: only the whole
+    block header marks a file compressed (a review found 'BZh' refused)."""
+    path = tmp_path / 'glove.txt'
+    path.write_text('BZh9 0.1 0.2 0.3\ndog 1 2 3\n')
+    matrix, n_found = make_embedding_matrix(_toy_vocab(), path=path)
+    assert n_found == 1 and matrix.shape[1] == 3
+
+
 def test_glove_file_without_vocabulary_words_keeps_the_random_init(tmp_path):
     path = tmp_path / 'glove.txt'
     path.write_text('zebra 1 2 3\nyak 4 5 6\n')

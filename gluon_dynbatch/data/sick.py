@@ -414,9 +414,11 @@ def _numbers(fields: List[str]) -> bool:
 
 
 COMPRESSED = ((b'PK\x03\x04', 'a zip archive'), (b'\x1f\x8b', 'gzip-compressed'),
-              (b'BZh', 'bzip2-compressed'), (b'\xfd7zXZ\x00', 'xz-compressed'))
+              (b'\xfd7zXZ\x00', 'xz-compressed'))
 """Leading bytes of the compressed forms GloVe files come in (Stanford's are
-zips), which read as text give a few 'vectors' of one or two numbers."""
+zips), which read as text give a few 'vectors' of one or two numbers
+(bzip2's, ``BZh`` and a digit, also begins text: its block header is
+checked too, in :func:`_check_text_file`)."""
 
 
 def _check_text_file(path: Path) -> None:
@@ -426,10 +428,12 @@ def _check_text_file(path: Path) -> None:
     and training would go on with random vectors of that size."""
     with open(path, 'rb') as f:
         start = f.read(4096)
-    for magic, kind in COMPRESSED:
-        if start.startswith(magic):
-            raise ValueError('embedding file {} is {}: unpack it first and give the text '
-                             'file (GloVe: one word and its numbers per line)'.format(path, kind))
+    kinds = [kind for magic, kind in COMPRESSED if start.startswith(magic)]
+    if start[:3] == b'BZh' and start[3:4] in b'123456789' and start[4:10] == b'1AY&SY':
+        kinds.append('bzip2-compressed')
+    if kinds:
+        raise ValueError('embedding file {} is {}: unpack it first and give the text file '
+                         '(GloVe: one word and its numbers per line)'.format(path, kinds[0]))
     if b'\x00' in start:
         raise ValueError('embedding file {} is not a text file (it holds NUL bytes); give '
                          'vectors in GloVe\'s text format (one word and its numbers per '
