@@ -1,4 +1,4 @@
-"""The user-facing pieces: :class:`DynBatchBlock` and the :func:`batching`
+"""The user-facing pieces: :class:`DynBatchBlock` and the :func:`~gluon_dynbatch.batching`
 scope.
 
 Inside a scope, calling a wrapped block records one :class:`~.graph.Node`
@@ -118,7 +118,7 @@ def current_scope():
 class BatchingScope:
     """Holds the calls recorded since the last flush, and runs them.
 
-    A *pipelined* scope (see :func:`batching`) runs what it holds while
+    A *pipelined* scope (see :func:`~gluon_dynbatch.batching`) runs what it holds while
     recording goes on: every ``flush_every`` calls, or, one that follows
     the engine, whenever the engine's worker is done with the part before
     (:meth:`pipeline`).
@@ -402,14 +402,14 @@ def batching(strategy='auto', flush_every='auto', merge_repeats=True):
         *pipelined* scope; results and gradients are the same, only when
         the operators run changes).  ``'auto'`` (default): when the scope
         opens outside ``autograd.record()`` under MXNet's threaded engine,
-        follow the engine: run the first :data:`PIPELINE_FIRST` calls, then
-        what was recorded once :data:`PIPELINE_NEXT` calls are pending and
+        follow the engine: run the first :data:`~gluon_dynbatch.block.PIPELINE_FIRST` calls, then
+        what was recorded once :data:`~gluon_dynbatch.block.PIPELINE_NEXT` calls are pending and
         the engine's worker has run most of the part before, and at the
         latest every
-        :data:`PIPELINE_CALLS` calls, but no part that would leave a last
-        one of fewer than :data:`PIPELINE_TAIL` calls by the size of the
+        :data:`~gluon_dynbatch.block.PIPELINE_CALLS` calls, but no part that would leave a last
+        one of fewer than :data:`~gluon_dynbatch.block.PIPELINE_TAIL` calls by the size of the
         thread's last such scopes (without the C extension, which pushes
-        the markers that tell: every :data:`PIPELINE_CALLS` calls);
+        the markers that tell: every :data:`~gluon_dynbatch.block.PIPELINE_CALLS` calls);
         otherwise never: the NaiveEngine runs operators in the calling thread, so
         smaller flushes would only batch less, and in training the backward
         pass, which cannot start before the last flush, runs more and
@@ -420,9 +420,9 @@ def batching(strategy='auto', flush_every='auto', merge_repeats=True):
         draws, no running statistics, no custom op), whose arguments are
         all numpy arrays equal bit for bit to those of a call still pending
         (not yet run), shares that call's node and results (default True;
-        see :meth:`BatchingScope.record`).  Only small arguments are
+        see :meth:`~gluon_dynbatch.block.BatchingScope.record`).  Only small arguments are
         compared: C-contiguous, in the machine's byte order, at most
-        :data:`REPEAT_BYTES` bytes in all (a token id is 4).  On a SICK
+        :data:`~gluon_dynbatch.block.REPEAT_BYTES` bytes in all (a token id is 4).  On a SICK
         minibatch of 256 pairs, ~2,200 of ~2,500 leaf calls repeat a
         token.  Turn it off when the
         same graph structure comes back with other data and a cached plan
@@ -1220,7 +1220,7 @@ def _first_context(args):
 
 class DynBatchBlock(Block):
     """Wrap a Gluon ``HybridBlock`` so that per-sample calls inside a
-    :func:`batching` scope are recorded and run batched.
+    :func:`~gluon_dynbatch.batching` scope are recorded and run batched.
 
     Parameters
     ----------

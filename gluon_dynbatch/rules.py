@@ -17,7 +17,7 @@ import warnings
 __all__ = ['register_batching_rule', 'batching_rule', 'draws_random', 'OpView', 'RULES']
 
 RULES = {}
-"""Operator name -> its batching rule (see :func:`register_batching_rule`)."""
+"""Operator name -> its batching rule (see :func:`~gluon_dynbatch.register_batching_rule`)."""
 NOT_FUNCTIONS = {'Custom'}
 """Operators that may give other outputs for equal inputs: every custom op
 (``Custom``, whose Python code may draw random numbers or keep state; one
