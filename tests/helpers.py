@@ -78,31 +78,47 @@ class AcrossBatch(mx.gluon.HybridBlock):
         return F.broadcast_sub(y, F.mean(y, axis=0, keepdims=True)) + y
 
 
-class Gate(mx.operator.CustomOp):
-    """Copies its input once ``OPEN`` (a ``threading.Event``) is set: an op
-    that stays in flight under a threaded engine until the test lets it
-    finish.  Use it as ``mx.nd.Custom(x, op_type=Gate.OP_TYPE)``."""
+class Gate:
+    """A custom op that copies its input once ``OPEN`` (a
+    ``threading.Event``) is set: it stays in flight under a threaded engine
+    until the test lets it finish.  Use it as ``mx.nd.Custom(x,
+    op_type=Gate.OP_TYPE)`` (registered below)."""
     OPEN = None
     OP_TYPE = 'dynbatch_test_gate'
 
-    def forward(self, is_train, req, in_data, out_data, aux):
-        assert Gate.OPEN.wait(30)
-        self.assign(out_data[0], req[0], in_data[0])
 
-    def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
-        raise NotImplementedError
+def _copy_once_open(x):
+    assert Gate.OPEN.wait(30)
+    return x
 
 
-@mx.operator.register(Gate.OP_TYPE)
-class _GateProp(mx.operator.CustomOpProp):
-    def __init__(self):
-        super().__init__(need_top_grad=False)
+def register_custom_op(op_type, forward):
+    """Register ``op_type``: a custom op of one input, whose output of the
+    same shape is ``forward(x)`` (x an NDArray; it may raise, when MXNet
+    runs the op) and whose backward passes the gradient through.  Use it as
+    ``F.Custom(x, op_type=op_type)``; returns ``op_type``."""
+    class _Op(mx.operator.CustomOp):
+        def forward(self, is_train, req, in_data, out_data, aux):
+            self.assign(out_data[0], req[0], forward(in_data[0]))
 
-    def infer_shape(self, in_shape):
-        return in_shape, [in_shape[0]], []
+        def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
+            self.assign(in_grad[0], req[0], out_grad[0])
 
-    def create_operator(self, ctx, shapes, dtypes):
-        return Gate()
+    @mx.operator.register(op_type)
+    class _Prop(mx.operator.CustomOpProp):       # pylint: disable=unused-variable
+        def __init__(self):
+            super().__init__(need_top_grad=True)
+
+        def infer_shape(self, in_shape):
+            return in_shape, [in_shape[0]], []
+
+        def create_operator(self, ctx, shapes, dtypes):
+            return _Op()
+
+    return op_type
+
+
+register_custom_op(Gate.OP_TYPE, _copy_once_open)
 
 
 def follow_engine(monkeypatch, first, check, most, marker_done, next_=None, tail=0):

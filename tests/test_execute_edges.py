@@ -14,7 +14,7 @@ import gluon_dynbatch as dyb
 from gluon_dynbatch import plan
 from gluon_dynbatch.models import ChildSumTreeLSTMCell
 
-from helpers import TanhDense
+from helpers import TanhDense, register_custom_op
 
 
 class Token(gluon.HybridBlock):
@@ -922,34 +922,20 @@ def test_threads_train_at_once_with_padded_lists():
     assert not errors, errors
 
 
-class _Refuses(mx.operator.CustomOp):
-    """Passes its input through, but fails when MXNet runs it on a value
-    over 100 (an error raised only when the engine runs the operator)."""
-
-    def forward(self, is_train, req, in_data, out_data, aux):
-        if (in_data[0].asnumpy() > 100).any():
-            raise ValueError('value over 100')
-        self.assign(out_data[0], req[0], in_data[0])
-
-    def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
-        self.assign(in_grad[0], req[0], out_grad[0])
+def _refuse_over_100(x):
+    """The input, but an error (raised when MXNet runs the op) for a value
+    over 100."""
+    if (x.asnumpy() > 100).any():
+        raise ValueError('value over 100')
+    return x
 
 
-@mx.operator.register('dynbatch_test_refuses')
-class _RefusesProp(mx.operator.CustomOpProp):
-    def __init__(self):
-        super().__init__(need_top_grad=True)
-
-    def infer_shape(self, in_shape):
-        return in_shape, [in_shape[0]], []
-
-    def create_operator(self, ctx, shapes, dtypes):
-        return _Refuses()
+REFUSES = register_custom_op('dynbatch_test_refuses', _refuse_over_100)
 
 
 class _Check(gluon.HybridBlock):
     def hybrid_forward(self, F, x):
-        return F.Custom(x, op_type='dynbatch_test_refuses')
+        return F.Custom(x, op_type=REFUSES)
 
 
 @pytest.mark.parametrize('strategy,c_path', [('depth', True), ('agenda', True),

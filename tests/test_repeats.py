@@ -17,7 +17,7 @@ from mxnet.gluon import nn
 
 import gluon_dynbatch as dyb
 from gluon_dynbatch import accel
-from helpers import assert_same, run_both
+from helpers import assert_same, register_custom_op, run_both
 from test_equivalence import make_tree_model, pair_forward, random_pairs
 
 STRATEGIES = ['per-sample', 'depth', 'agenda', 'cached', 'auto']
@@ -304,30 +304,14 @@ def test_large_host_arguments_are_not_merged(recorder):
     assert dyb.stats()['repeated_calls'] == 2 and dyb.stats()['nodes'] == 4
 
 
-class Noise(mx.operator.CustomOp):
-    def forward(self, is_train, req, in_data, out_data, aux):
-        x = in_data[0].asnumpy()
-        self.assign(out_data[0], req[0], mx.nd.array(x + np.random.randn(*x.shape)))
-
-    def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
-        self.assign(in_grad[0], req[0], out_grad[0])
-
-
-@mx.operator.register('dynbatch_test_rowwise_noise')
-class NoiseProp(mx.operator.CustomOpProp):
-    def __init__(self):
-        super().__init__(need_top_grad=True)
-
-    def infer_shape(self, in_shape):
-        return in_shape, [in_shape[0]], []
-
-    def create_operator(self, ctx, shapes, dtypes):
-        return Noise()
+NOISE = register_custom_op('dynbatch_test_rowwise_noise',
+                           lambda x: mx.nd.array(x.asnumpy() + np.random.randn(*x.shape)))
+"""A custom op adding its own noise to each row (no function of its input)."""
 
 
 class Noisier(gluon.HybridBlock):
     def hybrid_forward(self, F, x):
-        return F.Custom(x * 1, op_type='dynbatch_test_rowwise_noise')
+        return F.Custom(x * 1, op_type=NOISE)
 
 
 class HardSigmoid(gluon.HybridBlock):
@@ -457,7 +441,7 @@ class NoisyEmbedding(gluon.HybridBlock):
             self.embed = gluon.nn.Embedding(10, 3)
 
     def hybrid_forward(self, F, token):
-        return F.Custom(self.embed(token), op_type='dynbatch_test_rowwise_noise')
+        return F.Custom(self.embed(token), op_type=NOISE)
 
 
 @pytest.mark.parametrize('hoist', [False, True])
