@@ -724,6 +724,23 @@ static void memo_put(PyObject *dblock, const CallWords *cw, uint64_t hash, PyObj
     Py_XSETREF(e->dtypes, dtypes);
 }
 
+/* memo_clear(): forget every memoized signature.  A block whose traces
+ * are dropped (its child blocks were replaced, DynBatchBlock's
+ * _forget_traces) traces again, while the memo, whose key is only what the
+ * arguments say, would still find its old signatures alive. */
+static PyObject *memo_clear(PyObject *self, PyObject *unused)
+{
+    for (int i = 0; i < MEMO_SIZE; i++) {
+        MemoEntry *e = &memo[i];
+        Py_CLEAR(e->block_ref);
+        Py_CLEAR(e->sig_ref);
+        Py_CLEAR(e->dtypes);
+        e->hash = 0;
+        e->n = 0;
+    }
+    Py_RETURN_NONE;
+}
+
 /* Whether ``probe`` (numpy.empty((2, 3, 5))) has its shape and dtype where
  * NumpyFields says. */
 static int probe_numpy_fields(PyObject *probe)
@@ -2811,6 +2828,7 @@ static PyMethodDef methods[] = {
      "push_marker(NDArray handle addresses, dev_type, dev_id): a marker the engine sets once "
      "they are ready, or None"},
     {"marker_done", marker_done, METH_O, "marker_done(marker): whether the engine ran it"},
+    {"memo_clear", memo_clear, METH_NOARGS, "memo_clear(): forget every memoized signature"},
     {NULL, NULL, 0, NULL}
 };
 
@@ -2824,7 +2842,7 @@ static struct PyModuleDef module = {
 /* Bumped whenever a function's arguments or results change meaning
  * (accel.ABI must match, else the pure-Python path runs): an extension
  * built from older sources would otherwise still load, and fail. */
-#define ABI 7
+#define ABI 8
 
 PyMODINIT_FUNC PyInit__speedups(void)
 {

@@ -41,7 +41,10 @@ functions in C:
   how a pipelined scope knows that the engine's worker has run the part it
   flushed before without waiting for it
   (:meth:`~.block.BatchingScope.pipeline`); there is no Python version,
-  and without them such a scope flushes at fixed counts.
+  and without them such a scope flushes at fixed counts;
+* :func:`memo_clear` - forgets the signatures ``record`` memoized, for a
+  block that traces again (``DynBatchBlock._forget_traces``); the Python
+  recorder keeps no memo.
 
 ``record``, ``agenda_groups``, ``gather_index``, ``gather_item``, ``host_rows``,
 ``host_item`` and ``wrap_host`` return None for anything but the common case
@@ -67,9 +70,9 @@ from .trace import _ZEROS
 
 __all__ = ['record', 'count_groups', 'depth_groups', 'agenda_groups', 'structure_key', 'Tape',
            'gather_index', 'gather_item', 'host_rows', 'host_item', 'finish_nodes', 'wrap_host',
-           'push_marker', 'marker_done', 'enable', 'STATUS']
+           'push_marker', 'marker_done', 'memo_clear', 'enable', 'STATUS']
 
-ABI = 7
+ABI = 8
 """The interface of ``_speedups`` this code expects (its ``ABI``; 2:
 ``gather_item`` returns each list's length too; 3: ``gather_item`` gathers
 a ragged step's elements only when asked: ``compact``; 4: ``record``
@@ -78,16 +81,17 @@ calls, ``BatchingScope.mode``; 5: ``record`` answers a repeated call from
 ``BatchingScope.repeats``; 6: which holds the first call's results when
 they are lazy values, :func:`~.graph.shared_results`; 7: a call that
 returns an argument unchanged has Python build its results,
-``TracedSignature.passthrough``).  An extension
+``TracedSignature.passthrough``; 8: ``record`` refuses a value of a scope
+that failed, ``BatchingScope.failure``, and :func:`memo_clear`).  An extension
 built from older sources still has every function, so its names alone
 cannot tell."""
 
 FUNCTIONS = ('record', 'count_groups', 'depth_groups', 'agenda_groups', 'structure_key', 'Tape',
              'gather_index', 'gather_item', 'host_rows', 'host_item', 'finish_nodes', 'wrap_host',
-             'push_marker', 'marker_done')
+             'push_marker', 'marker_done', 'memo_clear')
 record = count_groups = depth_groups = agenda_groups = structure_key = Tape = None
 gather_index = gather_item = host_rows = host_item = finish_nodes = wrap_host = None
-push_marker = marker_done = None
+push_marker = marker_done = memo_clear = None
 SETUP = ('configure', 'set_shape_reader', 'set_from_dlpack', 'set_engine_push',
          'set_autograd_state', 'set_autograd_flags', 'call_method', 'ScopeSlot')
 """What the extension must have beyond :data:`FUNCTIONS`: how it is set up,

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from contextlib import contextmanager
 
 import mxnet as mx
@@ -467,6 +468,7 @@ def batching(strategy='auto', flush_every='auto', merge_repeats=True):
     if not isinstance(merge_repeats, (bool, np.bool_, numbers.Integral)):
         raise ScopeError('merge_repeats=%r: give True or False (or 1 or 0).'
                          % (merge_repeats,))
+    _forget_replaced_children()
     strategy.prepare()
     scope = BatchingScope(strategy, flush_every, follow_engine, bool(merge_repeats))
     try:
@@ -501,6 +503,38 @@ takes")."""
 # closes (the collector is one for the process).
 _COLLECTOR = {'scopes': 0, 'was_enabled': False}
 _COLLECTOR_LOCK = threading.Lock()
+
+
+_TRACED = weakref.WeakSet()
+"""The DynBatchBlocks holding traced signatures (see :func:`_forget_replaced_children`)."""
+
+
+def _blocks_of(block):
+    """``block`` and every block below it, in a fixed order: the blocks a
+    trace of it read."""
+    found, stack = [], [block]
+    while stack:
+        block = stack.pop()
+        found.append(block)
+        stack.extend(block._children.values())     # pylint: disable=protected-access
+    return found
+
+
+def _forget_replaced_children():
+    """Run as a scope opens: a wrapped block one of whose child blocks was
+    replaced since its signatures were traced (``net.proj = nn.Dense(...)``)
+    traces again.  Its signatures had the old child's symbol and
+    parameters, and batched calls ran the old child where per-sample calls,
+    eager or hybridized (Gluon clears a block's cached graph when a child is
+    assigned), run the new one (found by a fuzzer).  ~1 us a wrapper of a
+    few blocks; a change made while a scope is open is seen at the next."""
+    for dblock in list(_TRACED):
+        traced = dblock._traced_blocks      # pylint: disable=protected-access
+        if traced is None:
+            continue
+        now = _blocks_of(dblock.block)
+        if len(now) != len(traced) or any(a is not b for a, b in zip(now, traced)):
+            dblock._forget_traces()         # pylint: disable=protected-access
 
 
 def _pause_collector():
@@ -1300,7 +1334,19 @@ class DynBatchBlock(Block):
         """The state of a block that has traced nothing (set in __init__)."""
         return {'_signatures': {}, '_families': {}, '_pad_checked': set(),
                 '_padded': {},       # tuple of signatures -> their padded signature
-                '_warned': False}    # PerSampleWarning given
+                '_warned': False,    # PerSampleWarning given
+                '_traced_blocks': None}     # _blocks_of(self.block) when it first traced
+
+    def _forget_traces(self):
+        """Drop every signature traced so far: the next calls trace the
+        block again (its child blocks were replaced, see
+        :func:`_forget_replaced_children`, or :meth:`hybridize` was called).
+        Calls already recorded keep their signatures."""
+        with _TRACING:
+            self.__dict__.update(self._untraced())
+            _TRACED.discard(self)
+        if accel.memo_clear is not None:
+            accel.memo_clear()
 
     def __call__(self, *args, **kwargs):
         # Replaced by its C version where the extension is built (see
@@ -1357,6 +1403,9 @@ class DynBatchBlock(Block):
             sig.out_info = [(shape, dtype, ctx)
                             for shape, dtype in zip(sig.out_shapes, sig.out_dtypes)]
             sig.group_key = self._family_id(key, fmt) if sig.batch_safe else -1 - sig.sig_id
+            if self._traced_blocks is None:
+                self._traced_blocks = _blocks_of(self.block)
+                _TRACED.add(self)
             self._signatures[key] = sig
         if not sig.batch_safe and not self._warned:
             self._warned = True
@@ -1469,7 +1518,12 @@ class DynBatchBlock(Block):
         return getattr(block, name)
 
     def hybridize(self, active=True, **kwargs):
+        """Hybridize the wrapped block (for its calls outside a scope) and,
+        as Gluon clears a hybridized block's cached graph, forget what was
+        traced: the next calls in a scope trace the block as it is now."""
         self.block.hybridize(active, **kwargs)
+        if self._signatures:
+            self._forget_traces()
 
     def __repr__(self):
         return 'DynBatchBlock(%r)' % (self.block,)

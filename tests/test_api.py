@@ -99,6 +99,63 @@ def test_outside_a_scope_host_arguments_go_to_the_other_arguments_context():
         assert block(ids, h.asnumpy()).context == other
 
 
+class _Projected(gluon.HybridBlock):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        with self.name_scope():
+            self.proj = nn.Dense(3, in_units=4)
+
+    def hybrid_forward(self, F, x):
+        return F.tanh(self.proj(x))
+
+
+@pytest.mark.parametrize('strategy', ['depth', 'cached', 'auto'])
+def test_a_child_block_replaced_between_scopes_is_traced_again(strategy):
+    """Found by a fuzzer: after ``net.proj = nn.Dense(...)`` batched calls
+    kept running the old child (its trace), where per-sample calls, eager
+    or hybridized, run the new one, whose parameters then got no gradient."""
+    net = _Projected()
+    net.initialize(mx.init.Uniform(0.5))
+    block = dyb.DynBatchBlock(net)
+    # host arguments: the C recorder memoizes their calls' signature (a
+    # memo that had to be cleared too)
+    xs = [np.random.RandomState(k).uniform(size=(1, 4)).astype(np.float32) for k in range(3)]
+    for _ in range(2):      # cached and auto keep a plan of the first scope's structure
+        with dyb.batching(strategy):
+            before = [block(x) for x in xs]     # kept: their signature stays alive
+    new = nn.Dense(3, in_units=4, prefix='newproj_')
+    new.initialize(mx.init.Uniform(0.5))
+    net.proj = new
+    with autograd.record():
+        with dyb.batching(strategy):
+            outs = [block(x) for x in xs]
+        got = dyb.concat_rows(outs)
+    got.backward()
+    want_grad = new.weight.grad().asnumpy().copy()
+    with autograd.record():
+        want = mx.nd.concat(*[net(mx.nd.array(x)) for x in xs], dim=0)
+    want.backward()
+    np.testing.assert_allclose(got.asnumpy(), want.asnumpy(), rtol=1e-6)
+    np.testing.assert_allclose(want_grad, new.weight.grad().asnumpy(), rtol=1e-5)
+    assert np.abs(want_grad).sum() > 0
+    assert before[0].ready
+
+
+def test_hybridize_on_the_wrapper_forgets_what_was_traced():
+    """As Gluon clears a hybridized block's cached graph."""
+    block = dyb.DynBatchBlock(_Projected())
+    block.initialize()
+    with dyb.batching():
+        block(mx.nd.ones((1, 4)))
+    assert len(block.signatures()) == 1
+    block.hybridize()
+    assert block.signatures() == []
+    with dyb.batching():
+        out = block(mx.nd.ones((1, 4)))
+    np.testing.assert_allclose(out.asnumpy(), block.block(mx.nd.ones((1, 4))).asnumpy(),
+                               rtol=1e-6)
+
+
 def test_parameters_are_shared_and_files_interchange(tmp_path):
     inner = ChildSumTreeLSTMCell(4, 3)
     wrapped = dyb.DynBatchBlock(inner)
