@@ -99,22 +99,12 @@ def test_outside_a_scope_host_arguments_go_to_the_other_arguments_context():
         assert block(ids, h.asnumpy()).context == other
 
 
-class _Projected(gluon.HybridBlock):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        with self.name_scope():
-            self.proj = nn.Dense(3, in_units=4)
-
-    def hybrid_forward(self, F, x):
-        return F.tanh(self.proj(x))
-
-
 @pytest.mark.parametrize('strategy', ['depth', 'cached', 'auto'])
 def test_a_child_block_replaced_between_scopes_is_traced_again(strategy):
     """Found by a fuzzer: after ``net.proj = nn.Dense(...)`` batched calls
     kept running the old child (its trace), where per-sample calls, eager
     or hybridized, run the new one, whose parameters then got no gradient."""
-    net = _Projected()
+    net = TanhDense(4)      # tanh(net.dense(x))
     net.initialize(mx.init.Uniform(0.5))
     block = dyb.DynBatchBlock(net)
     # host arguments: the C recorder memoizes their calls' signature (a
@@ -123,9 +113,9 @@ def test_a_child_block_replaced_between_scopes_is_traced_again(strategy):
     for _ in range(2):      # cached and auto keep a plan of the first scope's structure
         with dyb.batching(strategy):
             before = [block(x) for x in xs]     # kept: their signature stays alive
-    new = nn.Dense(3, in_units=4, prefix='newproj_')
+    new = nn.Dense(4, in_units=4, prefix='newdense_')
     new.initialize(mx.init.Uniform(0.5))
-    net.proj = new
+    net.dense = new
     with autograd.record():
         with dyb.batching(strategy):
             outs = [block(x) for x in xs]
@@ -143,7 +133,7 @@ def test_a_child_block_replaced_between_scopes_is_traced_again(strategy):
 
 def test_hybridize_on_the_wrapper_forgets_what_was_traced():
     """As Gluon clears a hybridized block's cached graph."""
-    block = dyb.DynBatchBlock(_Projected())
+    block = dyb.DynBatchBlock(TanhDense(4))
     block.initialize()
     with dyb.batching():
         block(mx.nd.ones((1, 4)))
