@@ -1,8 +1,8 @@
 """gluon_dynbatch: just-in-time dynamic batching for MXNet Gluon.
 
 Wrap a ``HybridBlock`` in :class:`DynBatchBlock`, write the per-sample loop
-inside a :func:`~gluon_dynbatch.batching` scope, and the calls run merged into batched
-CachedOp calls, forward and backward.
+inside a :func:`~gluon_dynbatch.batching` scope, and the calls run merged
+into batched CachedOp calls, forward and backward.
 """
 __version__ = '0.1.0'
 

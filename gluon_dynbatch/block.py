@@ -119,10 +119,10 @@ def current_scope():
 class BatchingScope:
     """Holds the calls recorded since the last flush, and runs them.
 
-    A *pipelined* scope (see :func:`~gluon_dynbatch.batching`) runs what it holds while
-    recording goes on: every ``flush_every`` calls, or, one that follows
-    the engine, whenever the engine's worker is done with the part before
-    (:meth:`pipeline`).
+    A *pipelined* scope (see :func:`~gluon_dynbatch.batching`) runs what
+    it holds while recording goes on: every ``flush_every`` calls, or, one
+    that follows the engine, whenever the engine's worker is done with the
+    part before (:meth:`pipeline`).
 
     Its fields are ``__slots__``: the C recorder reads ``tape``,
     ``pending``, ``flush_at``, ``mode``, ``repeats`` and ``repeated`` at
@@ -141,8 +141,8 @@ class BatchingScope:
         self.flushed = 0     # calls run so far
         # follow_engine: the calls this scope will likely record (see PIPELINE_TAIL)
         self.expected = _expected_size() if follow_engine else None
-        # the MXNetError that reading one of this scope's values raised (see
-        # LazyValue.asnumpy): every value of the scope then fails
+        # the message of the MXNetError that reading one of this scope's
+        # values raised (see LazyValue.asnumpy): every value of it then fails
         self.failure = None
         self.pending = []
         self.record_s = 0.0
@@ -403,14 +403,16 @@ def batching(strategy='auto', flush_every='auto', merge_repeats=True):
         *pipelined* scope; results and gradients are the same, only when
         the operators run changes).  ``'auto'`` (default): when the scope
         opens outside ``autograd.record()`` under MXNet's threaded engine,
-        follow the engine: run the first :data:`~gluon_dynbatch.block.PIPELINE_FIRST` calls, then
-        what was recorded once :data:`~gluon_dynbatch.block.PIPELINE_NEXT` calls are pending and
-        the engine's worker has run most of the part before, and at the
-        latest every
-        :data:`~gluon_dynbatch.block.PIPELINE_CALLS` calls, but no part that would leave a last
-        one of fewer than :data:`~gluon_dynbatch.block.PIPELINE_TAIL` calls by the size of the
-        thread's last such scopes (without the C extension, which pushes
-        the markers that tell: every :data:`~gluon_dynbatch.block.PIPELINE_CALLS` calls);
+        follow the engine: run the first
+        :data:`~gluon_dynbatch.block.PIPELINE_FIRST` calls, then what was
+        recorded once :data:`~gluon_dynbatch.block.PIPELINE_NEXT` calls are
+        pending and the engine's worker has run most of the part before,
+        and at the latest every :data:`~gluon_dynbatch.block.PIPELINE_CALLS`
+        calls, but no part that would leave a last one of fewer than
+        :data:`~gluon_dynbatch.block.PIPELINE_TAIL` calls by the size of the
+        thread's last such scopes (without the C extension, which pushes the
+        markers that tell: every :data:`~gluon_dynbatch.block.PIPELINE_CALLS`
+        calls);
         otherwise never: the NaiveEngine runs operators in the calling thread, so
         smaller flushes would only batch less, and in training the backward
         pass, which cannot start before the last flush, runs more and
@@ -421,9 +423,10 @@ def batching(strategy='auto', flush_every='auto', merge_repeats=True):
         draws, no running statistics, no custom op), whose arguments are
         all numpy arrays equal bit for bit to those of a call still pending
         (not yet run), shares that call's node and results (default True;
-        see :meth:`~gluon_dynbatch.block.BatchingScope.record`).  Only small arguments are
-        compared: C-contiguous, in the machine's byte order, at most
-        :data:`~gluon_dynbatch.block.REPEAT_BYTES` bytes in all (a token id is 4).  On a SICK
+        see :meth:`~gluon_dynbatch.block.BatchingScope.record`).  Only small
+        arguments are compared: C-contiguous, in the machine's byte order,
+        at most :data:`~gluon_dynbatch.block.REPEAT_BYTES` bytes in all (a
+        token id is 4).  On a SICK
         minibatch of 256 pairs, ~2,200 of ~2,500 leaf calls repeat a
         token.  Turn it off when the
         same graph structure comes back with other data and a cached plan
@@ -526,7 +529,7 @@ def _forget_replaced_children():
     traces again.  Its signatures had the old child's symbol and
     parameters, and batched calls ran the old child where per-sample calls,
     eager or hybridized (Gluon clears a block's cached graph when a child is
-    assigned), run the new one (found by a fuzzer).  ~1 us a wrapper of a
+    assigned), run the new one (found by a fuzzer).  ~2-3 us a wrapper of a
     few blocks; a change made while a scope is open is seen at the next."""
     for dblock in list(_TRACED):
         traced = dblock._traced_blocks      # pylint: disable=protected-access
@@ -693,8 +696,6 @@ def _signature_key(dblock, fmt, leaves, scope):
         if kind is LazyValue:
             node = leaf._node
             shape, leaf_dtype, leaf_ctx = node.sig.out_info[leaf._index]
-            if node.scope.failure is not None:
-                leaf.data   # its scope failed at run time: raises LazyValueError
             if node.state != DONE:
                 if node.state == FAILED:
                     leaf.data  # raises LazyValueError with the details
@@ -709,6 +710,8 @@ def _signature_key(dblock, fmt, leaves, scope):
                     depth = node.depth + 1
                 if not node.used:
                     _mark_used(node)
+            elif node.scope.failure is not None:
+                leaf.data   # its scope failed at run time: raises LazyValueError
         elif kind is np.ndarray:
             shape, leaf_dtype, leaf_ctx = leaf.shape, leaf.dtype.type, None
         elif isinstance(leaf, NDArray):
@@ -1220,10 +1223,11 @@ def _run_symbol(op, sig, leaves, params):
 def _materialize(args, ctx=None):
     """Arguments for the wrapped block outside a scope: lazy values become
     their NDArrays and host numpy arrays become NDArrays on the context of
-    the call's first NDArray or lazy value (else the current one), as a
-    scope runs the call (:func:`_signature_key`): on ``mx.current_context()``
-    a GPU model's token ids failed there, or sent its gradients to another
-    context's copy of its parameters."""
+    the call's first NDArray or lazy value (else the current one), where a
+    scope runs the call (:func:`_signature_key`).  Made on
+    ``mx.current_context()`` instead, the token ids of a model on a GPU
+    failed, or sent its gradients to another context's copy of its
+    parameters."""
     if ctx is None:
         ctx = _first_context(args) or mx.current_context()
     out = []

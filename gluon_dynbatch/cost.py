@@ -8,9 +8,9 @@ make, from a few constants measured on this machine:
 * ``step_us`` - fixed cost of one batched step (a CachedOp call, index
   uploads), and ``family_step_us`` the same per signature family, learned;
 * ``row_us`` - cost per input element inside a step (learned per element,
-  calls x input leaves; :meth:`~gluon_dynbatch.CostModel.predict` charges it once per call,
-  alike for every strategy, so it moves the predicted times but not the
-  choice);
+  calls x input leaves; :meth:`~gluon_dynbatch.CostModel.predict` charges
+  it once per call, alike for every strategy, so it moves the predicted
+  times but not the choice);
 * ``analyse_us[name]`` - analysis cost per node of each strategy (for the
   cached plan: hashing the structure).
 

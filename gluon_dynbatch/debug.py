@@ -2,8 +2,9 @@
 
 ``DYNBATCH_DEBUG=1`` prints one line per flush (nodes, steps, batch sizes,
 record / analysis / run milliseconds, strategy); ``=2`` also prints the plan
-and why any signature runs per sample.  :func:`~gluon_dynbatch.stats` returns the running
-totals and the last flush, :func:`~gluon_dynbatch.reset_stats` clears them.
+and why any signature runs per sample.  :func:`~gluon_dynbatch.stats`
+returns the running totals and the last flush,
+:func:`~gluon_dynbatch.reset_stats` clears them.
 """
 import os
 import sys
@@ -41,8 +42,8 @@ def reset_stats():
 
 
 def stats():
-    """Counters since the last :func:`~gluon_dynbatch.reset_stats`: totals, plus ``last``,
-    the most recent flush (nodes, steps, batch_sizes, ``*_ms``, strategy).
+    """Counters since the last :func:`~gluon_dynbatch.reset_stats`: totals,
+    plus ``last``, the most recent flush (nodes, steps, batch_sizes, ``*_ms``, strategy).
     ``choices`` counts the flushes ``auto`` planned by each strategy;
     ``predicted_ms`` and ``actual_ms`` total those it decided by the cost
     model (not those under 32 nodes, nor chains of one block, see
