@@ -346,6 +346,14 @@ def form_names(dyb):
     return names
 
 
+def check_forms(parser, names, dyb):
+    """Refuse (through ``parser``) a ``--forms`` name that no form has."""
+    unknown = [name for name in names if name not in form_names(dyb)]
+    if unknown:
+        parser.error('unknown form(s) %s; available: %s'
+                     % (', '.join(unknown), ', '.join(form_names(dyb))))
+
+
 def _load_handbatched():
     """The HandBatchedTreeLSTM class, or the reason it cannot be used."""
     if HERE not in sys.path:
@@ -1278,6 +1286,9 @@ def main(argv=None):
     if args.out is None:
         args.out = QUICK_OUT if args.quick else DEFAULT_OUT
     if args.sweep_settings:
+        if args.forms:          # (a misspelt one would fail in every child)
+            import gluon_dynbatch as dyb  # pylint: disable=import-outside-toplevel
+            check_forms(parser, args.forms, dyb)
         return run_sweep(args)
     configure_env(args)
     wall0 = time.perf_counter()
@@ -1298,10 +1309,7 @@ def main(argv=None):
 
     import mxnet as mx  # pylint: disable=import-outside-toplevel
     import gluon_dynbatch as dyb  # pylint: disable=import-outside-toplevel
-    unknown = [name for name in args.forms or () if name not in form_names(dyb)]
-    if unknown:
-        parser.error('unknown form(s) %s; available: %s'
-                     % (', '.join(unknown), ', '.join(form_names(dyb))))
+    check_forms(parser, args.forms or (), dyb)
 
     config = runtime_config(args, mx)
     print('MXNet %s | engine %s | OMP_NUM_THREADS=%s | MXNET_CPU_WORKER_NTHREADS=%s | '

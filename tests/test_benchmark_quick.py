@@ -220,6 +220,9 @@ BAD_COMMAND_LINES = [
     # (script, arguments ('OUT': a scratch folder), what the error must say)
     ('bench_treelstm.py', ['--quick', '--forms', 'dynbatch-autoo', '--out', 'OUT'],
      'unknown form(s) dynbatch-autoo; available: per-sample, per-sample-hybrid'),
+    # (checked before the sweep starts its children, each of which failed)
+    ('bench_treelstm.py', ['--sweep-settings', '--forms', 'dynbatch-autoo', '--out', 'OUT'],
+     'unknown form(s) dynbatch-autoo; available: per-sample, per-sample-hybrid'),
     ('bench_pipeline.py', ['--settings', 'infer', '--out', 'OUT'],
      "argument --settings: 'infer': write '<infer|train> <minibatch size>'"),
     ('bench_pipeline.py', ['--settings', 'infer 8', 'infer B=25', '--out', 'OUT'],
