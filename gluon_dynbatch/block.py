@@ -1286,7 +1286,7 @@ class DynBatchBlock(Block):
     ``begin_state``, a parameter); ``block`` is the wrapped block.  A recorded
     call reads the parameters when it runs: changing them (``set_data``,
     ``initialize(force_reinit=True)``, a trainer step) before its scope has
-    run it changes its result.
+    run it changes its result; the wrapper's :meth:`cast` runs them first.
     """
 
     def __init__(self, block, pad_lists=None, prefix=None):
@@ -1526,6 +1526,19 @@ class DynBatchBlock(Block):
         as Gluon clears a hybridized block's cached graph, forget what was
         traced: the next calls in a scope trace the block as it is now."""
         self.block.hybridize(active, **kwargs)
+        if self._signatures:
+            self._forget_traces()
+
+    def cast(self, dtype):
+        """Cast the wrapped block's parameters, after running the calls
+        pending in this thread's scope: per sample they ran before the cast,
+        in the old dtype, and their programs cannot read parameters of
+        another.  The signatures traced so far are forgotten (their calls
+        need inputs of the old dtype, which plain Gluon would refuse too)."""
+        scope = getattr(_LOCAL, 'scope', None)
+        if scope is not None:
+            scope.flush()
+        super().cast(dtype)
         if self._signatures:
             self._forget_traces()
 

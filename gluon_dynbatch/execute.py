@@ -21,10 +21,12 @@ from mxnet.base import _LIB, NDArrayHandle, SymbolHandle, check_call, mx_uint
 from mxnet.ndarray.ndarray import _DTYPE_NP_TO_MX, DLDataType, _int64_enabled
 
 from . import accel
+from .errors import InputError
 from .graph import DONE, LazyValue
 from .lanes import PADDED, SEGMENT
 from .lower import (element_major, embedding_reads, host_part, host_split,
                     step_program)
+from .trace import error_line
 
 __all__ = ['run_plan', 'run_step', 'FlushTables', 'FlushHoist', 'collect', 'gather_rows',
            'pad_leaves', 'to_device', 'threaded_engine', 'ZeroRow', 'GradFree', 'grad_free',
@@ -84,6 +86,29 @@ def run_plan(plan, wait=False, after_step=None):
     return seconds
 
 
+def call_program(cached_op, inputs, signatures):
+    """Call a step's (or a flush's) CachedOp; where MXNet refuses it and a
+    parameter of one of ``signatures`` changed shape or dtype since that
+    signature was traced (a ``cast`` of the wrapped block under pending
+    calls), say so: MXNet's own error names only an operator and an input
+    number."""
+    try:
+        return cached_op(*inputs)
+    except mx.base.MXNetError as err:
+        for sig in signatures:
+            changed = sig.changed_parameters()
+            if changed:
+                raise InputError(
+                    'block %s: its recorded calls cannot run, since its parameters changed '
+                    'after they were traced (%s). A recorded call runs with the parameters as '
+                    'they are when its scope runs it: cast the block through its DynBatchBlock '
+                    'wrapper (whose cast() first runs the calls pending in this thread\'s '
+                    'scope), or close the scope (or read a value) before changing the '
+                    'parameters; calls made after a cast need inputs of the new dtype. MXNet '
+                    'said: %s' % (sig.block.name, changed, error_line(err))) from None
+        raise
+
+
 def run_compiled(plan):
     """Run a plan compiled into one :class:`~.lower.FlushProgram`: read the
     host rows of this flush (and the distinct rows of its hoisted groups),
@@ -111,7 +136,7 @@ def run_compiled(plan):
             number, item = what
             rows = host_item_rows(steps[number].nodes, item)
             inputs.append(None if rows is None else to_device(rows, ctx))
-    outs = program.cached_op(*inputs)
+    outs = call_program(program.cached_op, inputs, (step.sig for step in steps))
     if isinstance(outs, NDArray):
         outs = [outs]
     pos = 0
@@ -237,7 +262,7 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hois
               else to_device(inverse, ctx) if kind == 'inverse'
               else to_device(inverse[ragged.segment], ctx) if kind == 'inverse_segment'
               else item.data(ctx) for kind, item in program.feeds]
-    outs = program.cached_op(*inputs)
+    outs = call_program(program.cached_op, inputs, (sig,))
     if isinstance(outs, NDArray):
         outs = [outs]
     if free:

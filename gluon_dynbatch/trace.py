@@ -106,6 +106,8 @@ class TracedSignature:
                 % (block.name, ', '.join(unknown)))
         self.param_slots = [(i, by_name[n]) for i, n in enumerate(self.input_names)
                             if n not in data_names]
+        # what its programs were built for (see changed_parameters)
+        self.param_kinds = [(p.shape, np.dtype(p.dtype)) for _, p in self.param_slots]
         # compiled step programs by gather pattern (see lower.py); row-wise
         # symbols accept any batch size, so one program serves every N
         self.programs = {}              # under autograd.record()
@@ -163,6 +165,18 @@ class TracedSignature:
             below = inputs_below(graph['nodes'])
             reads = self._reads = [below[head[0]] for head in graph['heads']]
         return reads
+
+    def changed_parameters(self):
+        """Text naming each parameter whose shape or dtype is no longer the
+        one this signature was traced with (``block.cast`` or ``set_data``
+        since then), or '' where none is: said when a step's program fails,
+        since MXNet's own error names only an operator and an input number."""
+        changed = []
+        for (_, param), (shape, dtype) in zip(self.param_slots, self.param_kinds):
+            if param.shape != shape or np.dtype(param.dtype) != dtype:
+                changed.append('%s: %s %s when traced, %s %s now' % (
+                    param.name, dtype.name, shape, np.dtype(param.dtype).name, param.shape))
+        return '; '.join(changed)
 
     def describe(self):
         shapes = ', '.join(str(s) for s in self.out_shapes)

@@ -146,6 +146,48 @@ def test_hybridize_on_the_wrapper_forgets_what_was_traced():
                                rtol=1e-6)
 
 
+def test_cast_on_the_wrapper_runs_the_pending_calls_first():
+    """Per sample a call made before ``cast`` ran in the old dtype; its
+    batched program could not read the cast parameters (MXNet's raw
+    'Incompatible attr' at the flush)."""
+    block = dyb.DynBatchBlock(TanhDense(4))
+    block.initialize(mx.init.Uniform(0.5))
+    x = mx.nd.array(np.random.RandomState(0).uniform(-1, 1, (1, 4)))
+    want32 = block.block(x).asnumpy()
+    with dyb.batching():
+        before = block(x)
+        block.cast('float64')
+        after = block(x.astype('float64'))
+    assert before.dtype == np.float32 and after.dtype == np.float64
+    np.testing.assert_allclose(before.asnumpy(), want32, rtol=1e-6)
+    np.testing.assert_allclose(after.asnumpy(), block.block(x.astype('float64')).asnumpy(),
+                               rtol=1e-12)
+
+
+@pytest.mark.parametrize('strategy', ['per-sample', 'depth', 'agenda', 'cached', 'auto'])
+def test_error_parameters_cast_under_pending_calls_are_named(strategy):
+    """Casting the wrapped block itself (not through the wrapper) while its
+    calls are pending: the flush names the block, the parameter and both
+    dtypes, not just MXNet's operator and input number; also where a
+    repeated structure runs as one compiled program."""
+    block = dyb.DynBatchBlock(TanhDense(4))
+    block.initialize()
+    rows = np.ones((1, 4), np.float32)      # host rows: 'cached' compiles the third flush
+    for _ in range(3):
+        with dyb.batching(strategy):
+            for scale in range(3):
+                block(block(rows * scale))
+    with pytest.raises(dyb.InputError, match=r'(?s)parameters changed after they were traced'
+                       r'.*_weight: float32 \(4, 4\) when traced, float64 \(4, 4\) now.*'
+                       r'through its DynBatchBlock wrapper'):
+        with dyb.batching(strategy):
+            for scale in range(3):
+                value = block(block(rows * scale))
+            block.block.cast('float64')
+    with pytest.raises(dyb.LazyValueError):
+        value.asnumpy()
+
+
 def test_parameters_are_shared_and_files_interchange(tmp_path):
     inner = ChildSumTreeLSTMCell(4, 3)
     wrapped = dyb.DynBatchBlock(inner)
