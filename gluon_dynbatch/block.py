@@ -471,7 +471,7 @@ def batching(strategy='auto', flush_every='auto', merge_repeats=True):
     if not isinstance(merge_repeats, (bool, np.bool_, numbers.Integral)):
         raise ScopeError('merge_repeats=%r: give True or False (or 1 or 0).'
                          % (merge_repeats,))
-    _forget_replaced_children()
+    _forget_stale_traces()
     strategy.prepare()
     scope = BatchingScope(strategy, flush_every, follow_engine, bool(merge_repeats))
     try:
@@ -509,7 +509,7 @@ _COLLECTOR_LOCK = threading.Lock()
 
 
 _TRACED = weakref.WeakSet()
-"""The DynBatchBlocks holding traced signatures (see :func:`_forget_replaced_children`)."""
+"""The DynBatchBlocks holding traced signatures (see :func:`_forget_stale_traces`)."""
 
 
 def _blocks_of(block):
@@ -523,20 +523,30 @@ def _blocks_of(block):
     return found
 
 
-def _forget_replaced_children():
-    """Run as a scope opens: a wrapped block one of whose child blocks was
-    replaced since its signatures were traced (``net.proj = nn.Dense(...)``)
-    traces again.  Its signatures had the old child's symbol and
-    parameters, and batched calls ran the old child where per-sample calls,
-    eager or hybridized (Gluon clears a block's cached graph when a child is
-    assigned), run the new one (found by a fuzzer).  ~2-3 us a wrapper of a
-    few blocks; a change made while a scope is open is seen at the next."""
+def _forget_stale_traces():
+    """Run as a scope opens: a wrapped block traces again where what its
+    signatures were traced under changed since (found by fuzzers).  ~2-3 us
+    a wrapper of a few blocks; a change made while a scope is open is seen
+    at the next.
+
+    * One of its child blocks was replaced (``net.proj = nn.Dense(...)``):
+      its signatures had the old child's symbol and parameters, and batched
+      calls ran the old child where per-sample calls, eager or hybridized
+      (Gluon clears a block's cached graph when a child is assigned), run
+      the new one.
+    * A parameter with a row-sparse gradient got ``grad_req='add'``, which
+      the trace refuses (:func:`~gluon_dynbatch.trace.trace_signature`):
+      signatures traced before ran on, the gradient overwritten instead of
+      added (or MXNet's raw error), until a new signature was traced and
+      refused mid-training.  Tracing again refuses it at the first call."""
     for dblock in list(_TRACED):
         traced = dblock._traced_blocks      # pylint: disable=protected-access
         if traced is None:
             continue
         now = _blocks_of(dblock.block)
-        if len(now) != len(traced) or any(a is not b for a, b in zip(now, traced)):
+        if len(now) != len(traced) or any(a is not b for a, b in zip(now, traced)) or \
+                any(param.grad_req == 'add'
+                    for param in dblock._sparse_params):    # pylint: disable=protected-access
             dblock._forget_traces()         # pylint: disable=protected-access
 
 
@@ -1339,12 +1349,14 @@ class DynBatchBlock(Block):
         return {'_signatures': {}, '_families': {}, '_pad_checked': set(),
                 '_padded': {},       # tuple of signatures -> their padded signature
                 '_warned': False,    # PerSampleWarning given
-                '_traced_blocks': None}     # _blocks_of(self.block) when it first traced
+                '_traced_blocks': None,     # _blocks_of(self.block) when it first traced
+                '_sparse_params': ()}       # its parameters with row-sparse gradients then
 
     def _forget_traces(self):
         """Drop every signature traced so far: the next calls trace the
-        block again (its child blocks were replaced, see
-        :func:`_forget_replaced_children`, or :meth:`hybridize` was called).
+        block again (what they were traced under changed, see
+        :func:`_forget_stale_traces`, or :meth:`hybridize` or :meth:`cast`
+        was called).
         Calls already recorded keep their signatures."""
         with _TRACING:
             self.__dict__.update(self._untraced())
@@ -1409,6 +1421,9 @@ class DynBatchBlock(Block):
             sig.group_key = self._family_id(key, fmt) if sig.batch_safe else -1 - sig.sig_id
             if self._traced_blocks is None:
                 self._traced_blocks = _blocks_of(self.block)
+                self._sparse_params = tuple(
+                    param for param in self.block.collect_params().values()
+                    if getattr(param, '_grad_stype', 'default') == 'row_sparse')
                 _TRACED.add(self)
             self._signatures[key] = sig
         if not sig.batch_safe and not self._warned:

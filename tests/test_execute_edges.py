@@ -374,6 +374,29 @@ def test_error_row_sparse_gradient_accumulated_by_add():
                 block(np.array([3], np.float32))
 
 
+@pytest.mark.parametrize('strategy', ['depth', 'cached', 'auto'])
+def test_error_row_sparse_gradient_set_to_add_after_tracing(strategy):
+    """Found by a fuzzer: switched to ``grad_req='add'`` after its calls were
+    traced under 'write', the signatures traced before ran on (the gradient
+    overwritten, not added, or MXNet's raw error), refused only once a new
+    signature was traced.  The first call after the change is refused."""
+    net = nn.HybridSequential()
+    net.add(nn.Embedding(10, 4, sparse_grad=True), nn.Dense(3, in_units=4))
+    block = dyb.DynBatchBlock(net)
+    block.initialize()
+    ids = [np.array([k % 3], np.float32) for k in range(6)]
+    for _ in range(2):
+        with autograd.record():
+            with dyb.batching(strategy):
+                outs = [block(x) for x in ids]
+            dyb.concat_rows(outs).sum().backward()
+    block.collect_params().setattr('grad_req', 'add')
+    with pytest.raises(dyb.InputError, match=r"row-sparse gradient .* grad_req='add'"):
+        with autograd.record():
+            with dyb.batching(strategy):
+                block(ids[0])
+
+
 class EmbedDense(gluon.HybridBlock):
     def __init__(self):
         super().__init__()
