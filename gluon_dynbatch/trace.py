@@ -97,6 +97,16 @@ class TracedSignature:
         params = block.collect_params()
         by_name = {p.name: p for p in params.values()}
         unknown = [n for n in self.input_names if n not in data_names and n not in by_name]
+        attached = _parameters_by_attribute_only(block, unknown)
+        if attached:
+            # (hybridized Gluon refuses it too: 'Unknown input to HybridBlock')
+            raise InputError(
+                'block %s reads parameter %s, set as an attribute (%s) but not in its '
+                'collect_params(): a parameter of another block (weight tying) must be shared '
+                'through the ParameterDict, e.g. pass params=other.collect_params() to the '
+                'block\'s constructor and get it with self.params.get(...).'
+                % (block.name, ', '.join(sorted(attached)),
+                   ', '.join(sorted(set(attached.values())))))
         if unknown:
             # MXNet makes a variable of an operator input left out
             raise InputError(
@@ -183,6 +193,20 @@ class TracedSignature:
         return '%s#%d(%d in) -> (%s)%s' % (self.block.name, self.sig_id, len(self.data_names),
                                            shapes,
                                  '' if self.batch_safe else ' per-sample: ' + self.reason)
+
+
+def _parameters_by_attribute_only(block, names):
+    """Of the variable ``names``, those that are Parameters set as attributes
+    of ``block`` or a block below it (``self.weight = other.params.get(...)``)
+    though not in its ParameterDict, as name -> 'Block.attribute'."""
+    found, stack = {}, [block]
+    while names and stack:
+        below = stack.pop()
+        for attr, value in vars(below).items():
+            if isinstance(value, mx.gluon.Parameter) and value.name in names:
+                found[value.name] = '%s.%s' % (type(below).__name__, attr)
+        stack.extend(below._children.values())      # pylint: disable=protected-access
+    return found
 
 
 def _block_name(block):

@@ -1069,6 +1069,34 @@ def test_error_an_operator_input_left_out_names_the_block():
             block(mx.nd.ones((1, 3)))
 
 
+class _TiedOutput(gluon.HybridBlock):
+    """Reads an embedding's weight (weight tying), set as an attribute only
+    or, with ``params=``, shared through its ParameterDict."""
+
+    def __init__(self, embedding, through_params):
+        super().__init__(params=embedding.collect_params() if through_params else None)
+        self.weight = self.params.get('weight') if through_params else embedding.weight
+
+    def hybrid_forward(self, F, h, weight):
+        return F.FullyConnected(h, weight, no_bias=True, num_hidden=6)
+
+
+def test_error_a_parameter_set_as_an_attribute_only_names_the_way_to_share_it():
+    """Found by a fuzzer: the error blamed an operator input left out."""
+    embedding = nn.Embedding(6, 3, prefix='tied_')
+    embedding.initialize()
+    block = dyb.DynBatchBlock(_TiedOutput(embedding, through_params=False))
+    with pytest.raises(dyb.InputError, match=r'reads parameter tied_weight, set as an attribute '
+                       r'\(_TiedOutput.weight\) but not in its collect_params\(\).*'
+                       r'params=other.collect_params\(\)'):
+        with dyb.batching():
+            block(mx.nd.ones((1, 3)))
+    shared = _TiedOutput(embedding, through_params=True)     # as the message advises
+    with dyb.batching():
+        out = dyb.DynBatchBlock(shared)(mx.nd.ones((1, 3)))
+    np.testing.assert_allclose(out.asnumpy(), shared(mx.nd.ones((1, 3))).asnumpy(), rtol=1e-6)
+
+
 class _ReturnsNonArray(gluon.HybridBlock):
     def __init__(self, extra):
         super().__init__()
