@@ -38,7 +38,7 @@ from .lower import programs_built
 from .plan import (PADDING_COST, PLANNING, SETUP, STRATEGIES, Agenda, ByDepth, CachedPlan,
                    PerSample, Strategy, summarize)
 
-__all__ = ['CostModel', 'Auto', 'default_cost_model', 'ANALYSE_US']
+__all__ = ['CostModel', 'Auto', 'default_cost_model', 'ANALYSE_US', 'PROFILE_KEYS']
 
 
 ANALYSE_US = {'per-sample': 0.3, 'depth': 1.0, 'agenda': 5.0, 'cached': 2.0}
@@ -46,15 +46,20 @@ ANALYSE_US = {'per-sample': 0.3, 'depth': 1.0, 'agenda': 5.0, 'cached': 2.0}
 is given its own."""
 
 
-def _non_negative(name, value):
-    """``value`` as a float, or a ValueError naming ``name``."""
+def _non_negative(name, value, where='CostModel'):
+    """``value`` as a float, or a ValueError naming ``where`` and ``name``."""
     try:
         number = float(value)
     except (TypeError, ValueError):
         number = float('nan')
     if not number >= 0 or number == float('inf'):
-        raise ValueError('CostModel: %s must be a finite number >= 0, got %r' % (name, value))
+        raise ValueError('%s: %s must be a finite number >= 0, got %r' % (where, name, value))
     return number
+
+
+PROFILE_KEYS = ('step_us', 'row_us', 'analyse_us', 'agenda_ratio')
+"""The keys of a saved profile (:meth:`CostModel.save`), all optional in
+one written by hand."""
 
 
 class CostModel:
@@ -133,8 +138,21 @@ class CostModel:
         fewer than ``min_nodes`` calls are ignored: there fixed costs, not
         per-node work, dominate the time; so are analyses that did one-time
         work (``setup``: the value of :data:`~.plan.SETUP` when the analysis
-        began, if it has changed since)."""
-        if n_nodes >= min_nodes and (setup is None or setup == SETUP[0]):
+        began, if it has changed since).  ``name`` must be one of
+        :attr:`analyse_us`'s strategies and ``seconds`` a finite time >= 0
+        (a ValueError otherwise): one negative time would drive the cost
+        negative, and the model would rank that strategy's analysis free."""
+        if name not in self.analyse_us:
+            raise ValueError('CostModel.observe_analysis: no strategy %r; it learns the analysis '
+                             'of %s' % (name, ', '.join(sorted(self.analyse_us))))
+        # a negative, infinite or NaN time would carry into analyse_us for
+        # good (an average moves toward it), and into a saved profile that
+        # load() then refuses
+        seconds = _non_negative('seconds', seconds, 'CostModel.observe_analysis')
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError('CostModel.observe_analysis: alpha=%r; give a weight in [0, 1]'
+                             % (alpha,))
+        if n_nodes >= min_nodes and n_nodes > 0 and (setup is None or setup == SETUP[0]):
             per_node = seconds * 1e6 / n_nodes
             self.analyse_us[name] += alpha * (per_node - self.analyse_us[name])
 
@@ -178,7 +196,14 @@ class CostModel:
     def calibrate(self, rows=(1, 64), repeats=5):
         """Measure the constants with a short probe (~0.1-0.5 s): batched
         steps of a small Dense block at two sizes, and each strategy's
-        analysis of a 400-node graph."""
+        analysis of a 400-node graph.
+
+        ``rows`` are the two batch sizes (different integers >= 1: the
+        line through their step times gives ``step_us``, its intercept,
+        and ``row_us``, its slope) and ``repeats`` how many times each
+        runs (an integer >= 1; the median counts).  Anything else is a
+        ValueError before the probe runs."""
+        rows, repeats = _calibration_args(rows, repeats)
         from .block import DynBatchBlock, private_scope
         block = DynBatchBlock(mx.gluon.nn.Dense(32, in_units=32, prefix='dynbatch_probe_'))
         # constant weights: a random initializer would draw from MXNet's
@@ -222,9 +247,19 @@ class CostModel:
                 'analyse_us': dict(self.analyse_us), 'agenda_ratio': self.agenda_ratio}
 
     def save(self, path):
-        """Write the constants as JSON (a saved machine profile)."""
+        """Write the constants as JSON (a saved machine profile).  They are
+        checked as :meth:`load` checks them first, so that every profile
+        written loads again: a constant it would refuse (one set by hand
+        to a negative number, say) is a ValueError naming it, and the file
+        is left as it was."""
+        try:
+            checked = CostModel(**self.to_dict())
+        except ValueError as err:
+            raise ValueError('CostModel.save(%r): not written, load() would refuse it: %s'
+                             % (path, err)) from None
+        text = json.dumps(checked.to_dict(), indent=1, allow_nan=False)
         with open(path, 'w') as f:
-            json.dump(self.to_dict(), f, indent=1)
+            f.write(text)
 
     @classmethod
     def load(cls, path):
@@ -232,17 +267,29 @@ class CostModel:
         a ValueError naming the file when it is not one.  A profile written
         by hand may hold some of the constants: the others keep their
         defaults (one holding none, ``{}``, is refused: it would skip the
-        probe and run on the defaults alone)."""
+        probe and run on the defaults alone).  A key other than
+        :data:`PROFILE_KEYS` is refused by name, not ignored: it is a
+        misspelt constant, which would otherwise keep its default
+        unnoticed, or one from another version of this library, whose
+        constants may not mean what this version's do."""
         with open(path) as f:
             try:
                 saved = json.load(f)
             except ValueError as err:
                 raise ValueError('CostModel.load(%r): not a saved profile (JSON): %s'
                                  % (path, err)) from None
-        fields = ('step_us', 'row_us', 'analyse_us', 'agenda_ratio')
-        if not isinstance(saved, dict) or not saved or set(saved) - set(fields):
-            raise ValueError('CostModel.load(%r): a saved profile holds an object with the keys '
-                             '%s; got %r' % (path, ', '.join(fields), saved))
+        if not isinstance(saved, dict) or not saved:
+            raise ValueError('CostModel.load(%r): a saved profile holds an object with some of '
+                             'the keys %s; got %s' % (path, ', '.join(PROFILE_KEYS),
+                                                      _json_kind(saved)))
+        unknown = [key for key in saved if key not in PROFILE_KEYS]
+        if unknown:
+            raise ValueError('CostModel.load(%r): unexpected key%s %s; a saved profile holds '
+                             'some of the keys %s (a key misspelt, or a profile from another '
+                             'version: remove %s, or calibrate anew and save)'
+                             % (path, 's' if len(unknown) > 1 else '',
+                                ', '.join(repr(key) for key in unknown), ', '.join(PROFILE_KEYS),
+                                'them' if len(unknown) > 1 else 'it'))
         try:
             model = cls(**saved)
         except ValueError as err:
@@ -254,6 +301,38 @@ class CostModel:
         analyse = ', '.join('%s %.2f' % kv for kv in sorted(self.analyse_us.items()))
         return 'CostModel(step %.1f us, row %.2f us; analyse/node: %s)' % (
             self.step_us, self.row_us, analyse)
+
+
+def _json_kind(value):
+    """What JSON value ``value`` was (for a message: a whole file's content
+    could be long)."""
+    if value == {}:
+        return 'an empty object'
+    if value is None:
+        return 'null'
+    kind = {list: 'an array', str: 'a string', bool: 'a boolean'}.get(type(value), 'a number')
+    return '%s (%s)' % (kind, repr(value)[:40] + ('...' if len(repr(value)) > 40 else ''))
+
+
+def _calibration_args(rows, repeats):
+    """``calibrate``'s ``rows`` as a pair of ints and ``repeats`` as an
+    int, or a ValueError saying what to give (two equal sizes divided by
+    zero, one size or no repeat failed with an IndexError)."""
+    def count(value, least):
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool) and \
+            value >= least
+    try:
+        pair = tuple(rows)
+    except TypeError:
+        pair = ()
+    if len(pair) != 2 or not all(count(n, 1) for n in pair) or pair[0] == pair[1]:
+        raise ValueError('CostModel.calibrate: rows=%r; give two different batch sizes >= 1 '
+                         '(the line through their step times gives step_us and row_us), '
+                         'e.g. (1, 64)' % (rows,))
+    if not count(repeats, 1):
+        raise ValueError('CostModel.calibrate: repeats=%r; give a number of runs of each '
+                         'size >= 1 (their median counts)' % (repeats,))
+    return (int(pair[0]), int(pair[1])), int(repeats)
 
 
 def _fit_line(xs, ys):
