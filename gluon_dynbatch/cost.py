@@ -36,7 +36,7 @@ import mxnet as mx
 from .execute import run_plan
 from .lower import programs_built
 from .plan import (PADDING_COST, PLANNING, SETUP, STRATEGIES, Agenda, ByDepth, CachedPlan,
-                   PerSample, Strategy, summarize)
+                   PerSample, Strategy, at_least, summarize)
 
 __all__ = ['CostModel', 'Auto', 'default_cost_model', 'ANALYSE_US', 'PROFILE_KEYS']
 
@@ -478,9 +478,7 @@ class Auto(Strategy):
         for name, value, least in (('memory', memory, 1), ('small', small, 0),
                                    ('cached_trials', cached_trials, 0),
                                    ('explore_within', explore_within, 0)):
-            if not isinstance(value, numbers.Real) or isinstance(value, bool) or \
-                    not value >= least:
-                raise ValueError('Auto: %s=%r; give a number >= %d' % (name, value, least))
+            at_least('Auto', name, value, least)
         self._model = model
         self.explore_within = explore_within    # 0: never run a predicted runner-up
         self.cached_trials = cached_trials

@@ -19,6 +19,7 @@ Calls whose signature is not batch-safe always run one per step.  Calls are
 grouped by their signature's ``group_key``: the signature itself, or its
 family when the block allows zero-padded lists (``pad_lists``).
 """
+import numbers
 import threading
 import time
 import weakref
@@ -441,6 +442,17 @@ def structure_key_py(nodes):
     return tuple(key)
 
 
+def at_least(owner, name, value, least, what='a number'):
+    """``value`` when it is a real number >= ``least`` (infinity counts; a
+    bool, a string, None or NaN does not), else a ValueError naming
+    ``owner``, the argument and its value: a strategy's arguments are
+    checked when it is made, where a wrong one failed at some later flush
+    with a raw TypeError, or was taken silently."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not value >= least:
+        raise ValueError('%s: %s=%r; give %s >= %s' % (owner, name, value, what, least))
+    return value
+
+
 class CachedPlan(Strategy):
     """Reuse the plan of an earlier flush with the same structure: no
     analysis beyond hashing the structure, and each step's rows are found
@@ -471,7 +483,13 @@ class CachedPlan(Strategy):
     program its parameters: a cache lives as long as the process (the
     shared ``'cached'`` and ``'auto'`` strategies), and must not keep a
     model the user dropped in memory; a plan whose blocks are gone is
-    dropped at the next lookup or store."""
+    dropped at the next lookup or store.
+
+    ``capacity`` and ``max_calls`` are numbers >= 1 (the newest plan is
+    always kept, so a smaller bound would keep one all the same),
+    ``compile_after`` a number of hits >= 1 (``float('inf')``: never
+    compile), ``max_compiled`` a number of programs >= 0 (0: none is
+    compiled); anything else is a ValueError when the strategy is made."""
     name = 'cached'
 
     def __init__(self, fallback=None, capacity=4096, compile_after=2, max_compiled=64,
@@ -482,11 +500,14 @@ class CachedPlan(Strategy):
             raise ValueError("CachedPlan: fallback=%r; give None (depth), 'per-sample', "
                              "'depth', 'agenda' or a Strategy instance" % (fallback,))
         self.fallback = fallback or ByDepth()
-        self.capacity = capacity
-        self.max_calls = max_calls
+        self.capacity = at_least('CachedPlan', 'capacity', capacity, 1,
+                                 'a number of structures')
+        self.max_calls = at_least('CachedPlan', 'max_calls', max_calls, 1, 'a number of calls')
         self.calls = 0          # over every stored plan
-        self.compile_after = compile_after
-        self.max_compiled = max_compiled
+        self.compile_after = at_least('CachedPlan', 'compile_after', compile_after, 1,
+                                      "a number of hits (float('inf'): never)")
+        self.max_compiled = at_least('CachedPlan', 'max_compiled', max_compiled, 0,
+                                     'a number of programs')
         self.cache = {}
         self.compiled = OrderedDict()      # key -> entry holding a program, in use order
         self._gone = []     # keys of entries a signature of which was freed (see store)
@@ -538,7 +559,8 @@ class CachedPlan(Strategy):
             # (no analysis) trained as fast at SICK minibatch 25
             return Plan(self.name, steps, entry.recipes)
         if entry.program is None and entry.hits >= self.compile_after and \
-                not entry.uncompilable and not entry.dropped and None not in entry.recipes:
+                not entry.uncompilable and not entry.dropped and None not in entry.recipes \
+                and self.max_compiled:      # (0: a program would be dropped at once)
             self._compile(key, entry, steps)
         if entry.program is not None:
             self.compiled.move_to_end(key)

@@ -183,6 +183,46 @@ def test_cached_plan_fallback_by_name_or_error():
         dyb.CachedPlan(fallback='auto')
 
 
+@pytest.mark.parametrize('kwargs,match', [
+    (dict(capacity=None), 'capacity=None; give a number of structures >= 1'),
+    (dict(capacity='x'), "capacity='x'"),
+    (dict(capacity=-1), 'capacity=-1'),
+    (dict(capacity=0), 'capacity=0'),
+    (dict(max_calls='1e6'), "max_calls='1e6'; give a number of calls >= 1"),
+    (dict(compile_after=-1), r"compile_after=-1; give a number of hits \(float\('inf'\): "),
+    (dict(compile_after=True), 'compile_after=True'),
+    (dict(max_compiled=-5), 'max_compiled=-5; give a number of programs >= 0'),
+    (dict(max_compiled=float('nan')), 'max_compiled=nan')])
+def test_error_cached_plan_arguments_named_when_built(kwargs, match):
+    """Only ``fallback`` was checked: ``capacity=None`` or ``'x'`` and
+    ``max_calls='1e6'`` failed with a raw TypeError at a flush's second
+    distinct structure, ``capacity=-1`` or ``compile_after=-1`` were taken
+    silently (found by a review)."""
+    with pytest.raises(ValueError, match='CachedPlan: ' + match):
+        dyb.CachedPlan(**kwargs)
+
+
+def test_cached_plan_bounds_take_numbers_and_infinity():
+    block = dyb.DynBatchBlock(nn.Dense(4, in_units=4))
+    block.initialize()
+    x = mx.nd.ones((1, 4))
+    cached = dyb.CachedPlan(capacity=np.int64(2), max_calls=1e6, compile_after=float('inf'),
+                            max_compiled=0)
+    for n in (2, 3, 4, 2, 2, 2):
+        with dyb.batching(cached):
+            outs = [block(block(x)) for _ in range(n)]
+    assert len(cached.cache) == 2 and cached.hits == 2 and not cached.compiled
+    np.testing.assert_allclose(outs[-1].asnumpy(), block(block(x)).asnumpy(), rtol=1e-6)
+    # max_compiled=0 keeps no program, so none is built only to be dropped
+    none_kept = dyb.CachedPlan(compile_after=1, max_compiled=0)
+    dyb.reset_stats()
+    for _ in range(3):
+        with dyb.batching(none_kept):
+            outs = [block(block(x)) for _ in range(3)]
+    assert none_kept.hits == 2 and dyb.stats()['last']['strategy'] == 'cached'
+    assert dyb.stats()['compile_ms'] == 0
+
+
 def test_recording_counts_what_depth_grouping_makes():
     """The counts behind the cost model's step estimate, kept while recording
     (Python) or counted at the flush (C), give depth grouping's groups."""
