@@ -46,9 +46,13 @@ its dense update for every gradient: with a row-sparse gradient (an
 decays every row of the weight each step, as dense AdaGrad does; and MXNet
 reads ``clip_gradient=0`` as "no clipping" for row-sparse gradients only
 (dense ones are clipped to zero), while this one clips to zero for both
-(``None``, the default, is no clipping).
+(``None``, the default, is no clipping).  A negative ``clip_gradient``,
+with which MXNet clips dense gradients to inverted bounds and row-sparse
+ones not at all, is refused (see :class:`FusedAdaGrad`).
 """
 import ctypes
+import math
+import numbers
 import os
 import sys
 
@@ -161,14 +165,47 @@ def _push(kernel, requests):
     return pushed
 
 
+def _check_number(name, value, what, least=None, finite=True, none=None):
+    """A ValueError naming ``name`` and ``value`` (and saying to give
+    ``what``) unless ``value`` is a real number, not a bool nor NaN, >=
+    ``least`` if given and finite if ``finite``; or None where ``none``
+    says what None means."""
+    if value is None and none:
+        return
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or math.isnan(value) or \
+            (least is not None and value < least) or (finite and math.isinf(value)):
+        raise ValueError('FusedAdaGrad: %s=%r; give %s%s' % (
+            name, value, what, ', or None (%s)' % none if none else ''))
+
+
 @mx.optimizer.register
 class FusedAdaGrad(mx.optimizer.AdaGrad):
     """:class:`mxnet.optimizer.AdaGrad` with one fused op per update (see
     :mod:`gluon_dynbatch.optim`); same arguments, same states, registered as
     ``'fusedadagrad'``.  Weights that are not dense float32 take AdaGrad's
-    own path."""
+    own path.
+
+    The numeric arguments are checked when it is made, a ValueError naming
+    the bad one: ``learning_rate``, ``wd`` and ``rescale_grad`` finite
+    numbers (``learning_rate`` may be None, as for AdaGrad), ``eps`` a
+    finite number >= 0 (a negative one takes the square root of a negative
+    history, NaN weights), and ``clip_gradient`` a number >= 0 or None (no
+    clipping).  A negative ``clip_gradient`` is refused: the C kernel reads
+    it as "no clipping", while MXNet's AdaGrad clips dense gradients to
+    inverted bounds with it (and row-sparse ones not at all); a string or
+    NaN failed at the first update, or was taken as "no clipping"."""
 
     def __init__(self, eps=1e-7, **kwargs):     # AdaGrad's signature: eps may come first
+        _check_number('eps', eps, "a finite number >= 0 (the history's initial value, under "
+                                  "a square root)", least=0)
+        _check_number('clip_gradient', kwargs.get('clip_gradient'),
+                      "a bound >= 0 on each gradient element's magnitude", least=0, finite=False,
+                      none='no clipping')
+        _check_number('learning_rate', kwargs.get('learning_rate'), 'a finite number',
+                      none="the default, or the lr_scheduler's")
+        for name in ('wd', 'rescale_grad'):
+            if name in kwargs:
+                _check_number(name, kwargs[name], 'a finite number')
         super().__init__(eps=eps, **kwargs)
         # MXNet's Updater then hands over a Trainer step's updates in one
         # call, and the kernel waits for the backward pass once for all

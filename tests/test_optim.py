@@ -431,3 +431,40 @@ def test_takes_adagrads_arguments_as_adagrad_does():
     opt = optim.FusedAdaGrad(1e-6, learning_rate=0.1)
     assert opt.float_stable_eps == 1e-6 and opt.lr == 0.1
     assert optim.FusedAdaGrad().float_stable_eps == mx.optimizer.AdaGrad().float_stable_eps
+
+
+@pytest.mark.parametrize('opts,match', [
+    ({'clip_gradient': -1}, r"clip_gradient=-1; give a bound >= 0 on each gradient element's "
+                            r"magnitude, or None \(no clipping\)"),
+    ({'clip_gradient': float('nan')}, 'clip_gradient=nan'),
+    ({'clip_gradient': '0.1'}, "clip_gradient='0.1'"),
+    ({'eps': 'x'}, r"eps='x'; give a finite number >= 0 \(the history's initial value"),
+    ({'eps': -1e-7}, 'eps=-1e-07'),
+    ({'eps': float('inf')}, 'eps=inf'),
+    ({'learning_rate': '0.1'}, r"learning_rate='0.1'; give a finite number, or None"),
+    ({'learning_rate': float('nan')}, 'learning_rate=nan'),
+    ({'wd': None}, 'wd=None; give a finite number'),
+    ({'rescale_grad': True}, 'rescale_grad=True')])
+def test_error_hyperparameters_named_when_made(opts, match):
+    """``clip_gradient=-1`` meant "no clipping" to the C kernel (its own
+    "off") where MXNet's AdaGrad clips to inverted bounds; ``eps='x'``
+    failed at the first update with a raw ctypes TypeError (found by a
+    review).  Refused when the optimizer is made, by a Trainer too."""
+    with pytest.raises(ValueError, match='FusedAdaGrad: ' + match):
+        FusedAdaGrad(**opts)
+    with pytest.raises(ValueError, match='FusedAdaGrad: ' + match):
+        gluon.Trainer(_model(False).collect_params(), 'fusedadagrad', opts)
+
+
+@pytest.mark.parametrize('opts', [{'learning_rate': -0.1, 'clip_gradient': float('inf')},
+                                  {'learning_rate': np.float32(0.2), 'eps': 0.001,
+                                   'clip_gradient': np.float64(0.05)},
+                                  {'learning_rate': 1, 'clip_gradient': 0, 'wd': 0}])
+def test_what_adagrad_takes_sensibly_still_updates_as_adagrad(opts, way):
+    """The values the checks let through (numpy scalars, ints, a negative
+    learning rate, clipping at 0 or infinity) update as MXNet's AdaGrad
+    does, to the bit."""
+    ours = _train('fusedadagrad', opts, sparse_grad=False)
+    theirs = _train('adagrad', opts, sparse_grad=False)
+    for i, weight in enumerate(theirs[0]):
+        np.testing.assert_array_equal(ours[0][i], weight, err_msg='parameter %d' % i)
