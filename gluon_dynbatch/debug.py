@@ -2,12 +2,16 @@
 
 ``DYNBATCH_DEBUG=1`` prints one line per flush (nodes, steps, batch sizes,
 record / analysis / run milliseconds, strategy); ``=2`` also prints the plan
-and why any signature runs per sample.  :func:`~gluon_dynbatch.stats`
+and why any signature runs per sample.  ``0`` (or unset, empty, ``false``,
+``no``, ``off``) prints nothing, ``true``, ``yes`` or ``on`` mean 1; any
+other value (a negative number, a word) is warned about once and prints
+nothing (:func:`debug_level`).  :func:`~gluon_dynbatch.stats`
 returns the running totals and the last flush,
 :func:`~gluon_dynbatch.reset_stats` clears them.
 """
 import os
 import sys
+import warnings
 
 __all__ = ['stats', 'reset_stats', 'debug_level']
 
@@ -18,18 +22,45 @@ _LAST = {}
 OFF = ('', 'false', 'no', 'off')
 """Values of ``DYNBATCH_DEBUG`` (any case, spaces around) that mean 0."""
 
+ON = ('true', 'yes', 'on')
+"""Values of ``DYNBATCH_DEBUG`` (any case, spaces around) that mean 1."""
+
+_LEVELS = {}
+"""``DYNBATCH_DEBUG`` values read so far -> their level (each flush asks;
+a value that is no level is warned about once)."""
+
 
 def debug_level():
-    """``DYNBATCH_DEBUG`` as an int: 0 when unset or one of :data:`OFF`, 1
-    when set to something else that is not a number (see the module's
-    docstring for the levels)."""
-    value = os.environ.get('DYNBATCH_DEBUG', '0').strip()
-    if value.lower() in OFF:
+    """``DYNBATCH_DEBUG`` as an int (see the module's docstring for the
+    levels): 0 when unset or one of :data:`OFF`, 1 for one of :data:`ON`,
+    else the number it holds.  A value that is none of these (a negative
+    number, ``-1`` turned printing on; a word, any of which did) gives a
+    warning, the first time it is read, and 0: whoever set it meant
+    something the variable does not say, and guessing "on" printed a line
+    at every flush of a run that had meant it off."""
+    raw = os.environ.get('DYNBATCH_DEBUG', '0')
+    level = _LEVELS.get(raw)
+    if level is None:
+        level = _LEVELS[raw] = _read_level(raw)
+    return level
+
+
+def _read_level(raw):
+    value = raw.strip().lower()
+    if value in OFF:
         return 0
-    try:
-        return int(value)
-    except ValueError:
+    if value in ON:
         return 1
+    try:
+        level = int(value)
+    except ValueError:
+        level = -1
+    if level >= 0:
+        return level
+    warnings.warn('DYNBATCH_DEBUG=%r is not a debug level, so nothing is printed: give 0 (or '
+                  'false, no, off) for nothing, 1 (or true, yes, on) for a line per flush, '
+                  '2 for the plan as well' % raw, UserWarning, stacklevel=3)
+    return 0
 
 
 def reset_stats():

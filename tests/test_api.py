@@ -6,6 +6,7 @@ import re
 import sys
 import threading
 import time
+import warnings
 
 import mxnet as mx
 import numpy as np
@@ -772,12 +773,33 @@ def test_error_merge_repeats_not_a_bool(value):
 
 
 @pytest.mark.parametrize('value,level', [('false', 0), (' Off ', 0), ('no', 0), ('', 0),
-                                         ('0', 0), ('2', 2), ('yes', 1), ('on', 1)])
+                                         ('0', 0), ('2', 2), ('yes', 1), ('on', 1),
+                                         (' TRUE ', 1), ('1', 1)])
 def test_debug_level_reads_words_for_off(monkeypatch, value, level):
     """DYNBATCH_DEBUG=false turned printing on (any word counted as 1)."""
     from gluon_dynbatch.debug import debug_level
     monkeypatch.setenv('DYNBATCH_DEBUG', value)
     assert debug_level() == level
+
+
+@pytest.mark.parametrize('value', ['-1', 'verbose', '1.5'])
+def test_debug_level_warns_once_of_a_value_that_is_no_level_and_prints_nothing(
+        monkeypatch, capsys, value):
+    """DYNBATCH_DEBUG=-1 turned printing on, as did any word (found by a
+    review): a value the docs do not list is warned about, once, and
+    prints nothing."""
+    from gluon_dynbatch import debug
+    monkeypatch.setattr(debug, '_LEVELS', {})
+    monkeypatch.setenv('DYNBATCH_DEBUG', value)
+    block = dense()
+    with pytest.warns(UserWarning, match=r"DYNBATCH_DEBUG='%s' is not a debug level, so "
+                                         r"nothing is printed: give 0" % re.escape(value)):
+        with dyb.batching('depth'):
+            block(mx.nd.ones((1, 3)))
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        assert debug.debug_level() == 0
+    assert '[dynbatch]' not in capsys.readouterr().err
 
 
 def test_flush_every_takes_numpy_integers():
