@@ -101,6 +101,50 @@ of each)."""
 # Command line and environment (no MXNet import here)
 # ==========================================================================
 
+def number(kind, least, strict=False, most=None):
+    """An argparse type for the benchmarks' numeric options: ``kind`` (int or
+    float), finite, at least ``least`` (above it with ``strict``), at most
+    ``most``; else argparse's own error, exit status 2, before the data or
+    MXNet loads, naming the option, the value and what is allowed (a
+    ``--workers 0`` hung MXNet, a ``--budget nan`` never ended, a
+    ``--repeats 0`` divided by zero after minutes).  The other scripts here
+    import theirs from this module, as examples/sick/train.py has its own."""
+    if most is not None:
+        allowed = '%s from %s to %s' % ('an integer' if kind is int else 'a number',
+                                         least, most)
+    elif least == 0:
+        allowed = 'a %s %s' % ('positive' if strict else 'non-negative',
+                               'integer' if kind is int else 'finite number')
+    elif least == 1 and kind is int and not strict:
+        allowed = 'a positive integer'
+    else:
+        allowed = '%s %s %s' % ('an integer' if kind is int else 'a finite number',
+                                '>' if strict else '>=', least)
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or value < least or \
+                (strict and value == least) or (most is not None and value > most):
+            raise argparse.ArgumentTypeError('%r is not %s' % (text, allowed))
+        return value
+    parse.__name__ = kind.__name__      # argparse names the type in its messages
+    return parse
+
+
+positive_int = number(int, 1)
+"""A count: ``--repeats 0`` would be a median of nothing, ``--batch 0`` a
+zero ``range()`` step far into the run."""
+positive_float = number(float, 0, strict=True)
+non_negative_float = number(float, 0)
+SEED_MAX = 2 ** 31 - 1
+seed_int = number(int, 0, most=SEED_MAX)
+"""A seed: numpy's ``RandomState`` takes 0 to 2**32 - 1, and some scripts
+seed with ``seed + k`` too."""
+
+
 def build_parser():
     p = argparse.ArgumentParser(
         description='Tree-LSTM/SICK throughput: per-sample, hybridized, hand-batched and '
@@ -115,12 +159,12 @@ def build_parser():
                    help='folder for results.json and the PNG (default %s; with --quick %s, '
                         'so that a smoke run leaves the published results alone)%%(default).0s'
                         % (DEFAULT_OUT, QUICK_OUT))
-    p.add_argument('--threads', type=int, default=1,
+    p.add_argument('--threads', type=positive_int, default=1,
                    help='OpenMP/MKL threads per operator (OMP_NUM_THREADS, MKL_NUM_THREADS)')
     p.add_argument('--engine', choices=ENGINES, default='ThreadedEnginePerDevice',
                    help='MXNET_ENGINE_TYPE (NaiveEngine: exact per-step times, runs '
                         'comparable with those before this default)')
-    p.add_argument('--workers', type=int, default=None,
+    p.add_argument('--workers', type=positive_int, default=None,
                    help='MXNET_CPU_WORKER_NTHREADS for the threaded engines (default: unset, '
                         'which MXNet reads as 1)%(default).0s')
     p.add_argument('--quick', action='store_true',
@@ -128,34 +172,35 @@ def build_parser():
     p.add_argument('--sweep-settings', action='store_true',
                    help='re-run a short subset under threads {1,2} x engine {Naive, '
                         'ThreadedEnginePerDevice} as subprocesses; report the fastest per form')
-    p.add_argument('--sweep-rounds', type=int, default=2,
+    p.add_argument('--sweep-rounds', type=positive_int, default=2,
                    help='rounds of the sweep (combinations interleaved; median over rounds)')
     p.add_argument('--sweep-child', action='store_true', help=argparse.SUPPRESS)
-    p.add_argument('--budget', type=float, default=None,
+    p.add_argument('--budget', type=positive_float, default=None,
                    help='seconds of minibatches per form per repeat per setting '
                         '(default %g; quick 0.3)%%(default).0s' % BUDGET_S)
-    p.add_argument('--repeats', type=int, default=None,
+    p.add_argument('--repeats', type=positive_int, default=None,
                    help='repeats per setting, forms interleaved (default %d; quick 2)'
                         '%%(default).0s' % REPEATS)
-    p.add_argument('--max-batch-s', type=float, default=1.0,
+    p.add_argument('--max-batch-s', type=positive_float, default=1.0,
                    help='skip a setting for a form that cannot stop mid-minibatch when one '
                         'minibatch is estimated to take longer than this')
     p.add_argument('--forms', nargs='+', default=None,
                    help='only these forms (default: all; per-sample is always run for the '
                         'check)%(default).0s')
-    p.add_argument('--settings', nargs='+', default=None,
+    p.add_argument('--settings', nargs='+', type=parse_setting, default=None,
                    help="only these settings, e.g. 'infer B=25' 'train B=256' "
                         "'infer B=256 same' (any minibatch size; default: those of the full "
                         "run, or of --quick)%(default).0s")
-    p.add_argument('--check-pairs', type=int, default=None,
+    p.add_argument('--check-pairs', type=positive_int, default=None,
                    help='pairs per equivalence-check minibatch (default 25; quick 8)'
                         '%(default).0s')
-    p.add_argument('--check-batches', type=int, default=2,
-                   help='minibatches of the equivalence check')
-    p.add_argument('--tol', type=float, default=1e-4,
+    p.add_argument('--check-batches', type=positive_int, default=2,
+                   help='minibatches of the equivalence check (at least 1: no run skips it)')
+    p.add_argument('--tol', type=non_negative_float, default=1e-4,
                    help='equivalence tolerance: log-probs absolute, gradients relative to '
-                        'the largest gradient entry of the parameter')
-    p.add_argument('--seed', type=int, default=0, help='weights and pair order')
+                        'the largest gradient entry of the parameter (0: bit for bit)')
+    p.add_argument('--seed', type=seed_int, default=0,
+                   help='weights and pair order (0 to %d)' % SEED_MAX)
     grads = p.add_mutually_exclusive_group()
     grads.add_argument('--dense-grad', dest='sparse_grad', action='store_false',
                        default=argparse.SUPPRESS,
@@ -599,7 +644,9 @@ def tree_counts(items):
 
 def parse_setting(name):
     """``'infer B=25'``, ``'train B=256 same'``, ... as (name, mode, size);
-    any minibatch size, not only those of the full run."""
+    any minibatch size, not only those of the full run: the type of
+    ``--settings``, so that a malformed one is a usage error before MXNet
+    loads."""
     parts = name.split()
     try:
         mode, size = parts[0], int(parts[1][2:])
@@ -608,9 +655,10 @@ def parse_setting(name):
     except (IndexError, ValueError):
         valid = False
     if not valid:
-        raise SystemExit("unknown setting %r: write 'infer B=<size>' or 'train B=<size>', "
-                         "with ' same' to run one minibatch again and again (the full run: %s)"
-                         % (name, [s[0] for s in FULL_SETTINGS]))
+        raise argparse.ArgumentTypeError(
+            "unknown setting %r: write 'infer B=<size>' or 'train B=<size>' (size >= 1), "
+            "with ' same' to run one minibatch again and again (the full run: %s)"
+            % (name, ', '.join(s[0] for s in FULL_SETTINGS)))
     return ' '.join(parts), mode, size
 
 
@@ -1305,7 +1353,7 @@ def main(argv=None):
     budget = args.budget or budget
     check_pairs = args.check_pairs or check_pairs
     if args.settings:
-        settings = [parse_setting(name) for name in args.settings]
+        settings = args.settings      # (name, mode, size), parsed by parse_setting
 
     import mxnet as mx  # pylint: disable=import-outside-toplevel
     import gluon_dynbatch as dyb  # pylint: disable=import-outside-toplevel
@@ -1319,6 +1367,9 @@ def main(argv=None):
              config['cpu'], config['cores_available'], config['dynbatch_accel']), flush=True)
 
     folder, items, targets, vocab_size, embedding = load_data(args)
+    if args.check_batches * check_pairs > len(items):   # (a check of empty minibatches)
+        parser.error('--check-batches %d x --check-pairs %d: more than the %d pairs of the '
+                     'test split' % (args.check_batches, check_pairs, len(items)))
     nodes, internal, edges, arities = tree_counts(items)
     print('SICK test: %d pairs from %s, %.1f nodes/pair, child counts %s, vocab %d'
           % (len(items), folder, nodes / len(items), sorted(arities), vocab_size), flush=True)

@@ -235,6 +235,33 @@ BAD_COMMAND_LINES = [
                      os.path.join(ROOT, '.git')), reason='not a git checkout')),
     ('handbatched.py', ['--batch', '0', '--pairs', '10', '--repeats', '1'],
      "argument --batch: '0' is not a positive integer"),
+    # numbers out of range: refused as read, not a hang (--workers 0, --budget nan), a
+    # traceback or a check of nothing later
+    ('bench_treelstm.py', ['--quick', '--workers', '0', '--out', 'OUT'],
+     "argument --workers: '0' is not a positive integer"),
+    ('bench_treelstm.py', ['--quick', '--workers', '-3', '--out', 'OUT'],
+     "argument --workers: '-3' is not a positive integer"),
+    ('bench_treelstm.py', ['--quick', '--budget', 'nan', '--out', 'OUT'],
+     "argument --budget: 'nan' is not a positive finite number"),
+    ('bench_treelstm.py', ['--quick', '--check-batches', '0', '--out', 'OUT'],
+     "argument --check-batches: '0' is not a positive integer"),
+    ('bench_treelstm.py', ['--quick', '--tol', '-1', '--out', 'OUT'],
+     "argument --tol: '-1' is not a non-negative finite number"),
+    ('bench_treelstm.py', ['--quick', '--tol', 'nan', '--out', 'OUT'],
+     "argument --tol: 'nan' is not a non-negative finite number"),
+    ('bench_treelstm.py', ['--quick', '--threads', '-1', '--out', 'OUT'],
+     "argument --threads: '-1' is not a positive integer"),
+    ('bench_treelstm.py', ['--quick', '--repeats', '0', '--out', 'OUT'],
+     "argument --repeats: '0' is not a positive integer"),
+    ('bench_treelstm.py', ['--quick', '--seed', '-1', '--out', 'OUT'],
+     "argument --seed: '-1' is not an integer from 0 to 2147483647"),
+    ('bench_treelstm.py', ['--quick', '--settings', 'infer B=0', '--out', 'OUT'],
+     "argument --settings: unknown setting 'infer B=0': write 'infer B=<size>'"),
+    ('bench_treelstm.py', ['--sweep-settings', '--sweep-rounds', '0', '--out', 'OUT'],
+     "argument --sweep-rounds: '0' is not a positive integer"),
+    # (checked once the data is loaded: the split's size)
+    pytest.param('bench_treelstm.py', ['--quick', '--check-batches', '1000', '--out', 'OUT'],
+                 '--check-batches 1000 x --check-pairs 8: more than the', marks=needs_sick),
 ]
 
 
