@@ -449,18 +449,6 @@ def random_pairs(n_pairs, vocab_size, rng, mean_len=10, max_len=30):
     return pairs
 
 
-def positive_int(text):
-    """A count for the command line, at least 1: ``--batch 0`` would be a
-    zero ``range()`` step far into the run, ``--repeats 0`` a median of nothing."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError('%r is not a positive integer' % text)
-    return value
-
-
 def main():
     """Throughput in pairs/s of the hand-batched model on SICK-like random
     pairs: inference (prepare + forward + ``asnumpy``) and training (prepare,
@@ -470,16 +458,19 @@ def main():
     OMP_NUM_THREADS=1`` (or 2)."""
     import os
     import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:0] = [os.path.join(here, '..'), here]
     from gluon_dynbatch.models.treelstm import TreeLSTMNode, Similarity
+    from bench_treelstm import positive_int     # the benchmarks' checked numbers
 
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument('--batch', type=positive_int, nargs='+', default=[25, 256])
+    parser.add_argument('--batch', type=positive_int, nargs='+', default=[25, 256],
+                        help='minibatch sizes, each at most --pairs')
     parser.add_argument('--pairs', type=positive_int, default=2048)
     parser.add_argument('--repeats', type=positive_int, default=5)
-    parser.add_argument('--vocab', type=int, default=2400)
-    parser.add_argument('--embed', type=int, default=300)
-    parser.add_argument('--hidden', type=int, default=150)
+    parser.add_argument('--vocab', type=positive_int, default=2400)
+    parser.add_argument('--embed', type=positive_int, default=300)
+    parser.add_argument('--hidden', type=positive_int, default=150)
     parser.add_argument('--i2h', default='level', choices=I2H_MODES)
     parser.add_argument('--modes', nargs='+', default=['infer', 'train'],
                         choices=['infer', 'train', 'prepare'])
@@ -487,6 +478,9 @@ def main():
                         help='use the first --pairs pairs of the shuffled SICK test split '
                              '(gluon_dynbatch.data.sick) instead of random SICK-like pairs')
     args = parser.parse_args()
+    if max(args.batch) > args.pairs:    # (it would run, and be reported as, a smaller one)
+        parser.error('argument --batch: %d is more than --pairs %d: a minibatch holds at '
+                     'most the pairs there are' % (max(args.batch), args.pairs))
     print('MXNET_ENGINE_TYPE=%s OMP_NUM_THREADS=%s i2h=%s data=%s' % (
         os.environ.get('MXNET_ENGINE_TYPE'), os.environ.get('OMP_NUM_THREADS'), args.i2h,
         'SICK test' if args.sick else 'random SICK-like'))
@@ -502,6 +496,9 @@ def main():
         test = [test[i] for i in rng.permutation(len(test))][:args.pairs]
         data = [(p.a_ids, p.a_tree, p.b_ids, p.b_tree) for p in test]
         args.vocab = len(vocab)
+        if max(args.batch) > len(data):
+            parser.error('argument --batch: %d is more than the %d pairs of the SICK test '
+                         'split' % (max(args.batch), len(data)))
     else:
         data = random_pairs(args.pairs, args.vocab, rng)
     node = TreeLSTMNode(args.vocab, args.embed, args.hidden)

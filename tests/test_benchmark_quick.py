@@ -259,6 +259,10 @@ BAD_COMMAND_LINES = [
      "argument --settings: unknown setting 'infer B=0': write 'infer B=<size>'"),
     ('bench_treelstm.py', ['--sweep-settings', '--sweep-rounds', '0', '--out', 'OUT'],
      "argument --sweep-rounds: '0' is not a positive integer"),
+    ('handbatched.py', ['--hidden', '-1', '--pairs', '10', '--repeats', '1'],
+     "argument --hidden: '-1' is not a positive integer"),
+    ('handbatched.py', ['--batch', '25', '300', '--pairs', '100', '--repeats', '1'],
+     'argument --batch: 300 is more than --pairs 100'),
     # (checked once the data is loaded: the split's size)
     pytest.param('bench_treelstm.py', ['--quick', '--check-batches', '1000', '--out', 'OUT'],
                  '--check-batches 1000 x --check-pairs 8: more than the', marks=needs_sick),
