@@ -87,6 +87,10 @@ FIXED = ('per-sample', 'depth', 'agenda', 'cached')
 AUTO_SLACK = 1.10          # flag auto when slower than best fixed by more than 10%
 OVERHEAD_LIMIT = 0.05      # flag record+analysis above 5% of the step (cached, SICK B=256)
 
+sys.path.insert(0, HERE)
+from bench_treelstm import (number, positive_int, non_negative_float,  # noqa: E402
+                            seed_int, SEED_MAX)                  # (no MXNet import there)
+
 
 # ==========================================================================
 # Command line and environment (no MXNet import here)
@@ -102,16 +106,17 @@ def build_parser():
                    help='folder for tradeoff.json / .png (default %s; with --quick %s, so that a smoke run '
                         'leaves the published results alone)%%(default).0s' % (DEFAULT_OUT, QUICK_OUT))
     p.add_argument('--quick', action='store_true', help='smoke run (< 40 s)')
-    p.add_argument('--repeats', type=int, default=None,
+    p.add_argument('--repeats', type=positive_int, default=None,
                    help='measured repeats per workload, at least (default 11; quick 3); '
                         'small SICK minibatches get more (256 / B, quick 24 / B), the '
                         'repeated one 21 and the synthetic graphs 31%(default).0s')
-    p.add_argument('--per-sample-cap', type=int, default=None,
+    p.add_argument('--per-sample-cap', type=number(int, 0), default=None,
                    help='largest graph (nodes) on which plain and per-sample run '
-                        '(default 4500; quick 1500)%(default).0s')
-    p.add_argument('--tol', type=float, default=1e-4, help='output equality tolerance')
-    p.add_argument('--seed', type=int, default=0,
-                   help='data order, synthetic graphs and parameters')
+                        '(default 4500; quick 1500; 0: on none)%(default).0s')
+    p.add_argument('--tol', type=non_negative_float, default=1e-4,
+                   help='output equality tolerance (0: bit for bit)')
+    p.add_argument('--seed', type=seed_int, default=0,
+                   help='data order, synthetic graphs and parameters (0 to %d)' % SEED_MAX)
     p.add_argument('--no-plot', action='store_true', help='write no PNG')
     p.add_argument('--no-static-copy', action='store_true',
                    help='do not copy the PNG to docs/_static/tradeoff.png (a run with '

@@ -263,6 +263,8 @@ BAD_COMMAND_LINES = [
      "argument --hidden: '-1' is not a positive integer"),
     ('handbatched.py', ['--batch', '25', '300', '--pairs', '100', '--repeats', '1'],
      'argument --batch: 300 is more than --pairs 100'),
+    ('tradeoff.py', ['--quick', '--repeats', '-1', '--out', 'OUT'],
+     "argument --repeats: '-1' is not a positive integer"),
     # (checked once the data is loaded: the split's size)
     pytest.param('bench_treelstm.py', ['--quick', '--check-batches', '1000', '--out', 'OUT'],
                  '--check-batches 1000 x --check-pairs 8: more than the', marks=needs_sick),
