@@ -20,14 +20,18 @@ import time
 
 
 def main():
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_treelstm import positive_int, seed_int, SEED_MAX   # (no MXNet import there)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results'),
                    help='folder for arity.json (default: benchmarks/results)')
     p.add_argument('--data', default=None,
                    help='SICK folder (else $GLUON_DYNBATCH_SICK, else ../shared/data/sick)')
-    p.add_argument('--seed', type=int, default=0, help='data order and parameters')
-    p.add_argument('--repeats', type=int, default=3, help='timed repeats per variant')
-    p.add_argument('--pairs', type=int, default=1000, help='pairs per timed repeat')
+    p.add_argument('--seed', type=seed_int, default=0,
+                   help='data order and parameters (0 to %d)' % SEED_MAX)
+    p.add_argument('--repeats', type=positive_int, default=3, help='timed repeats per variant')
+    p.add_argument('--pairs', type=positive_int, default=1000,
+                   help="pairs per timed repeat, at most the test split's (SICK: 4927)")
     args = p.parse_args()
     os.environ.setdefault('MXNET_ENGINE_TYPE', 'NaiveEngine')
     os.environ.setdefault('OMP_NUM_THREADS', '1')
@@ -37,9 +41,11 @@ def main():
     from gluon_dynbatch.models import Similarity, TreeLSTMNode
     from gluon_dynbatch import plan
     from gluon_dynbatch.plan import PADDING_COST
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_treelstm import load_data
     _, items, _, vocab_size, _ = load_data(args)
+    if args.pairs > len(items):     # (the repeats would time empty minibatches)
+        p.error('argument --pairs: %d is more than the %d pairs of the test split'
+                % (args.pairs, len(items)))
     print('engine %s, OMP_NUM_THREADS %s' % (os.environ['MXNET_ENGINE_TYPE'],
                                              os.environ['OMP_NUM_THREADS']))
 

@@ -265,6 +265,11 @@ BAD_COMMAND_LINES = [
      'argument --batch: 300 is more than --pairs 100'),
     ('tradeoff.py', ['--quick', '--repeats', '-1', '--out', 'OUT'],
      "argument --repeats: '-1' is not a positive integer"),
+    # (a --pairs 0 or -5 wrote an arity.json of zeros, by default over the published one)
+    ('bench_arity.py', ['--pairs', '0', '--out', 'OUT'],
+     "argument --pairs: '0' is not a positive integer"),
+    ('bench_arity.py', ['--pairs', '-5', '--out', 'OUT'],
+     "argument --pairs: '-5' is not a positive integer"),
     # (checked once the data is loaded: the split's size)
     pytest.param('bench_treelstm.py', ['--quick', '--check-batches', '1000', '--out', 'OUT'],
                  '--check-batches 1000 x --check-pairs 8: more than the', marks=needs_sick),
