@@ -38,29 +38,35 @@ def parse_setting(text):
 
 
 def main():
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_treelstm as bt         # (no MXNet import there)
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0].replace('\n', ' '))
     p.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results'))
     p.add_argument('--data', default=None)
-    p.add_argument('--seed', type=int, default=0)
-    p.add_argument('--repeats', type=int, default=25, help='minibatches per setting')
-    p.add_argument('--every', type=int, nargs='+', default=[3072, 6144, 12288],
-                   help='flush_every values to compare with one flush per minibatch')
+    p.add_argument('--seed', type=bt.seed_int, default=0, help='0 to %d' % bt.SEED_MAX)
+    p.add_argument('--repeats', type=bt.positive_int, default=25,
+                   help='minibatches per setting')
+    p.add_argument('--every', type=bt.positive_int, nargs='+', default=[3072, 6144, 12288],
+                   help='flush_every values (calls, at least 1) to compare with one flush per '
+                        'minibatch')
     p.add_argument('--settings', nargs='+', type=parse_setting,
                    default=['%s %d' % s for s in SETTINGS],
                    help="'infer <minibatch size>' or 'train <minibatch size>'")
-    p.add_argument('--engine', default='ThreadedEnginePerDevice')
+    p.add_argument('--engine', default='ThreadedEnginePerDevice', choices=bt.ENGINES)
     args = p.parse_args()
     os.environ['MXNET_ENGINE_TYPE'] = args.engine
     os.environ['OMP_NUM_THREADS'] = '1'
     import numpy as np
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import bench_treelstm as bt
     import gluon_dynbatch as dyb
     from gluon_dynbatch.block import PIPELINE_CALLS
     print('engine %s, OMP_NUM_THREADS %s, %d minibatches per setting'
           % (os.environ['MXNET_ENGINE_TYPE'], os.environ['OMP_NUM_THREADS'], args.repeats),
           flush=True)
     _, items, targets, vocab_size, embedding = bt.load_data(args)
+    largest = max(int(setting.split()[1]) for setting in args.settings)
+    if largest > len(items):    # (its minibatches would hold fewer pairs than said)
+        p.error('argument --settings: a minibatch of %d is more than the %d pairs of the test '
+                'split' % (largest, len(items)))
     ctx = bt.Forms(vocab_size, embedding, args.seed, wanted=['dynbatch-auto'])
 
     class Pipelined(bt.DynBatchForm):

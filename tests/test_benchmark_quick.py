@@ -270,6 +270,10 @@ BAD_COMMAND_LINES = [
      "argument --pairs: '0' is not a positive integer"),
     ('bench_arity.py', ['--pairs', '-5', '--out', 'OUT'],
      "argument --pairs: '-5' is not a positive integer"),
+    ('bench_pipeline.py', ['--repeats', '0', '--out', 'OUT'],
+     "argument --repeats: '0' is not a positive integer"),
+    ('bench_pipeline.py', ['--engine', 'Bogus', '--out', 'OUT'],
+     "argument --engine: invalid choice: 'Bogus' (choose from 'NaiveEngine'"),
     # (checked once the data is loaded: the split's size)
     pytest.param('bench_treelstm.py', ['--quick', '--check-batches', '1000', '--out', 'OUT'],
                  '--check-batches 1000 x --check-pairs 8: more than the', marks=needs_sick),
