@@ -54,6 +54,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import bench_treelstm as bt  # noqa: E402  (no MXNet import at module level)
 FORMS = ('per-sample', 'per-sample-hybrid', 'padded-fused', 'bucketed-fused', 'dynbatch',
          'dynbatch-unshared', 'dynbatch-slow-ops')
 SETTINGS = (('infer', 1), ('infer', 25), ('infer', 256), ('train', 25), ('train', 256))
@@ -74,12 +76,14 @@ def parse_args(argv=None):
                    choices=['LSTMCell', 'GRUCell'])
     p.add_argument('--engine', default='ThreadedEnginePerDevice',
                    choices=['ThreadedEnginePerDevice', 'NaiveEngine', 'ThreadedEngine'])
-    p.add_argument('--threads', type=int, default=1, help='OMP_NUM_THREADS / MKL_NUM_THREADS')
-    p.add_argument('--repeats', type=int, default=None, help='default 5; quick 2')
-    p.add_argument('--budget', type=float, default=None,
+    p.add_argument('--threads', type=bt.positive_int, default=1,
+                   help='OMP_NUM_THREADS / MKL_NUM_THREADS')
+    p.add_argument('--repeats', type=bt.positive_int, default=None, help='default 5; quick 2')
+    p.add_argument('--budget', type=bt.positive_float, default=None,
                    help='seconds per form per repeat per setting (default 0.5; quick 0.1)')
-    p.add_argument('--tol', type=float, default=1e-4)
-    p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--tol', type=bt.non_negative_float, default=1e-4,
+                   help='equivalence tolerance (0: bit for bit)')
+    p.add_argument('--seed', type=bt.seed_int, default=0, help='0 to %d' % bt.SEED_MAX)
     p.add_argument('--quick', action='store_true')
     p.add_argument('--out', default=None,
                    help='folder for cells.json / cells.md (default benchmarks/results; '
@@ -392,8 +396,6 @@ def main(argv=None):
         return each_cell_apart(args)
     os.environ['MXNET_ENGINE_TYPE'] = args.engine
     os.environ['OMP_NUM_THREADS'] = os.environ['MKL_NUM_THREADS'] = str(args.threads)
-    sys.path.insert(0, HERE)
-    import bench_treelstm as bt        # pylint: disable=import-outside-toplevel
     import mxnet as mx                 # pylint: disable=import-outside-toplevel
     from gluon_dynbatch import trace   # pylint: disable=import-outside-toplevel
     repeats = args.repeats or (2 if args.quick else 5)

@@ -274,6 +274,8 @@ BAD_COMMAND_LINES = [
      "argument --repeats: '0' is not a positive integer"),
     ('bench_pipeline.py', ['--engine', 'Bogus', '--out', 'OUT'],
      "argument --engine: invalid choice: 'Bogus' (choose from 'NaiveEngine'"),
+    ('bench_cells.py', ['--quick', '--budget', '-1', '--out', 'OUT'],
+     "argument --budget: '-1' is not a positive finite number"),
     # (checked once the data is loaded: the split's size)
     pytest.param('bench_treelstm.py', ['--quick', '--check-batches', '1000', '--out', 'OUT'],
                  '--check-batches 1000 x --check-pairs 8: more than the', marks=needs_sick),
