@@ -36,6 +36,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, 'results')
 QUICK_OUT = os.path.join(DEFAULT_OUT, 'quick')
+sys.path.insert(0, HERE)
+import bench_treelstm as bt  # noqa: E402  (no MXNet import at module level)
 
 KERNELS = r'''
 #include <cmath>
@@ -164,20 +166,27 @@ def _outputs(result):
     return result if isinstance(result, (list, tuple)) else [result]
 
 
-def parse_args(argv=None):
-    """The command line; ``--out`` defaults by ``--quick`` (no MXNet import)."""
+def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--data', default=None)
-    p.add_argument('--seed', type=int, default=0, help='order of the SICK test pairs')
-    p.add_argument('--batch', type=int, default=256)
-    p.add_argument('--minibatches', type=int, default=8)
-    p.add_argument('--repeats', type=int, default=7)
+    p.add_argument('--seed', type=bt.seed_int, default=0,
+                   help='order of the SICK test pairs (0 to %d)' % bt.SEED_MAX)
+    p.add_argument('--batch', type=bt.positive_int, default=256,
+                   help='pairs a minibatch; (--minibatches + 4 warm-up) of them must fit in '
+                        'the test split')
+    p.add_argument('--minibatches', type=bt.positive_int, default=8)
+    p.add_argument('--repeats', type=bt.positive_int, default=7)
     p.add_argument('--out', default=None,
                    help='folder for fused_gates.json (default %s; with --quick %s, so that '
                         'a smoke run leaves the published results alone)'
                         % (DEFAULT_OUT, QUICK_OUT))
     p.add_argument('--quick', action='store_true', help='smoke run: 2 minibatches, few timings')
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    """The command line; ``--out`` defaults by ``--quick`` (no MXNet import)."""
+    args = build_parser().parse_args(argv)
     if args.out is None:
         args.out = QUICK_OUT if args.quick else DEFAULT_OUT
     return args
@@ -187,19 +196,21 @@ def main(argv=None):
     args = parse_args(argv)
     os.environ.setdefault('MXNET_ENGINE_TYPE', 'ThreadedEnginePerDevice')
     os.environ['OMP_NUM_THREADS'] = '1'
-    sys.path.insert(0, HERE)
-    import bench_treelstm as bt
     import mxnet as mx
     if args.quick:
         args.minibatches, args.repeats = 2, 2
     calls = 5 if args.quick else 50
+    _, items, targets, vocab_size, embedding = bt.load_data(args)
+    if (4 + args.minibatches) * args.batch > len(items):   # (else empty minibatches)
+        build_parser().error('--batch %d x (--minibatches %d + 4 warm-up): more than the %d '
+                             'pairs of the test split'
+                             % (args.batch, args.minibatches, len(items)))
     with tempfile.TemporaryDirectory() as folder:
         mx.library.load(build_library(mx, folder), verbose=False)
     print('MXNET_ENGINE_TYPE=%s OMP_NUM_THREADS=1, minibatch %d, %d minibatches'
           % (os.environ['MXNET_ENGINE_TYPE'], args.batch, args.minibatches), flush=True)
     progs = programs(mx, bt.HIDDEN)
 
-    _, items, targets, vocab_size, embedding = bt.load_data(args)
     ctx = bt.Forms(vocab_size, embedding, 0, wanted=['dynbatch-auto'])
     form = ctx.forms['dynbatch-auto']
     for start in range(0, 4 * args.batch, args.batch):             # warm-up

@@ -276,6 +276,8 @@ BAD_COMMAND_LINES = [
      "argument --engine: invalid choice: 'Bogus' (choose from 'NaiveEngine'"),
     ('bench_cells.py', ['--quick', '--budget', '-1', '--out', 'OUT'],
      "argument --budget: '-1' is not a positive finite number"),
+    ('fused_gates.py', ['--quick', '--batch', '0', '--out', 'OUT'],
+     "argument --batch: '0' is not a positive integer"),
     # (checked once the data is loaded: the split's size)
     pytest.param('bench_treelstm.py', ['--quick', '--check-batches', '1000', '--out', 'OUT'],
                  '--check-batches 1000 x --check-pairs 8: more than the', marks=needs_sick),
