@@ -36,6 +36,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import bench_treelstm as bt  # noqa: E402  (no MXNet import at module level)
 
 
 MODES = ('infer', 'train', 'record')
@@ -71,7 +73,7 @@ def check_revision(rev):
     return None
 
 
-def parse_args(argv=None):
+def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--rev', required=True, help='git revision to compare against')
     p.add_argument('--settings', nargs='+', type=parse_setting,
@@ -81,9 +83,15 @@ def parse_args(argv=None):
     p.add_argument('--engine', default='NaiveEngine',
                    choices=['NaiveEngine', 'ThreadedEnginePerDevice', 'ThreadedEngine'],
                    help='MXNET_ENGINE_TYPE for both sides')
-    p.add_argument('--repeats', type=int, default=5)
-    p.add_argument('--pairs', type=int, default=1500, help='pairs timed per repeat and side')
+    p.add_argument('--repeats', type=bt.positive_int, default=5)
+    p.add_argument('--pairs', type=bt.positive_int, default=1500,
+                   help='pairs timed per repeat and side (at least 4 minibatches)')
     p.add_argument('--data', default=None)
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
     problem = check_revision(args.rev)
     if problem:
@@ -117,10 +125,8 @@ def main(argv=None):
     args = parse_args(argv)
     os.environ['MXNET_ENGINE_TYPE'] = args.engine
     os.environ['OMP_NUM_THREADS'] = os.environ['MKL_NUM_THREADS'] = '1'
-    sys.path.insert(0, HERE)
     import numpy as np  # pylint: disable=import-outside-toplevel
     import mxnet as mx  # pylint: disable=import-outside-toplevel
-    import bench_treelstm as bt  # pylint: disable=import-outside-toplevel
     import gluon_dynbatch as dyb  # pylint: disable=import-outside-toplevel
     old = load_revision(args.rev)
     # importing the revision registered its 'fusedadagrad' over this tree's
@@ -142,6 +148,10 @@ def main(argv=None):
 
     _, items, targets, vocab_size, embedding = bt.load_data(bt.build_parser().parse_args(
         ['--data', args.data] if args.data else []))
+    largest = max(int(setting.split()[1]) for setting in args.settings)
+    if largest >= len(items):   # (the minibatches start anywhere but past the split's end)
+        build_parser().error('argument --settings: a minibatch of %d is not less than the %d '
+                             'pairs of the test split' % (largest, len(items)))
     ctx = bt.Forms(vocab_size, embedding, 0, wanted=['dynbatch-depth'])
     sides = {'revision': OldForm(old, old.DynBatchBlock(ctx.node), old.DynBatchBlock(ctx.head),
                                  args.strategy),

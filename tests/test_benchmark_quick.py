@@ -278,6 +278,8 @@ BAD_COMMAND_LINES = [
      "argument --budget: '-1' is not a positive finite number"),
     ('fused_gates.py', ['--quick', '--batch', '0', '--out', 'OUT'],
      "argument --batch: '0' is not a positive integer"),
+    ('ab_revision.py', ['--rev', 'HEAD', '--repeats', '0'],
+     "argument --repeats: '0' is not a positive integer"),
     # (checked once the data is loaded: the split's size)
     pytest.param('bench_treelstm.py', ['--quick', '--check-batches', '1000', '--out', 'OUT'],
                  '--check-batches 1000 x --check-pairs 8: more than the', marks=needs_sick),
