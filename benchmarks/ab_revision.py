@@ -129,6 +129,11 @@ def main(argv=None):
     import mxnet as mx  # pylint: disable=import-outside-toplevel
     import gluon_dynbatch as dyb  # pylint: disable=import-outside-toplevel
     old = load_revision(args.rev)
+    for side, module in (('revision %s' % args.rev, old), ('working tree', dyb)):
+        known = getattr(module, 'STRATEGIES', None)
+        if known is not None and args.strategy not in known:
+            build_parser().error('argument --strategy: %r is no strategy of the %s: choose '
+                                 'from %s' % (args.strategy, side, ', '.join(known)))
     # importing the revision registered its 'fusedadagrad' over this tree's
     # (and its C kernel is not built): both sides share one trainer, which
     # uses this tree's optimizer, so training compares the batching only
