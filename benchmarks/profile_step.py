@@ -66,7 +66,7 @@ def parse_args(argv=None):
     # Python's, inside the calls this script times
     p.add_argument('--engine', default='ThreadedEnginePerDevice', choices=THREADED,
                    help='MXNET_ENGINE_TYPE (a threaded one: the profile splits two threads)')
-    p.add_argument('--top', type=int, default=15, help='operators listed')
+    p.add_argument('--top', type=bt.positive_int, default=15, help='operators listed')
     p.add_argument('--data', default=None, help='SICK folder (else $GLUON_DYNBATCH_SICK, else '
                                                 '../shared/data/sick)%(default).0s')
     p.add_argument('--out', default=os.path.join(HERE, 'results'),

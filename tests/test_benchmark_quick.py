@@ -280,6 +280,8 @@ BAD_COMMAND_LINES = [
      "argument --batch: '0' is not a positive integer"),
     ('ab_revision.py', ['--rev', 'HEAD', '--repeats', '0'],
      "argument --repeats: '0' is not a positive integer"),
+    ('profile_step.py', ['--top', '-3', '--out', 'OUT'],
+     "argument --top: '-3' is not a positive integer"),
     # (checked once the data is loaded: the split's size)
     pytest.param('bench_treelstm.py', ['--quick', '--check-batches', '1000', '--out', 'OUT'],
                  '--check-batches 1000 x --check-pairs 8: more than the', marks=needs_sick),
