@@ -121,7 +121,8 @@ def configure_env(threads):
     default, named explicitly) unless ``MXNET_ENGINE_TYPE`` is already set.
     With one thread its worker runs the operators on the second core while
     Python records the next steps: the fastest setting for ``auto`` in the
-    four latest settings sweeps on the 2-core development VM,
+    five latest settings sweeps on the 2-core development VMs (README.md,
+    docs/performance.rst; the latest at 7546339, benchmarks/results/sweep.json),
     and this script's training ran 1.55x faster than under the NaiveEngine
     (1,141-1,296 against 774-826 pairs/s), with the same losses.
 
