@@ -24,6 +24,7 @@ import mxnet as mx
 import numpy as np
 from mxnet import autograd
 from mxnet.gluon import Block
+from mxnet.ndarray.ndarray import _DTYPE_NP_TO_MX
 
 from . import accel, debug
 from .errors import InputError, PerSampleWarning, ScopeError
@@ -468,7 +469,7 @@ def batching(strategy='auto', flush_every='auto', merge_repeats=True):
                          "a value is read or the scope exits) or 'auto'." % (flush_every,))
     elif flush_every is not None:
         flush_every = int(flush_every)      # numpy integers too; the C recorder reads an int
-    if not isinstance(merge_repeats, (bool, np.bool_, numbers.Integral)):
+    if not _is_flag(merge_repeats):
         raise ScopeError('merge_repeats=%r: give True or False (or 1 or 0).'
                          % (merge_repeats,))
     _forget_stale_traces()
@@ -510,6 +511,13 @@ _COLLECTOR_LOCK = threading.Lock()
 
 _TRACED = weakref.WeakSet()
 """The DynBatchBlocks holding traced signatures (see :func:`_forget_stale_traces`)."""
+
+
+def _is_flag(value):
+    """Whether ``value`` is True or False (numpy's too, or 1 or 0): a flag
+    given as a string such as 'no' would otherwise be taken as true."""
+    return isinstance(value, (bool, np.bool_)) or \
+        (isinstance(value, numbers.Integral) and value in (0, 1))
 
 
 def _blocks_of(block):
@@ -642,7 +650,7 @@ def concat_rows(values):
                     '[out for out, _ in results]' if isinstance(value, (tuple, list)) else '.')
             raise InputError('concat_rows(): value %d is a %s; expected lazy values or '
                              'NDArrays%s' % (i, type(value).__name__, hint))
-    shape = values[0].shape
+    shape, dtype = values[0].shape, values[0].dtype
     for i, value in enumerate(values):
         if type(value) is LazyValue and (value._node.state != DONE or
                                          value._node.scope.failure is not None):
@@ -653,6 +661,10 @@ def concat_rows(values):
         if value.shape != shape:
             raise InputError('concat_rows(): value %d has shape %s but value 0 has %s; the '
                              'values must share one shape.' % (i, value.shape, shape))
+        if value.dtype != dtype:
+            raise InputError('concat_rows(): value %d has dtype %s but value 0 has %s; the '
+                             'values must share one dtype (cast one: v.data.astype(...)).'
+                             % (i, np.dtype(value.dtype).name, np.dtype(dtype).name))
     ctx = values[0].context
     parts, index, _ = collect(values, ctx)
     with recorded():            # (see graph.recorded)
@@ -1307,7 +1319,11 @@ class DynBatchBlock(Block):
         self.block = block
         if pad_lists is None:
             pad_lists = getattr(block, 'dynbatch_pad_lists', False)
-        self.pad_lists = pad_lists
+        if not _is_flag(pad_lists):
+            raise InputError('DynBatchBlock(%s): pad_lists=%r (or the block\'s '
+                             'dynbatch_pad_lists): give True or False.'
+                             % (block.name, pad_lists))
+        self.pad_lists = bool(pad_lists)
         self.__dict__.update(self._untraced())
 
     def __getstate__(self):
@@ -1382,6 +1398,13 @@ class DynBatchBlock(Block):
     def _trace(self, key, fmt, ctx):
         shapes = key[1:-2]
         dtypes = [key[-2]] * len(shapes)
+        if np.dtype(key[-2]).type not in _DTYPE_NP_TO_MX:
+            # (the trace's type inference failed with a bare TypeError)
+            raise InputError(
+                'block %s: its arguments have dtype %s, which MXNet arrays cannot hold (they '
+                'take float16/32/64, uint8, int8/32/64 and bool). Convert them, e.g. '
+                'x.astype(np.float32), or keep such values out of the block\'s arguments.'
+                % (self.block.name, np.dtype(key[-2]).name))
         for pos, shape in enumerate(shapes):
             if not shape or shape[0] != 1:
                 raise InputError(

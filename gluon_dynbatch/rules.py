@@ -35,8 +35,18 @@ def register_batching_rule(*op_names, function_of_inputs=False):
     inputs alone (no random draws, no state kept between calls): only then
     may calls with equal host arguments of a block that uses it share one
     result (``batching(merge_repeats=True)``, see :data:`NOT_FUNCTIONS`;
-    never for ``'Custom'``, whose rule covers every custom op)."""
+    never for ``'Custom'``, whose rule covers every custom op).
+
+    Misuse fails here, where it was silent (found by a review): a name
+    that is no MXNet operator (a misspelling registered nothing useful),
+    no name (``@register_batching_rule`` without parentheses), the rule
+    given as an argument, or a rule that cannot be called."""
+    _check_operator_names(op_names)
+
     def register(rule):
+        if not callable(rule):
+            raise TypeError('register_batching_rule(%s) decorates a function rule(op) -> '
+                            'None | str; got %r.' % (', '.join(map(repr, op_names)), rule))
         for name in op_names:
             if name in RULES and RULES[name] is not rule:
                 warnings.warn('batching rule for %r overridden' % name, stacklevel=2)
@@ -47,6 +57,38 @@ def register_batching_rule(*op_names, function_of_inputs=False):
                 NOT_FUNCTIONS.add(name)
         return rule
     return register
+
+
+_OPERATORS = set()      # MXNet's operator names, read again for a name not among them
+
+
+def _check_operator_names(op_names):
+    for name in op_names:
+        if callable(name):
+            raise TypeError(
+                'register_batching_rule takes operator names and returns the decorator: write '
+                "@register_batching_rule('op_name'), or register_batching_rule('op_name')(rule); "
+                'got the function %s among the names.' % getattr(name, '__name__', name))
+        if not isinstance(name, str):
+            raise TypeError('register_batching_rule: operator names are strings; got %r.'
+                            % (name,))
+    if not op_names:
+        raise TypeError("register_batching_rule needs at least one operator name: "
+                        "@register_batching_rule('op_name').")
+    import difflib                          # pylint: disable=import-outside-toplevel
+    import mxnet as mx                      # pylint: disable=import-outside-toplevel
+    if not _OPERATORS.issuperset(op_names):      # (mx.library.load adds operators)
+        _OPERATORS.update(mx.operator.get_all_registered_operators())
+    known = _OPERATORS
+    for name in op_names:
+        if name not in known:
+            close = difflib.get_close_matches(
+                name, [op for op in known if not op.startswith('_backward')], n=3)
+            raise ValueError('register_batching_rule: %r is no MXNet operator%s (a graph names '
+                             'its ops as MXNet registers them, e.g. \'hard_sigmoid\', '
+                             '\'FullyConnected\').'
+                             % (name, '; did you mean %s?' % ' or '.join(map(repr, close))
+                                if close else ''))
 
 
 def batching_rule(op_name):

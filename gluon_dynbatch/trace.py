@@ -283,6 +283,15 @@ def trace_signature(sig_id, block, fmt, shapes, dtypes):
     out_leaves = [mx.sym.identity(leaf) if leaf.get_children() is None else leaf
                   for leaf in out_leaves]
     symbol = unique_op_names(out_leaves[0] if len(out_leaves) == 1 else mx.sym.Group(out_leaves))
+    if not symbol.list_inputs():
+        # (found by a review: the warning said it would run per sample,
+        # then the flush failed with MXNet's raw error)
+        raise InputError(
+            'block %s computes its outputs from constants alone (it reads none of its '
+            'arguments and no parameter), and MXNet builds no graph without inputs '
+            '(hybridized Gluon fails alike, with "There are no inputs in computation graph"). '
+            'Make the constant outside the block, or have the block read an argument.'
+            % _block_name(block))
 
     # an argument the block ignores is no input of its graph (its rows are
     # still gathered, and nothing reads them)
@@ -866,6 +875,12 @@ def check_batch_safe(symbol, data_names, known):
                 return False, 'op %s (%s) sees a batched input of shape %s' % (
                     node['op'], node['name'], shape)
         reason = rule(OpView(node['op'], node.get('attrs', {}), flags, shapes))
+        if reason is not None and not isinstance(reason, str):
+            # (True became the reason 'True', and False, meant as 'no', read as safe)
+            raise InputError('the batching rule %s for op %s returned %r: a rule returns None '
+                             'when stacking along axis 0 is safe, else a string saying why '
+                             'not (see register_batching_rule).'
+                             % (getattr(rule, '__name__', rule), node['op'], reason))
         if reason:
             return False, '%s (%s)' % (reason, node['name'])
         batched.append(True)

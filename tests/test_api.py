@@ -764,12 +764,20 @@ def test_error_strategy_without_plan_names_what_to_implement():
             block(mx.nd.ones((1, 3)))
 
 
-@pytest.mark.parametrize('value', ['no', None, 0.5])
+@pytest.mark.parametrize('value', ['no', None, 0.5, 2, -1])
 def test_error_merge_repeats_not_a_bool(value):
     """merge_repeats='no' left merging on (bool('no')): found by a review."""
     with pytest.raises(dyb.ScopeError, match=r'merge_repeats=.*True or False'):
         with dyb.batching(merge_repeats=value):
             pass
+
+
+@pytest.mark.parametrize('value', ['no', 'False', 2, 0.5])
+def test_error_pad_lists_not_a_bool(value):
+    """pad_lists='no' padded lists (any true value did): found by a review."""
+    with pytest.raises(dyb.InputError, match=r'pad_lists=.*give True or False'):
+        dyb.DynBatchBlock(TanhDense(3), pad_lists=value)
+    assert dyb.DynBatchBlock(TanhDense(3), pad_lists=np.bool_(True)).pad_lists is True
 
 
 @pytest.mark.parametrize('value,level', [('false', 0), (' Off ', 0), ('no', 0), ('', 0),
@@ -1089,6 +1097,33 @@ def test_error_an_operator_input_left_out_names_the_block():
                        r'its arguments.*every input'):
         with dyb.batching():
             block(mx.nd.ones((1, 3)))
+
+
+class _Constant(gluon.HybridBlock):
+    def hybrid_forward(self, F, x):
+        return F.zeros((1, 6))
+
+
+def test_error_a_block_of_constants_alone_is_named():
+    """Found by a review: the block reads nothing, MXNet cannot build its
+    graph (nor can hybridized Gluon), and the flush failed with MXNet's raw
+    'There are no inputs in computation graph'."""
+    block = dyb.DynBatchBlock(_Constant())
+    with pytest.raises(dyb.InputError, match=r'block _constant\d+ \(_Constant\) computes its '
+                       r'outputs from constants alone'):
+        with dyb.batching():
+            block(mx.nd.ones((1, 6)))
+
+
+@pytest.mark.parametrize('dtype', [np.complex64, 'U1', 'datetime64[D]', object])
+def test_error_an_argument_dtype_mxnet_lacks_is_named(dtype):
+    """Found by a review: the trace failed with a bare TypeError."""
+    block = dyb.DynBatchBlock(TanhDense(3))
+    block.initialize()
+    with pytest.raises(dyb.InputError, match=r'block tanhdense\d+: its arguments have dtype '
+                       r'\w+, which MXNet arrays cannot hold'):
+        with dyb.batching():
+            block(np.zeros((1, 3), dtype=dtype))
 
 
 class _TiedOutput(gluon.HybridBlock):
@@ -1461,6 +1496,10 @@ def test_concat_rows_errors():
         dyb.concat_rows([a, mx.nd.ones((1, 4))])
     with pytest.raises(dyb.InputError, match='value 1 is a list'):
         dyb.concat_rows([a, [a]])
+    # (MXNet's raw 'Non-uniform data type in Concat' before; found by a review)
+    with pytest.raises(dyb.InputError, match=r'value 1 has dtype float64 but value 0 has '
+                       r'float32'):
+        dyb.concat_rows([a, mx.nd.ones((1, 2), dtype='float64')])
 
 
 def test_nested_list_arguments_run_batched_and_match():

@@ -1226,3 +1226,51 @@ def test_a_prelu_of_a_per_sample_slope_is_refused_in_its_own_terms(shape):
             outs = [block(-mx.nd.ones(shape), mx.nd.array([0.1 * k])) for k in range(3)]
     for k, out in enumerate(outs):
         np.testing.assert_allclose(out.asnumpy(), np.full(shape, -0.1 * k), rtol=1e-6)
+
+
+def _safe(op):
+    return None
+
+
+@pytest.mark.parametrize('call, error, message', [
+    (lambda: dyb.register_batching_rule(_safe), TypeError,
+     r"takes operator names and returns the decorator.*got the function _safe"),
+    (lambda: dyb.register_batching_rule('softmin', _safe), TypeError,
+     r"takes operator names and returns the decorator"),
+    (lambda: dyb.register_batching_rule(), TypeError, r'needs at least one operator name'),
+    (lambda: dyb.register_batching_rule(3), TypeError, r'operator names are strings; got 3'),
+    (lambda: dyb.register_batching_rule('hardsigmoid')(_safe), ValueError,
+     r"'hardsigmoid' is no MXNet operator; did you mean 'hard_sigmoid'"),
+    (lambda: dyb.register_batching_rule('hard_sigmoid')(42), TypeError,
+     r"decorates a function rule\(op\) -> None \| str; got 42"),
+])
+def test_error_register_batching_rule_misuse(call, error, message, monkeypatch):
+    """Found by a review: each of these registered nothing (or a misspelt
+    name, or a rule that failed at trace), silently; the user saw the block
+    run per sample for want of a rule."""
+    from gluon_dynbatch import rules
+    monkeypatch.setattr(rules, 'RULES', dict(rules.RULES))
+    before = dict(rules.RULES)
+    with pytest.raises(error, match=message):
+        call()
+    assert rules.RULES == before
+
+
+class HardSigmoid(gluon.HybridBlock):
+    def hybrid_forward(self, F, x):
+        return F.hard_sigmoid(x)
+
+
+@pytest.mark.parametrize('verdict', [True, False, 0])
+def test_error_a_rule_returning_neither_none_nor_a_reason(verdict, monkeypatch):
+    """A rule returning True became the reason 'True'; False, meant as
+    'not safe', read as safe (found by a review)."""
+    from gluon_dynbatch import rules
+    monkeypatch.setattr(rules, 'RULES', dict(rules.RULES))
+    monkeypatch.setattr('gluon_dynbatch.trace.batching_rule', rules.RULES.get)
+    dyb.register_batching_rule('hard_sigmoid')(lambda op: verdict)
+    block = dyb.DynBatchBlock(HardSigmoid())
+    with pytest.raises(dyb.InputError, match=r'the batching rule <lambda> for op hard_sigmoid '
+                       r'returned %r: a rule returns None' % verdict):
+        with dyb.batching():
+            block(mx.nd.ones((1, 4)))
