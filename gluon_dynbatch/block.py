@@ -32,7 +32,7 @@ from .execute import collect, pad_leaves, run_plan, threaded_engine, to_device
 from .graph import (DONE, FAILED, PENDING, LazyValue, Node, lazy_results, recorded, repeat_node,
                     shared_results)
 from .lower import INDEXED_OPS, make_cached_op, programs_built, ragged_lists
-from .plan import SETUP, STRATEGIES, Strategy, summarize
+from .plan import SETUP, STRATEGIES, Strategy, check_plan, summarize
 from .trace import (error_line, flatten, graph_readers, inputs_below, leaf_count, regroup,
                     symbol_json, trace_signature)
 
@@ -308,6 +308,7 @@ class BatchingScope:
             built, (checks, check_s) = programs_built(), padding_checks()
             start = time.perf_counter()
             plan = self.strategy.plan(nodes, summary)
+            check_plan(plan, nodes, self.strategy)
             planned = time.perf_counter()
             timed = not threaded_engine() or self.strategy.wants_step_times(TIMED_EVERY)
             mark = _Mark(plan) if self.follow_engine else None

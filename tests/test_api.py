@@ -764,6 +764,44 @@ def test_error_strategy_without_plan_names_what_to_implement():
             block(mx.nd.ones((1, 3)))
 
 
+class _BadPlans(dyb.Strategy):
+    """Plans that break the contract in one way each (found by a review:
+    each failed deep in the execution, or not at all)."""
+    name = 'bad'
+
+    def __init__(self, how):
+        self.how = how
+
+    def plan(self, nodes, summary=None):
+        alone = [dyb.BatchStep(node.sig, (node,)) for node in nodes]
+        return {'list': lambda: alone,
+                'left out': lambda: dyb.Plan('bad', tuple(alone[:-1])),
+                'reversed': lambda: dyb.Plan('bad', tuple(reversed(alone))),
+                'twice': lambda: dyb.Plan('bad', tuple(alone) * 2),
+                'merged': lambda: dyb.Plan('bad', (dyb.BatchStep(nodes[0].sig, (nodes[0],
+                                                                                nodes[-1])),
+                                                   ) + tuple(alone[1:-1])),
+                }[self.how]()
+
+
+@pytest.mark.parametrize('how, message', [
+    ('list', r'planned a list, not a Plan'),
+    ('left out', r'planned 2 of the flush\'s 3 nodes'),
+    ('reversed', r'planned step 1 with Node\(dense\w*, depth=1\) before a node it reads'),
+    ('twice', r'planned step 3 with Node\(dense\w*, depth=0\), a node run twice'),
+    ('merged', r'planned step 0 merging Node\(\w+, depth=0\) with nodes it cannot merge'),
+])
+def test_error_a_strategy_of_ones_own_planning_wrong_is_named(how, message):
+    first, other = dense(), dense(3, in_units=2)
+    with pytest.raises(dyb.ScopeError, match=r"strategy 'bad' \(_BadPlans\) " + message):
+        with dyb.batching(_BadPlans(how)):
+            first(first(mx.nd.ones((1, 3))))
+            other(mx.nd.ones((1, 2)))
+    with dyb.batching(_BadPlans('merged')):      # one call: nothing to merge, and no error
+        value = first(mx.nd.ones((1, 3)))
+    assert value.shape == (1, 3)
+
+
 @pytest.mark.parametrize('value', ['no', None, 0.5, 2, -1])
 def test_error_merge_repeats_not_a_bool(value):
     """merge_repeats='no' left merging on (bool('no')): found by a review."""
