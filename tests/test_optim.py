@@ -411,16 +411,17 @@ def test_training_with_inference_in_between_is_adagrads(way):
 def test_an_op_that_failed_before_the_step_is_reported(way):
     """An op of the forward pass that fails when it runs (an index out of
     range) raises MXNet's error, at the step or at the next read, whichever
-    way the update runs.  Waiting for it in the kernel had swallowed it:
-    the step fell back to the op, and nothing was ever raised."""
+    way the update runs (under the NaiveEngine, at the op itself).  Waiting
+    for it in the kernel had swallowed it: the step fell back to the op,
+    and nothing was ever raised."""
     net = nn.Dense(3, in_units=4)
     net.initialize()
     trainer = gluon.Trainer(net.collect_params(), 'fusedadagrad', {'learning_rate': 0.1})
-    with autograd.record():
-        rows = mx.nd.take(net(mx.nd.ones((2, 4))), mx.nd.array([7]), axis=0, mode='raise')
-        loss = (rows * rows).sum()
-    loss.backward()
     with pytest.raises(mx.base.MXNetError, match='out of bound'):
+        with autograd.record():
+            rows = mx.nd.take(net(mx.nd.ones((2, 4))), mx.nd.array([7]), axis=0, mode='raise')
+            loss = (rows * rows).sum()
+        loss.backward()
         trainer.step(2)
         net.weight.data().asnumpy()
 
