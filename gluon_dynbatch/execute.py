@@ -262,6 +262,8 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hois
               else to_device(inverse, ctx) if kind == 'inverse'
               else to_device(inverse[ragged.segment], ctx) if kind == 'inverse_segment'
               else item.data(ctx) for kind, item in program.feeds]
+    if tables is not None:
+        inputs = _own_handles(inputs, program.feeds, recipe is not None)
     outs = call_program(program.cached_op, inputs, (sig,))
     if isinstance(outs, NDArray):
         outs = [outs]
@@ -277,6 +279,22 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hois
             if varied is not None:
                 varied.update(id(outs[number]) for number in more)
     return outs, learned
+
+
+def _own_handles(inputs, feeds, replayed):
+    """A training step's ``inputs``, with a handle of their own (the same
+    memory, :func:`grad_free`) for the arrays that other flushes read too:
+    padding rows and other :class:`GradFree` arrays, and the index arrays
+    of a replayed recipe.  Autograd gives the arrays a recorded op reads an
+    entry in its graph, which the first ``backward()`` clears, so a second
+    graph recorded before it that read the same array failed in its own
+    backward (``The any container is empty``): losses of several training
+    scopes each backpropagated in turn (gradient accumulation), and
+    threads training at once on cached plans, which also crashed (found by
+    a fuzzer).  ~1-2 us an array replaced."""
+    return [grad_free(array) if type(array) is GradFree or
+            (replayed and kind in ('idx', 'ragged') and array is not None) else array
+            for array, (kind, _) in zip(inputs, feeds)]
 
 
 def _grad_free_by_node(nodes, sig, flags, free):

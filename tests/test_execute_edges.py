@@ -909,12 +909,58 @@ def test_a_gradient_attached_to_a_detached_output_is_kept(strategy):
     np.testing.assert_allclose(run(True), run(False), rtol=1e-5, atol=1e-6)
 
 
-def test_threads_train_at_once_with_padded_lists():
+def _forest_loss(cell, widths, rng, scope):
+    """The squared roots of trees of one leaf level, ``widths`` leaves
+    each, under ``scope`` (a batching scope, or a null context per sample)."""
+    with scope:
+        roots = []
+        for width in widths:
+            leaves = [cell(mx.nd.array(rng.randn(1, 3)), [], []) for _ in range(width)]
+            roots.append(cell(mx.nd.array(rng.randn(1, 3)), [h for h, _ in leaves],
+                              [c for _, c in leaves])[0])
+    rows = dyb.concat_rows(roots) if isinstance(roots[0], dyb.LazyValue) else \
+        mx.nd.concat(*roots, dim=0)
+    return (rows ** 2).sum()
+
+
+@pytest.mark.parametrize('strategy', ['per-sample', 'depth', 'agenda', 'cached', 'auto'])
+def test_losses_of_several_training_scopes_backpropagated_in_turn(strategy):
+    """Gradient accumulation, one loss per scope, all recorded before the
+    first backward: the second backward failed ('The any container is
+    empty') under every strategy, since padding rows, and a cached plan's
+    index arrays, were read by each scope's graph and the first backward
+    cleared their graph entry (found by a fuzzer).  Gradients add up as
+    per sample."""
+    cell = dyb.DynBatchBlock(ChildSumTreeLSTMCell(4, 3))
+    cell.initialize(mx.init.Xavier())
+    cell.collect_params().setattr('grad_req', 'add')
+    grads = {}
+    for batched in (False, True):
+        cell.collect_params().zero_grad()
+        rng = np.random.RandomState(0)
+        losses = []
+        for _ in range(4):      # one structure: 'cached' and 'auto' replay its plan
+            with autograd.record():
+                losses.append(_forest_loss(cell if batched else cell.block, [1, 3, 2], rng,
+                                           dyb.batching(strategy) if batched
+                                           else contextlib.nullcontext()))
+        for loss in losses:
+            loss.backward()
+        grads[batched] = [p.grad().asnumpy().copy() for p in cell.collect_params().values()]
+    for want, got in zip(grads[False], grads[True]):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('strategy', ['depth', 'cached', 'auto'])
+def test_threads_train_at_once_with_padded_lists(strategy):
     """Threads training at once, each in its own scope, on one block with
     list arguments padded by a shared zero row failed in backward ('The any
     container is empty', unknown shapes) or corrupted the heap: autograd
     gives a recorded op's inputs a graph entry and backward clears it.
-    Zero rows are per thread now (found by a review)."""
+    Zero rows are per thread now (found by a review), and each training
+    step reads them, and a replayed plan's index arrays, through a handle
+    of its own (threads replaying one cached plan crashed; found by a
+    fuzzer)."""
     import threading
     cell = dyb.DynBatchBlock(ChildSumTreeLSTMCell(4, 3))
     cell.initialize(mx.init.Xavier())
@@ -923,17 +969,11 @@ def test_threads_train_at_once_with_padded_lists():
 
     def worker(seed):
         rng = np.random.RandomState(seed)
+        widths = list(rng.randint(1, 4, size=6))     # one structure a thread: plans replay
         try:
             for _ in range(15):
                 with autograd.record():
-                    with dyb.batching('depth'):
-                        outs = []
-                        for _ in range(6):
-                            leaves = [cell(mx.nd.array(rng.randn(1, 3)), [], [])
-                                      for _ in range(rng.randint(1, 4))]
-                            outs.append(cell(mx.nd.array(rng.randn(1, 3)),
-                                             [h for h, _ in leaves], [c for _, c in leaves])[0])
-                    loss = (dyb.concat_rows(outs) ** 2).sum()
+                    loss = _forest_loss(cell, widths, rng, dyb.batching(strategy))
                 [g.asnumpy() for g in autograd.grad(loss, params)]
         except Exception as err:        # pylint: disable=broad-except
             errors.append(err)
