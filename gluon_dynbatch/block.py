@@ -482,6 +482,12 @@ def batching(strategy='auto', flush_every='auto', merge_repeats=True):
         _LOCAL.scope = scope
         _pause_collector()
         yield scope
+    except GeneratorExit:
+        # the user's generator was closed at a yield inside the scope (a
+        # loop over it broke off): no failure, and per sample the values it
+        # handed out exist, so run them (found by a fuzzer)
+        scope.close()
+        raise
     except BaseException:
         scope.abandon()
         raise
@@ -490,6 +496,13 @@ def batching(strategy='auto', flush_every='auto', merge_repeats=True):
     finally:
         _LOCAL.scope = None
         _resume_collector()
+
+
+SYMBOL_ADVICE = (' A Symbol reaches a wrapper called inside another block\'s hybrid_forward '
+                 'while that block is traced: call the wrapped block itself there '
+                 '(wrapper.block, made a child block of the outer one), and wrap only the '
+                 'outer block.')
+"""Appended to the error for a Symbol among a call's arguments (found by a fuzzer)."""
 
 
 CONSTANT_ADVICE = (' Gluon passes None and numbers through outside a scope, but a '
@@ -745,7 +758,7 @@ def _signature_key(dblock, fmt, leaves, scope):
                              % (dblock.block.name, _leaf_path(fmt, _position(leaves, leaf)),
                                 type(leaf).__name__, CONSTANT_ADVICE
                                 if leaf is None or isinstance(leaf, (numbers.Number, np.generic))
-                                else ''))
+                                else SYMBOL_ADVICE if isinstance(leaf, mx.sym.Symbol) else ''))
         if leaf_ctx is not ctx and leaf_ctx is not None:
             if ctx is None:
                 ctx = leaf_ctx

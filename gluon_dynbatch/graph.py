@@ -177,6 +177,15 @@ class LazyValue:
     def __array__(self, *args, **kwargs):
         raise TypeError(self._HINT % self._node.sig.block.name)
 
+    def __copy__(self):
+        return self     # (a read-only view, as immutable objects copy)
+
+    def __reduce_ex__(self, protocol):
+        # (copy.deepcopy and pickle failed on the scope's thread-local state)
+        raise TypeError('a LazyValue (an output of block %s) cannot be copied or pickled: it '
+                        'is a view of its batched step\'s output. Copy or pickle its data '
+                        '(value.data.copy(), value.asnumpy()).' % self._node.sig.block.name)
+
     def _not_an_ndarray(self, *args):
         raise TypeError(self._HINT % self._node.sig.block.name)
 

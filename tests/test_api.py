@@ -1785,6 +1785,59 @@ def test_a_used_block_deep_copies_into_an_independent_one():
     assert not np.allclose(run(twin), before)
 
 
+class _CallsAWrapper(gluon.HybridBlock):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = [inner]    # (Gluon refuses a wrapper as a HybridBlock's child)
+
+    def hybrid_forward(self, F, x):
+        return self.inner[0](x)
+
+
+def test_error_a_wrapper_called_inside_a_traced_block_says_what_to_call():
+    """Found by a fuzzer: the error said only 'got Symbol'."""
+    outer = dyb.DynBatchBlock(_CallsAWrapper(dense()))
+    with pytest.raises(dyb.InputError, match=r'got Symbol.*call the wrapped block itself there '
+                       r'\(wrapper\.block'):
+        with dyb.batching():
+            outer(mx.nd.ones((1, 3)))
+
+
+def test_a_lazy_value_copies_as_itself_and_refuses_deepcopy_and_pickle():
+    """``copy.deepcopy`` failed on the scope's thread-local state, with
+    nothing to say what to copy instead (found by a fuzzer)."""
+    import copy
+    import pickle
+    block = dense()
+    with dyb.batching():
+        value = block(mx.nd.ones((1, 3)))
+    assert copy.copy(value) is value
+    for deep in (copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match=r'cannot be copied or pickled.*value\.data\.copy'):
+            deep(value)
+
+
+def test_a_generator_closed_inside_its_scope_runs_what_it_handed_out():
+    """Breaking out of a loop over a generator that yields from inside its
+    scope closes the generator there (GeneratorExit): the scope was
+    abandoned, and the values handed out raised LazyValueError, where per
+    sample they exist (found by a fuzzer)."""
+    block = dense()
+    x = mx.nd.array(np.random.RandomState(0).randn(4, 3))
+
+    def minibatches():
+        for _ in range(3):
+            with dyb.batching():
+                yield [block(x[i:i + 1]) for i in range(4)]
+
+    for first in minibatches():
+        break
+    np.testing.assert_allclose(dyb.concat_rows(first).asnumpy(), block.block(x).asnumpy(),
+                               rtol=1e-6)
+    with dyb.batching():        # nothing was left open
+        pass
+
+
 def test_copies_and_pickles_of_a_used_block_train_on_their_own():
     """A deep copy or an unpickled DynBatchBlock trains (a copied parameter's
     gradient is not marked for autograd: backward failed, as it does for a
