@@ -1788,10 +1788,10 @@ def test_a_used_block_deep_copies_into_an_independent_one():
 class _CallsAWrapper(gluon.HybridBlock):
     def __init__(self, inner):
         super().__init__()
-        self.inner = [inner]    # (Gluon refuses a wrapper as a HybridBlock's child)
+        self.call_inner = inner.__call__    # (Gluon refuses a wrapper as a HybridBlock's child)
 
     def hybrid_forward(self, F, x):
-        return self.inner[0](x)
+        return self.call_inner(x)
 
 
 def test_error_a_wrapper_called_inside_a_traced_block_says_what_to_call():
