@@ -485,8 +485,12 @@ def batching(strategy='auto', flush_every='auto', merge_repeats=True):
     except GeneratorExit:
         # the user's generator was closed at a yield inside the scope (a
         # loop over it broke off): no failure, and per sample the values it
-        # handed out exist, so run them (found by a fuzzer)
-        scope.close()
+        # handed out exist, so run them (found by a fuzzer); but not while
+        # Python shuts down (a generator left suspended), with MXNet going
+        if sys.is_finalizing():
+            scope.abandon()
+        else:
+            scope.close()
         raise
     except BaseException:
         scope.abandon()
@@ -1380,7 +1384,7 @@ class DynBatchBlock(Block):
                 '_padded': {},       # tuple of signatures -> their padded signature
                 '_warned': False,    # PerSampleWarning given
                 '_traced_blocks': None,     # _blocks_of(self.block) when it first traced
-                '_sparse_params': ()}       # its parameters with row-sparse gradients then
+                '_sparse_params': ()}       # row-sparse-gradient parameters its graphs read
 
     def _forget_traces(self):
         """Drop every signature traced so far: the next calls trace the
@@ -1458,10 +1462,11 @@ class DynBatchBlock(Block):
             sig.group_key = self._family_id(key, fmt) if sig.batch_safe else -1 - sig.sig_id
             if self._traced_blocks is None:
                 self._traced_blocks = _blocks_of(self.block)
-                self._sparse_params = tuple(
-                    param for param in self.block.collect_params().values()
-                    if getattr(param, '_grad_stype', 'default') == 'row_sparse')
                 _TRACED.add(self)
+            sparse = [param for _, param in sig.param_slots
+                      if getattr(param, '_grad_stype', 'default') == 'row_sparse']
+            if sparse:      # (those its graphs read: one that none reads retraced every scope)
+                self._sparse_params = tuple(set(self._sparse_params).union(sparse))
             self._signatures[key] = sig
         if not sig.batch_safe and not self._warned:
             self._warned = True

@@ -244,9 +244,9 @@ def check_plan(plan, nodes, strategy):
     reads, merging only calls that may merge: such a plan failed deep in
     the execution (``'NoneType' object is not subscriptable``), or could
     have run rows of one signature through another's program (found by a
-    review).  The package's own strategies are not checked (a pass over
-    the nodes, ~1 us a node)."""
-    if type(strategy).__module__.startswith(__package__ + '.'):
+    review).  Plans of the package's own ``plan`` methods, subclasses'
+    included, are not checked (a pass over the nodes, ~1 us a node)."""
+    if type(strategy).plan.__module__.startswith(__package__ + '.'):
         return
 
     def refuse(what):
@@ -529,8 +529,8 @@ class CachedPlan(Strategy):
 
     ``capacity`` and ``max_calls`` are numbers >= 1 (the newest plan is
     always kept, so a smaller bound would keep one all the same),
-    ``compile_after`` a number of hits >= 1 (``float('inf')``: never
-    compile), ``max_compiled`` a number of programs >= 0 (0: none is
+    ``compile_after`` a number of hits >= 0 (0 and 1 alike: at the first
+    hit; ``float('inf')``: never compile), ``max_compiled`` a number of programs >= 0 (0: none is
     compiled); anything else is a ValueError when the strategy is made."""
     name = 'cached'
 
@@ -546,7 +546,7 @@ class CachedPlan(Strategy):
                                  'a number of structures')
         self.max_calls = at_least('CachedPlan', 'max_calls', max_calls, 1, 'a number of calls')
         self.calls = 0          # over every stored plan
-        self.compile_after = at_least('CachedPlan', 'compile_after', compile_after, 1,
+        self.compile_after = at_least('CachedPlan', 'compile_after', compile_after, 0,
                                       "a number of hits (float('inf'): never)")
         self.max_compiled = at_least('CachedPlan', 'max_compiled', max_compiled, 0,
                                      'a number of programs')
@@ -579,6 +579,7 @@ class CachedPlan(Strategy):
         if entry is None:
             self.misses += 1
             plan = self.fallback.plan(nodes)
+            check_plan(plan, nodes, self.fallback)
             self.store(key, plan)
             # runs as the fallback's plan would, recipes unlearned: learning
             # them fixes the row layout (no shared host part, no distinct

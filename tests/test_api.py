@@ -800,6 +800,11 @@ def test_error_a_strategy_of_ones_own_planning_wrong_is_named(how, message):
     with dyb.batching(_BadPlans('merged')):      # one call: nothing to merge, and no error
         value = first(mx.nd.ones((1, 3)))
     assert value.shape == (1, 3)
+    # as 'cached''s fallback too (found by a review)
+    with pytest.raises(dyb.ScopeError, match=r"strategy 'bad' \(_BadPlans\) " + message):
+        with dyb.batching(dyb.CachedPlan(fallback=_BadPlans(how))):
+            first(first(mx.nd.ones((1, 3))))
+            other(mx.nd.ones((1, 2)))
 
 
 @pytest.mark.parametrize('value', ['no', None, 0.5, 2, -1])
@@ -1836,6 +1841,38 @@ def test_a_generator_closed_inside_its_scope_runs_what_it_handed_out():
                                rtol=1e-6)
     with dyb.batching():        # nothing was left open
         pass
+
+
+_SUSPENDED_AT_EXIT = '''
+import numpy as np, gluon_dynbatch as dyb
+from mxnet import autograd
+from gluon_dynbatch.models import ChildSumTreeLSTMCell
+cell = dyb.DynBatchBlock(ChildSumTreeLSTMCell(8, 8))
+cell.initialize()
+def minibatches():
+    while True:
+        with autograd.record():
+            with dyb.batching('depth'):
+                leaves = [cell(np.ones((1, 8), np.float32) * k, [], []) for k in range(10)]
+                yield [cell(np.ones((1, 8), np.float32), [h for h, _ in leaves[i:i + 5]],
+                            [c for _, c in leaves[i:i + 5]]) for i in (0, 5)]
+suspended = minibatches()       # a global: closed only as Python shuts down
+values = next(suspended)
+print('leaving')
+'''
+
+
+@pytest.mark.parametrize('engine', ['NaiveEngine', 'ThreadedEnginePerDevice'])
+def test_a_generator_suspended_inside_its_scope_at_exit_runs_nothing(engine):
+    """Python closes such a generator while it shuts down, after MXNet's
+    own shutdown: the scope abandons its calls there instead of running
+    them (a review found 'Exception ignored ... sys.meta_path is None')."""
+    import subprocess
+    env = dict(os.environ, OMP_NUM_THREADS='1', MXNET_ENGINE_TYPE=engine)
+    run = subprocess.run([sys.executable, '-c', _SUSPENDED_AT_EXIT], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and 'leaving' in run.stdout, run.stderr
+    assert 'Exception ignored' not in run.stderr and 'Error' not in run.stderr, run.stderr
 
 
 def test_copies_and_pickles_of_a_used_block_train_on_their_own():

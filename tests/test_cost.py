@@ -220,6 +220,7 @@ def test_cached_plan_bounds_take_numbers_and_infinity():
         with dyb.batching(none_kept):
             outs = [block(block(x)) for _ in range(3)]
     assert none_kept.hits == 2 and dyb.stats()['last']['strategy'] == 'cached'
+    assert dyb.CachedPlan(compile_after=0).compile_after == 0   # (as 1: taken before the checks)
     assert dyb.stats()['compile_ms'] == 0
 
 

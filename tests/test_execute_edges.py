@@ -397,6 +397,45 @@ def test_error_row_sparse_gradient_set_to_add_after_tracing(strategy):
                 block(ids[0])
 
 
+class _SparseForTokens(gluon.HybridBlock):
+    """A row-sparse embedding read only by calls given tokens."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.embedding = nn.Embedding(10, 4, sparse_grad=True)
+            self.dense = nn.Dense(4, in_units=4)
+
+    def hybrid_forward(self, F, x, tokens):
+        out = F.tanh(self.dense(x))
+        for token in tokens:
+            out = out + self.embedding(token)
+        return out
+
+
+def test_a_row_sparse_parameter_no_graph_reads_is_no_reason_to_trace_again(monkeypatch):
+    """With ``grad_req='add'`` on the whole model, a wrapper whose traced
+    graphs never read its row-sparse parameter traced again at every scope
+    (found by a review of the check above)."""
+    block = dyb.DynBatchBlock(_SparseForTokens())
+    block.initialize()
+    block.collect_params().setattr('grad_req', 'add')
+    from gluon_dynbatch import block as block_module
+    traced = []
+    trace = block_module.trace_signature
+    monkeypatch.setattr(block_module, 'trace_signature',      # (the cost model's probe too)
+                        lambda *args: traced.append(args[1]) or trace(*args))
+    for _ in range(4):
+        with autograd.record():
+            with dyb.batching():
+                outs = [block(mx.nd.ones((1, 4)), []) for _ in range(3)]
+            dyb.concat_rows(outs).sum().backward()
+    assert traced.count(block.block) == 1
+    with pytest.raises(dyb.InputError, match=r"row-sparse gradient .* grad_req='add'"):
+        with dyb.batching():
+            block(mx.nd.ones((1, 4)), [np.array([3], np.float32)])
+
+
 class EmbedDense(gluon.HybridBlock):
     def __init__(self):
         super().__init__()
@@ -969,7 +1008,7 @@ def test_threads_train_at_once_with_padded_lists(strategy):
 
     def worker(seed):
         rng = np.random.RandomState(seed)
-        widths = list(rng.randint(1, 4, size=6))     # one structure a thread: plans replay
+        widths = [1, 3, 2, 2, 1, 3]     # one structure for every thread: they replay one plan
         try:
             for _ in range(15):
                 with autograd.record():
