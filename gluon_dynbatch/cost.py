@@ -36,7 +36,7 @@ import mxnet as mx
 from .execute import run_plan
 from .lower import programs_built
 from .plan import (PADDING_COST, PLANNING, SETUP, STRATEGIES, Agenda, ByDepth, CachedPlan,
-                   PerSample, Strategy, at_least, summarize)
+                   PerSample, Strategy, at_least, count_at_least, summarize)
 
 __all__ = ['CostModel', 'Auto', 'default_cost_model', 'ANALYSE_US', 'PROFILE_KEYS']
 
@@ -459,26 +459,35 @@ class Auto(Strategy):
         How many flush summaries it remembers for the plan cache (when
         full, it forgets the older half of those seen only once), how many
         structures of small flushes (seen once, and stored), and for how
-        many kinds of graph (sets of blocks) it keeps what it learned.
-    small, cached_trials, explore_within
-        As described above.
+        many kinds of graph (sets of blocks) it keeps what it learned
+        (>= 1).
+    small, cached_trials : int
+        As described above (>= 0).
+    explore_within : float
+        As described above, a fraction of the best prediction (>= 0; 0:
+        never run a predicted runner-up).
+
+    ``probe_every``, ``memory``, ``small`` and ``cached_trials`` are counts:
+    integers (numpy's too; not a bool, a float or infinity) in those
+    ranges; ``explore_within`` a real number.  Anything else is a
+    ValueError naming the argument when the strategy is made.
     """
     name = 'auto'
 
     def __init__(self, model=None, probe_every=16, memory=4096, small=32, cached_trials=4,
                  explore_within=0.1):
-        if not isinstance(probe_every, numbers.Integral) or isinstance(probe_every, bool) \
-                or probe_every < 1:
-            raise ValueError('Auto: probe_every=%r; give a number of flushes >= 1'
-                             % (probe_every,))
-        probe_every = int(probe_every)
         if model is not None and not isinstance(model, CostModel):
             raise ValueError('Auto: model=%r; give a CostModel (or None: the process\'s '
                              'default one)' % (model,))
-        for name, value, least in (('memory', memory, 1), ('small', small, 0),
-                                   ('cached_trials', cached_trials, 0),
-                                   ('explore_within', explore_within, 0)):
-            at_least('Auto', name, value, least)
+        probe_every = count_at_least('Auto', 'probe_every', probe_every, 1,
+                                     'a whole number of flushes')
+        memory = count_at_least('Auto', 'memory', memory, 1,
+                                'a whole number of summaries and kinds of graph')
+        small = count_at_least('Auto', 'small', small, 0, 'a whole number of calls')
+        cached_trials = count_at_least('Auto', 'cached_trials', cached_trials, 0,
+                                       'a whole number of runs')
+        explore_within = at_least('Auto', 'explore_within', explore_within, 0,
+                                  "a fraction of the best prediction")
         self._model = model
         self.explore_within = explore_within    # 0: never run a predicted runner-up
         self.cached_trials = cached_trials

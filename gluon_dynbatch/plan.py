@@ -495,6 +495,16 @@ def at_least(owner, name, value, least, what='a number'):
     return value
 
 
+def count_at_least(owner, name, value, least, what='a whole number'):
+    """``value`` as an int when it is an integer >= ``least`` (numpy's
+    integers count; a bool, a float, infinity included, a string or None
+    does not), else a ValueError as :func:`at_least`'s: a count such as
+    ``Auto(memory=1.5)`` or ``memory=float('inf')`` was taken silently."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not value >= least:
+        raise ValueError('%s: %s=%r; give %s >= %s' % (owner, name, value, what, least))
+    return int(value)
+
+
 class CachedPlan(Strategy):
     """Reuse the plan of an earlier flush with the same structure: no
     analysis beyond hashing the structure, and each step's rows are found

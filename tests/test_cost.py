@@ -165,15 +165,40 @@ def test_error_probe_every_below_one():
 
 @pytest.mark.parametrize('kwargs,match', [
     (dict(model='depth'), "model='depth'; give a CostModel"),
-    (dict(small='5'), "small='5'; give a number >= 0"),
-    (dict(memory=0), 'memory=0; give a number >= 1'),
-    (dict(cached_trials=-1), 'cached_trials=-1'),
-    (dict(explore_within=None), 'explore_within=None')])
+    (dict(small='5'), "small='5'; give a whole number of calls >= 0"),
+    (dict(memory=0), 'memory=0; give a whole number of summaries and kinds of graph >= 1'),
+    (dict(cached_trials=-1), 'cached_trials=-1; give a whole number of runs >= 0'),
+    (dict(explore_within=None), 'explore_within=None'),
+    # counts taken silently before (found by a review)
+    (dict(memory=1.5), 'memory=1.5; give a whole number'),
+    (dict(memory=float('inf')), 'memory=inf; give a whole number'),
+    (dict(memory=True), 'memory=True'),
+    (dict(cached_trials=2.5), 'cached_trials=2.5; give a whole number of runs'),
+    (dict(cached_trials=float('inf')), 'cached_trials=inf'),
+    (dict(small=31.5), 'small=31.5; give a whole number of calls'),
+    (dict(small=False), 'small=False'),
+    (dict(probe_every=2.0), 'probe_every=2.0; give a whole number of flushes >= 1'),
+    (dict(explore_within=True), 'explore_within=True'),
+    (dict(explore_within=float('nan')), 'explore_within=nan'),
+    (dict(explore_within=-0.1), r'explore_within=-0.1; give a fraction of the best '
+                                r'prediction >= 0')])
 def test_error_auto_arguments_named_when_built(kwargs, match):
     """A wrong argument is named when the strategy is made, not met at
     the first flush as an AttributeError (found by a review)."""
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match='Auto: ' + match):
         dyb.Auto(**kwargs)
+
+
+def test_auto_takes_its_documented_values():
+    """Counts may be numpy integers (kept as ints); ``explore_within`` any
+    real number >= 0, infinity included."""
+    auto = dyb.Auto(model=dyb.CostModel(), probe_every=np.int64(3), memory=np.int32(8),
+                    small=0, cached_trials=np.uint8(0), explore_within=float('inf'))
+    assert (auto.probe_every, auto.memory, auto.small, auto.cached_trials) == (3, 8, 0, 0)
+    assert all(type(value) is int for value in (auto.probe_every, auto.memory, auto.small,
+                                                auto.cached_trials))
+    assert dyb.Auto(explore_within=0).explore_within == 0
+    assert dyb.Auto(explore_within=np.float32(0.2)).explore_within == np.float32(0.2)
 
 
 def test_cached_plan_fallback_by_name_or_error():
