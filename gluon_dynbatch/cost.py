@@ -47,10 +47,13 @@ is given its own."""
 
 
 def _non_negative(name, value, where='CostModel'):
-    """``value`` as a float, or a ValueError naming ``where`` and ``name``."""
-    try:
+    """``value`` as a float when it is a finite real number >= 0, or a
+    ValueError naming ``where`` and ``name``.  A bool (``true`` in a saved
+    profile) or a string is not a number here: ``float()`` took them as 1
+    or as the number they spell."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
         number = float(value)
-    except (TypeError, ValueError):
+    else:
         number = float('nan')
     if not number >= 0 or number == float('inf'):
         raise ValueError('%s: %s must be a finite number >= 0, got %r' % (where, name, value))
@@ -75,6 +78,10 @@ class CostModel:
         keep :data:`ANALYSE_US`).
     agenda_ratio : float
         Agenda's steps over depth's, before it is learned per kind of graph.
+
+    Each constant is a finite real number >= 0 (numpy's too; not a bool
+    or a string): anything else is a ValueError naming it, here and in a
+    profile :meth:`load` reads.
     """
 
     def __init__(self, step_us=300.0, row_us=15.0, analyse_us=None, agenda_ratio=1.0):

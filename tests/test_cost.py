@@ -93,12 +93,34 @@ def test_partial_analysis_costs_keep_the_defaults_for_the_rest(tmp_path):
     ('{}', 'keys step_us'),        # no constant: it skipped the probe (found by a review)
     ('{"step_us": "fast"}', 'step_us must be a finite number'),
     ('{"analyse_us": {"greedy": 1}}', 'names no strategy'),
+    # taken as 1, and as 300, before (found by a review)
+    ('{"step_us": true}', 'step_us must be a finite number >= 0, got True'),
+    ('{"analyse_us": {"depth": false}}', r"analyse_us\['depth'\] must be a finite number"),
+    ('{"row_us": "300"}', "row_us must be a finite number >= 0, got '300'"),
 ])
 def test_error_load_of_a_file_that_is_no_profile(tmp_path, text, match):
     path = tmp_path / 'bad.json'
     path.write_text(text)
     with pytest.raises(ValueError, match=r"CostModel.load\('.*bad.json'\).*" + match):
         dyb.CostModel.load(str(path))
+
+
+@pytest.mark.parametrize('kwargs,match', [
+    (dict(step_us=True), 'step_us must be a finite number >= 0, got True'),
+    (dict(row_us=np.bool_(False)), 'row_us must be a finite number >= 0, got False'),
+    (dict(agenda_ratio='1'), "agenda_ratio must be a finite number >= 0, got '1'"),
+    (dict(analyse_us={'agenda': True}), r"analyse_us\['agenda'\] must be a finite number"),
+    (dict(step_us=float('inf')), 'step_us must be a finite number >= 0, got inf')])
+def test_error_cost_model_constants_must_be_numbers(kwargs, match):
+    """A bool was taken as 1 and a string as the number it spells (found
+    by a review); numpy's numbers still count."""
+    with pytest.raises(ValueError, match='CostModel: ' + match):
+        dyb.CostModel(**kwargs)
+    model = dyb.CostModel(step_us=np.float32(200), row_us=np.int64(5), agenda_ratio=0)
+    assert (model.step_us, model.row_us, model.agenda_ratio) == (200.0, 5.0, 0.0)
+    assert type(model.step_us) is float
+    with pytest.raises(ValueError, match='seconds must be a finite number >= 0, got True'):
+        model.observe_analysis('depth', True, 500)
 
 
 def test_error_load_names_an_unexpected_key_not_the_whole_profile(tmp_path):
