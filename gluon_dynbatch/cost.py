@@ -114,18 +114,40 @@ class CostModel:
 
         With ``groups`` (calls per (depth, family), as recording counts them)
         each step is charged its family's learned step cost, so a workload of
-        cheap blocks is not priced with the costs of expensive ones."""
+        cheap blocks is not priced with the costs of expensive ones;
+        ``agenda_ratio`` (agenda's steps over depth's on this kind of graph)
+        overrides the model's.
+
+        ``n_nodes``, ``n_steps_by_depth`` and ``cached_steps`` are counts
+        (integers >= 0, numpy's too), ``groups`` a dict and ``agenda_ratio``
+        a finite number >= 0 (either may be None); anything else, or a
+        ``groups`` entry not ``(depth, family): count``, is a ValueError
+        naming it (a string was a raw TypeError).  The checks cost O(1):
+        :class:`Auto` asks every flush it decides."""
+        if type(n_nodes) is not int or type(n_steps_by_depth) is not int or n_nodes < 0 \
+                or n_steps_by_depth < 0 or not (cached_steps is None or type(cached_steps) is int
+                                                and cached_steps >= 0) \
+                or not (groups is None or type(groups) is dict) \
+                or not (agenda_ratio is None or type(agenda_ratio) is float
+                        and 0 <= agenda_ratio < float('inf')):
+            n_nodes, n_steps_by_depth, cached_steps, groups, agenda_ratio = _predict_args(
+                n_nodes, n_steps_by_depth, cached_steps, groups, agenda_ratio)
         rows_ms = n_nodes * self.row_us / 1e3
         step_us = self.step_us
         if groups:
             family_cost = self.family_step_us.get
             depth_us = sample_us = 0.0
             grouped = 0
-            for (_, family), count in groups.items():    # (one pass: auto asks every flush)
-                cost = family_cost(family, step_us)
-                depth_us += cost
-                sample_us += count * cost
-                grouped += count
+            try:
+                for (_, family), count in groups.items():   # (one pass: auto asks every flush)
+                    cost = family_cost(family, step_us)
+                    depth_us += cost
+                    sample_us += count * cost
+                    grouped += count
+            except (TypeError, ValueError):
+                raise ValueError('CostModel.predict: groups holds %s; give calls per (depth, '
+                                 'family), {(depth, family): count}'
+                                 % _bad_group(groups)) from None
             depth_us += (n_steps_by_depth - len(groups)) * step_us
             sample_us += (n_nodes - grouped) * step_us
         else:
@@ -308,6 +330,40 @@ class CostModel:
         analyse = ', '.join('%s %.2f' % kv for kv in sorted(self.analyse_us.items()))
         return 'CostModel(step %.1f us, row %.2f us; analyse/node: %s)' % (
             self.step_us, self.row_us, analyse)
+
+
+def _predict_args(n_nodes, n_steps_by_depth, cached_steps, groups, agenda_ratio):
+    """:meth:`CostModel.predict`'s arguments checked (counts as ints,
+    ``agenda_ratio`` as a float), or a ValueError naming the wrong one."""
+    where = 'CostModel.predict'
+    n_nodes = count_at_least(where, 'n_nodes', n_nodes, 0, 'a whole number of calls')
+    n_steps_by_depth = count_at_least(where, 'n_steps_by_depth', n_steps_by_depth, 0,
+                                      'a whole number of steps')
+    if cached_steps is not None:
+        cached_steps = count_at_least(where, 'cached_steps', cached_steps, 0,
+                                      'a whole number of steps')
+    if groups is not None and not isinstance(groups, dict):
+        raise ValueError('%s: groups=%s; give a dict of calls per (depth, family), or None'
+                         % (where, _short(groups)))
+    if agenda_ratio is not None:
+        agenda_ratio = _non_negative('agenda_ratio', agenda_ratio, where)
+    return n_nodes, n_steps_by_depth, cached_steps, groups, agenda_ratio
+
+
+def _bad_group(groups):
+    """The first entry of ``groups`` that is not ``(depth, family): count``
+    (for :meth:`CostModel.predict`'s message)."""
+    for key, count in groups.items():
+        if not isinstance(key, tuple) or len(key) != 2 or \
+                not isinstance(count, numbers.Real) or isinstance(count, bool):
+            return '%s: %s' % (_short(key), _short(count))
+    return 'an entry it cannot read'
+
+
+def _short(value, limit=60):
+    """``repr(value)``, cut to ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + '...'
 
 
 def _json_kind(value):

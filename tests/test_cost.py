@@ -59,6 +59,36 @@ def test_predictions_rank_strategies_as_expected():
     assert sum(with_cache['cached']) < sum(with_cache['agenda'])
 
 
+@pytest.mark.parametrize('args,kwargs,match', [
+    (('5000', 40), {}, "n_nodes='5000'; give a whole number of calls >= 0"),
+    ((5000, 40.5), {}, 'n_steps_by_depth=40.5; give a whole number of steps >= 0'),
+    ((True, 1), {}, 'n_nodes=True'),
+    ((-1, 1), {}, 'n_nodes=-1'),
+    ((5000, 40), dict(cached_steps='40'), "cached_steps='40'; give a whole number of steps"),
+    ((5000, 40), dict(groups=[((0, 'f'), 3)]), r"groups=\[\(\(0, 'f'\), 3\)\]; give a dict"),
+    ((5000, 40), dict(groups={(0, 'f'): '3'}), r"groups holds \(0, 'f'\): '3'; give calls per "
+                                               r"\(depth, family\)"),
+    ((5000, 40), dict(groups={7: 3}), 'groups holds 7: 3'),
+    ((5000, 40), dict(agenda_ratio='0.5'), "agenda_ratio must be a finite number >= 0, "
+                                           "got '0.5'"),
+    ((5000, 40), dict(agenda_ratio=float('nan')), 'agenda_ratio must be a finite number')])
+def test_error_predict_arguments_named(args, kwargs, match):
+    """A string was a raw TypeError (``can't multiply sequence by non-int
+    of type 'float'``), or taken (found by a review)."""
+    with pytest.raises(ValueError, match='CostModel.predict: ' + match):
+        dyb.CostModel().predict(*args, **kwargs)
+
+
+def test_predict_takes_numpy_counts():
+    model = dyb.CostModel()
+    groups = {(0, 'f'): 30, (1, 'f'): 10}
+    expected = model.predict(40, 2, 2, groups, 0.5)
+    assert model.predict(np.int64(40), np.int32(2), np.uint8(2),
+                         {key: np.int64(n) for key, n in groups.items()},
+                         np.float64(0.5)) == expected
+    assert model.predict(40, 2, groups={}, agenda_ratio=1) == model.predict(40, 2)
+
+
 def test_save_and_load_profile(tmp_path):
     model = dyb.CostModel(step_us=123, row_us=4.5)
     model.save(str(tmp_path / 'profile.json'))
