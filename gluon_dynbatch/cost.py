@@ -68,6 +68,10 @@ one written by hand."""
 class CostModel:
     """Predicts analysis and run time (ms) of each strategy for a flush.
 
+    Each constant is a finite real number >= 0 (numpy's too; not a bool
+    or a string), or a ValueError names it, here and in a profile
+    :meth:`load` reads.
+
     Parameters
     ----------
     step_us, row_us : float
@@ -78,10 +82,6 @@ class CostModel:
         keep :data:`ANALYSE_US`).
     agenda_ratio : float
         Agenda's steps over depth's, before it is learned per kind of graph.
-
-    Each constant is a finite real number >= 0 (numpy's too; not a bool
-    or a string): anything else is a ValueError naming it, here and in a
-    profile :meth:`load` reads.
     """
 
     def __init__(self, step_us=300.0, row_us=15.0, analyse_us=None, agenda_ratio=1.0):
@@ -508,6 +508,11 @@ class Auto(Strategy):
       Otherwise the prediction decides, and the structure is hashed only when
       the cached plan's prediction wins.
 
+    Its counts, ``probe_every``, ``memory``, ``small`` and ``cached_trials``,
+    are integers (numpy's too; not a bool, a float or infinity) in the
+    ranges below, and ``explore_within`` a real number >= 0; anything else
+    is a ValueError naming the argument when the strategy is made.
+
     Parameters
     ----------
     model : CostModel, optional
@@ -529,11 +534,6 @@ class Auto(Strategy):
     explore_within : float
         As described above, a fraction of the best prediction (>= 0; 0:
         never run a predicted runner-up).
-
-    ``probe_every``, ``memory``, ``small`` and ``cached_trials`` are counts:
-    integers (numpy's too; not a bool, a float or infinity) in those
-    ranges; ``explore_within`` a real number.  Anything else is a
-    ValueError naming the argument when the strategy is made.
     """
     name = 'auto'
 
