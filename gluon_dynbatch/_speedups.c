@@ -74,7 +74,7 @@ static PyObject *s_out_info, *s_batch_safe, *s_group_key, *s_out_fmt,
     *s_signatures, *s_trace, *s_pending, *s_flush_at, *s_pipeline,
     *s_shape, *s_dtype, *s_type, *s_context, *s_device_typeid, *s_device_id, *s_sig_id,
     *s_arrays, *s_value, *s___dict__, *s_tape, *s_repeatable, *s_itemsize, *s_isnative,
-    *s_passthrough;
+    *s_passthrough, *s_grad;
 
 enum { PENDING = 0, DONE = 1, FAILED = 2 };
 
@@ -582,6 +582,22 @@ static inline int push_call_word(CallWords *cw, int64_t value)
  * done, 0 if the call is not one for the memo (a pending value of another
  * scope among them: record_args then defers to Python, which refuses it),
  * -1 on error. */
+/* Whether lazy value ``leaf``'s ``.data`` was read and then marked with
+ * ``attach_grad()``: per sample that array is a leaf of its own, so a call
+ * given the value must read it, not the step's rows (the Python recorder
+ * does; BatchingScope.record).  One attribute read where ``.data`` was
+ * read, none otherwise. */
+static int data_marked(PyObject *leaf)
+{
+    PyObject *data = SLOT(leaf, lv_data);
+    if (data == Py_None) return 0;
+    PyObject *grad = PyObject_GetAttr(data, s_grad);
+    if (grad == NULL) { PyErr_Clear(); return 1; }     /* Python decides */
+    int marked = grad != Py_None;
+    Py_DECREF(grad);
+    return marked;
+}
+
 static int leaf_words(CallWords *cw, PyObject *leaf, long *depth, PyObject **marks,
                       Py_ssize_t *n_marks, PyObject *scope)
 {
@@ -592,6 +608,8 @@ static int leaf_words(CallWords *cw, PyObject *leaf, long *depth, PyObject **mar
         if (state == PENDING && SLOT(producer, n_scope) != scope)
             return 0;
         if (state == DONE && producer_failed(producer))
+            return 0;
+        if (data_marked(leaf))
             return 0;
         SigInfo *info = state == PENDING || state == DONE ? sig_info(SLOT(producer, n_sig)) : NULL;
         long index = info ? PyLong_AsLong(SLOT(leaf, lv_index)) : -1;
@@ -1076,7 +1094,7 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
         if (kind == LazyValueType) {
             PyObject *producer = SLOT(leaf, lv_node);
             SigInfo *produced = sig_info(SLOT(producer, n_sig));
-            if (produced == NULL) BAIL(fallback);
+            if (produced == NULL || data_marked(leaf)) BAIL(fallback);
             PyObject *info = PyList_GetItem(produced->out_info,
                                             PyLong_AsSsize_t(SLOT(leaf, lv_index)));
             if (info == NULL || !PyTuple_Check(info) || PyTuple_GET_SIZE(info) != 3) {
@@ -2842,7 +2860,7 @@ static struct PyModuleDef module = {
 /* Bumped whenever a function's arguments or results change meaning
  * (accel.ABI must match, else the pure-Python path runs): an extension
  * built from older sources would otherwise still load, and fail. */
-#define ABI 8
+#define ABI 9
 
 PyMODINIT_FUNC PyInit__speedups(void)
 {
@@ -2852,7 +2870,7 @@ PyMODINIT_FUNC PyInit__speedups(void)
     INTERN(s_trace, "_trace"); INTERN(s_pending, "pending");
     INTERN(s_flush_at, "flush_at"); INTERN(s_pipeline, "pipeline");
     INTERN(s_tape, "tape"); INTERN(s_repeatable, "repeatable");
-    INTERN(s_passthrough, "passthrough");
+    INTERN(s_passthrough, "passthrough"); INTERN(s_grad, "grad");
     INTERN(s_itemsize, "itemsize"); INTERN(s_isnative, "isnative");
     INTERN(s_shape, "shape"); INTERN(s_dtype, "dtype"); INTERN(s_type, "type");
     INTERN(s_context, "context"); INTERN(s_device_typeid, "device_typeid");

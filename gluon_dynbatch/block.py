@@ -188,6 +188,13 @@ class BatchingScope:
         start = _clock()
         leaves = []
         fmt = flatten(args, leaves)
+        for number, leaf in enumerate(leaves):
+            # a value whose .data the user marked (attach_grad): per sample
+            # that array is a leaf of its own, which the call must read
+            # instead of the step's rows (found by a fuzzer)
+            if type(leaf) is LazyValue and leaf._data is not None and \
+                    leaf._data.grad is not None:
+                leaves[number] = leaf._data
         key, ctx, depth = _signature_key(dblock, fmt, leaves, self)
         sig = dblock._signatures.get(key)
         if sig is None:
@@ -669,10 +676,14 @@ def concat_rows(values):
             raise InputError('concat_rows(): value %d is a %s; expected lazy values or '
                              'NDArrays%s' % (i, type(value).__name__, hint))
     shape, dtype = values[0].shape, values[0].dtype
+    marked = False
     for i, value in enumerate(values):
         if type(value) is LazyValue and (value._node.state != DONE or
                                          value._node.scope.failure is not None):
             value.data          # runs what is pending (raises for a failed scope)
+        if type(value) is LazyValue and value._data is not None and \
+                value._data.grad is not None:
+            marked = True       # .data.attach_grad(): that array, as per sample
         if value.shape[:1] != (1,):
             raise InputError('concat_rows(): value %d has shape %s; each value must be one '
                              'sample (leading axis 1).' % (i, value.shape))
@@ -683,6 +694,10 @@ def concat_rows(values):
             raise InputError('concat_rows(): value %d has dtype %s but value 0 has %s; the '
                              'values must share one dtype (cast one: v.data.astype(...)).'
                              % (i, np.dtype(value.dtype).name, np.dtype(dtype).name))
+    if marked:
+        with recorded():
+            return mx.nd.concat(*[value.data if type(value) is LazyValue else value
+                                  for value in values], dim=0)
     ctx = values[0].context
     parts, index, _ = collect(values, ctx)
     with recorded():            # (see graph.recorded)

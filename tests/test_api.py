@@ -1808,6 +1808,41 @@ def test_error_a_wrapper_called_inside_a_traced_block_says_what_to_call():
             outer(mx.nd.ones((1, 3)))
 
 
+@pytest.mark.parametrize('strategy', ['per-sample', 'depth', 'agenda', 'cached', 'auto'])
+@pytest.mark.parametrize('accelerated', [True, False])
+def test_attach_grad_on_a_values_data_makes_it_a_leaf_as_per_sample(strategy, accelerated):
+    """Per sample ``h.attach_grad()`` makes ``h`` a leaf: later calls send
+    their gradient into ``h.grad`` and not into the block that made ``h``.
+    Batched, later calls given the lazy value read the step's rows, past
+    the mark (``h.grad`` zero, the block's gradient wrong; found by a
+    fuzzer)."""
+    from gluon_dynbatch import accel
+    cell = dyb.DynBatchBlock(nn.Dense(3, in_units=3, activation='tanh'))
+    head = dense(1, 3)
+    cell.initialize(mx.init.Uniform(0.5))
+    xs = [mx.nd.array(np.random.RandomState(k).randn(1, 3)) for k in range(3)]
+
+    def run(batched):
+        with autograd.record():
+            with dyb.batching(strategy) if batched else contextlib.nullcontext():
+                h = [cell(x) for x in xs]
+                marked = h[0].data if batched else h[0]
+                marked.attach_grad()
+                out = [head(h[0]), head(h[1]), head(h[2])]
+            loss = (dyb.concat_rows(out) ** 2).sum() + (dyb.concat_rows(h) ** 2).sum()
+        loss.backward()
+        return [marked.grad.asnumpy().copy(), cell.block.weight.grad().asnumpy().copy()]
+
+    accel.enable(accelerated)
+    try:
+        want = run(False)
+        for _ in range(3):          # replayed plans too
+            for got, expected in zip(run(True), want):
+                np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
+    finally:
+        accel.enable(True)
+
+
 def test_a_lazy_value_copies_as_itself_and_refuses_deepcopy_and_pickle():
     """``copy.deepcopy`` failed on the scope's thread-local state, with
     nothing to say what to copy instead (found by a fuzzer)."""
