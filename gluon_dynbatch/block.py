@@ -29,12 +29,12 @@ from mxnet.ndarray.ndarray import _DTYPE_NP_TO_MX
 from . import accel, debug
 from .errors import InputError, PerSampleWarning, ScopeError
 from .execute import collect, pad_leaves, run_plan, threaded_engine, to_device
-from .graph import (DONE, FAILED, PENDING, LazyValue, Node, lazy_results, recorded, repeat_node,
-                    shared_results)
+from .graph import (DONE, FAILED, PENDING, LazyValue, Node, data_marked, lazy_results, recorded,
+                    repeat_node, shared_results)
 from .lower import INDEXED_OPS, make_cached_op, programs_built, ragged_lists
 from .plan import SETUP, STRATEGIES, Strategy, check_plan, summarize
-from .trace import (error_line, flatten, graph_readers, inputs_below, leaf_count, regroup,
-                    symbol_json, trace_signature)
+from .trace import (blocks_of, error_line, flatten, graph_readers, inputs_below, leaf_count,
+                    regroup, symbol_json, trace_signature)
 
 __all__ = ['DynBatchBlock', 'batching', 'concat_rows', 'current_scope', 'private_scope']
 
@@ -188,13 +188,6 @@ class BatchingScope:
         start = _clock()
         leaves = []
         fmt = flatten(args, leaves)
-        for number, leaf in enumerate(leaves):
-            # a value whose .data the user marked (attach_grad): per sample
-            # that array is a leaf of its own, which the call must read
-            # instead of the step's rows (found by a fuzzer)
-            if type(leaf) is LazyValue and leaf._data is not None and \
-                    leaf._data.grad is not None:
-                leaves[number] = leaf._data
         key, ctx, depth = _signature_key(dblock, fmt, leaves, self)
         sig = dblock._signatures.get(key)
         if sig is None:
@@ -545,17 +538,6 @@ def _is_flag(value):
         (isinstance(value, numbers.Integral) and value in (0, 1))
 
 
-def _blocks_of(block):
-    """``block`` and every block below it, in a fixed order: the blocks a
-    trace of it read."""
-    found, stack = [], [block]
-    while stack:
-        block = stack.pop()
-        found.append(block)
-        stack.extend(block._children.values())     # pylint: disable=protected-access
-    return found
-
-
 def _forget_stale_traces():
     """Run as a scope opens: a wrapped block traces again where what its
     signatures were traced under changed since (found by fuzzers).  ~2-3 us
@@ -576,7 +558,7 @@ def _forget_stale_traces():
         traced = dblock._traced_blocks      # pylint: disable=protected-access
         if traced is None:
             continue
-        now = _blocks_of(dblock.block)
+        now = blocks_of(dblock.block)
         if len(now) != len(traced) or any(a is not b for a, b in zip(now, traced)) or \
                 any(param.grad_req == 'add'
                     for param in dblock._sparse_params):    # pylint: disable=protected-access
@@ -681,9 +663,8 @@ def concat_rows(values):
         if type(value) is LazyValue and (value._node.state != DONE or
                                          value._node.scope.failure is not None):
             value.data          # runs what is pending (raises for a failed scope)
-        if type(value) is LazyValue and value._data is not None and \
-                value._data.grad is not None:
-            marked = True       # .data.attach_grad(): that array, as per sample
+        if type(value) is LazyValue and data_marked(value):
+            marked = True       # that array, as per sample
         if value.shape[:1] != (1,):
             raise InputError('concat_rows(): value %d has shape %s; each value must be one '
                              'sample (leading axis 1).' % (i, value.shape))
@@ -737,6 +718,8 @@ flush (a token id is 4 bytes; 256 images of 3 x 224 x 224 floats held
 def _signature_key(dblock, fmt, leaves, scope):
     """(signature key, context, depth) of a call recorded in ``scope``;
     checks the leaves and marks the pending nodes they come from as used.
+    A lazy value whose ``.data`` the user marked (:func:`~.graph.data_marked`)
+    is replaced in ``leaves`` by that array.
 
     This runs once per recorded call, so it compares contexts and dtypes by
     identity first, reads a lazy value's (shape, dtype, context) as one
@@ -746,8 +729,11 @@ def _signature_key(dblock, fmt, leaves, scope):
     key = [fmt]
     ctx = dtype = None
     depth = 0
-    for leaf in leaves:
+    for number, leaf in enumerate(leaves):
         kind = type(leaf)
+        if kind is LazyValue and leaf._data is not None and data_marked(leaf):
+            leaf = leaves[number] = leaf._data      # the marked array, as per sample
+            kind = type(leaf)
         if kind is LazyValue:
             node = leaf._node
             shape, leaf_dtype, leaf_ctx = node.sig.out_info[leaf._index]
@@ -1398,7 +1384,7 @@ class DynBatchBlock(Block):
         return {'_signatures': {}, '_families': {}, '_pad_checked': set(),
                 '_padded': {},       # tuple of signatures -> their padded signature
                 '_warned': False,    # PerSampleWarning given
-                '_traced_blocks': None,     # _blocks_of(self.block) when it first traced
+                '_traced_blocks': None,     # blocks_of(self.block) when it first traced
                 '_sparse_params': ()}       # row-sparse-gradient parameters its graphs read
 
     def _forget_traces(self):
@@ -1476,7 +1462,7 @@ class DynBatchBlock(Block):
                             for shape, dtype in zip(sig.out_shapes, sig.out_dtypes)]
             sig.group_key = self._family_id(key, fmt) if sig.batch_safe else -1 - sig.sig_id
             if self._traced_blocks is None:
-                self._traced_blocks = _blocks_of(self.block)
+                self._traced_blocks = blocks_of(self.block)
                 _TRACED.add(self)
             sparse = [param for _, param in sig.param_slots
                       if getattr(param, '_grad_stype', 'default') == 'row_sparse']

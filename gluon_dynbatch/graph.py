@@ -15,7 +15,7 @@ import mxnet as mx
 from .errors import LazyValueError, ScopeError
 from .trace import regroup
 
-__all__ = ['Node', 'LazyValue', 'lazy_results', 'shared_results', 'repeat_node']
+__all__ = ['Node', 'LazyValue', 'lazy_results', 'shared_results', 'repeat_node', 'data_marked']
 
 PENDING, DONE, FAILED = 0, 1, 2
 
@@ -213,6 +213,15 @@ _RUN_FAILED = (
     'to find it, run the scope with strategy=\'per-sample\' under '
     'MXNET_ENGINE_TYPE=NaiveEngine.')
 """The error of a value whose scope failed at run time (LazyValue.asnumpy)."""
+
+
+def data_marked(value):
+    """Whether lazy value ``value``'s ``.data`` was read and then given a
+    gradient (``attach_grad``): per sample that array is a leaf of its own,
+    so later calls and ``concat_rows`` read it instead of the step's rows,
+    whose gradient would flow past the mark (found by a fuzzer; the C
+    recorder's ``data_marked`` hands such calls to Python)."""
+    return value._data is not None and value._data.grad is not None
 
 
 _PAIR = (0, 0)

@@ -79,11 +79,10 @@ def _check_operator_names(op_names):
     import mxnet as mx                      # pylint: disable=import-outside-toplevel
     if not _OPERATORS.issuperset(op_names):      # (mx.library.load adds operators)
         _OPERATORS.update(mx.operator.get_all_registered_operators())
-    known = _OPERATORS
     for name in op_names:
-        if name not in known:
+        if name not in _OPERATORS:
             close = difflib.get_close_matches(
-                name, [op for op in known if not op.startswith('_backward')], n=3)
+                name, [op for op in _OPERATORS if not op.startswith('_backward')], n=3)
             raise ValueError('register_batching_rule: %r is no MXNet operator%s (a graph names '
                              'its ops as MXNet registers them, e.g. \'hard_sigmoid\', '
                              '\'FullyConnected\').'

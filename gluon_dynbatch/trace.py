@@ -20,7 +20,7 @@ from .rules import NOT_FUNCTIONS, OpView, batching_rule, draws_random
 
 __all__ = ['symbol_json', 'flatten', 'regroup', 'leaf_count', 'TracedSignature', 'trace_signature',
            'prelu_by_ops', 'fast_forms', 'own_forms', 'load_graph', 'inputs_below', 'moved_entry',
-           'graph_readers', 'is_function_of_inputs', 'error_line']
+           'graph_readers', 'is_function_of_inputs', 'error_line', 'blocks_of']
 
 
 _LISTS = (list, tuple)
@@ -195,18 +195,26 @@ class TracedSignature:
                                  '' if self.batch_safe else ' per-sample: ' + self.reason)
 
 
+def blocks_of(block):
+    """``block`` and every block below it, in a fixed order: the blocks a
+    trace of it reads."""
+    found, stack = [], [block]
+    while stack:
+        block = stack.pop()
+        found.append(block)
+        stack.extend(block._children.values())     # pylint: disable=protected-access
+    return found
+
+
 def _parameters_by_attribute_only(block, names):
     """Of the variable ``names``, those that are Parameters set as attributes
     of ``block`` or a block below it (``self.weight = other.params.get(...)``)
     though not in its ParameterDict, as name -> 'Block.attribute'."""
-    found, stack = {}, [block]
-    while names and stack:
-        below = stack.pop()
-        for attr, value in vars(below).items():
-            if isinstance(value, mx.gluon.Parameter) and value.name in names:
-                found[value.name] = '%s.%s' % (type(below).__name__, attr)
-        stack.extend(below._children.values())      # pylint: disable=protected-access
-    return found
+    if not names:
+        return {}
+    return {value.name: '%s.%s' % (type(below).__name__, attr)
+            for below in blocks_of(block) for attr, value in vars(below).items()
+            if isinstance(value, mx.gluon.Parameter) and value.name in names}
 
 
 def _block_name(block):
