@@ -5,13 +5,19 @@ __all__ = ['DynBatchError', 'ScopeError', 'LazyValueError', 'InputError', 'PerSa
 
 
 class DynBatchError(Exception):
-    """Base class of every error gluon_dynbatch raises on purpose."""
+    """Base class of every error gluon_dynbatch raises on purpose about
+    scopes, recorded calls and lazy values.  (Bad constructor arguments of
+    ``CostModel``, ``Auto``, ``CachedPlan`` and ``FusedAdaGrad`` are a
+    ValueError, misuse of ``register_batching_rule`` a TypeError or
+    ValueError, NDArray operations on a lazy value a TypeError.)"""
 
 
 class ScopeError(DynBatchError):
     """A ``batching()`` scope was misused: nested scopes, an unknown
-    strategy, a bad ``flush_every``, MXNet's numpy interface active, or a
-    value read that is pending in another thread's scope."""
+    strategy, a bad ``flush_every`` or ``merge_repeats``, a plan of a
+    user's strategy that does not run each call once, after the calls it
+    reads, MXNet's numpy interface active, or a value read that is pending
+    in another thread's scope."""
 
 
 class LazyValueError(DynBatchError):
