@@ -441,7 +441,9 @@ def batching(strategy='auto', flush_every='auto', merge_repeats=True):
     One scope per minibatch.  On normal exit everything recorded is run; if
     the body raises, what was recorded is dropped (its lazy values raise
     :class:`~.errors.LazyValueError` when read) and the next scope starts
-    clean.  Scopes do not nest.  Python's cyclic garbage collector is paused
+    clean.  A generator closed at a ``yield`` inside the scope (a loop
+    over it broke off) is no failure: what was recorded is run, so the
+    values it handed out can be read, as per sample.  Scopes do not nest.  Python's cyclic garbage collector is paused
     inside a scope (reference counting still frees memory as usual).
     """
     if current_scope() is not None:
