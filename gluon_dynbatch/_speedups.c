@@ -1549,7 +1549,7 @@ static void *array_handle(PyObject *array)
 /* Rows of ``array`` (its leading dimension); -1 with an exception set. */
 static Py_ssize_t leading_rows(PyObject *array)
 {
-    if (shape_reader != NULL && Py_TYPE(array) == NDArrayType) {
+    if (shape_reader != NULL && PyObject_TypeCheck(array, NDArrayType)) {
         void *handle = array_handle(array);
         int ndim = -1;
         if (handle != NULL && shape_reader_64) {

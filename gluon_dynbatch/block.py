@@ -12,7 +12,6 @@ import itertools
 import json
 import numbers
 import operator
-import os
 import struct
 import sys
 import threading
@@ -28,7 +27,7 @@ from mxnet.gluon import Block
 from mxnet.ndarray.ndarray import _DTYPE_NP_TO_MX
 
 from . import accel, debug
-from .errors import InputError, PerSampleWarning, ScopeError
+from .errors import InputError, PerSampleWarning, ScopeError, user_stacklevel
 from .execute import collect, pad_leaves, run_plan, threaded_engine, to_device
 from .graph import (DONE, FAILED, PENDING, LazyValue, Node, data_marked, lazy_results, recorded,
                     repeat_node, shared_results)
@@ -605,7 +604,6 @@ def private_scope(strategy):
         _LOCAL.scope = outer
 
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def _per_sample_advice(reason):
@@ -620,16 +618,6 @@ def _per_sample_advice(reason):
                 'every sample: compute it outside the block (or in a block of its own, '
                 'called once). ')
     return ''
-
-
-def _user_stacklevel():
-    """``stacklevel`` for a warning given here that points at the user's
-    line: the first frame outside gluon_dynbatch (the C recorder adds no
-    frame of its own, the Python one adds two)."""
-    frame, level = sys._getframe(1), 1    # pylint: disable=protected-access
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def concat_rows(values):
@@ -1483,7 +1471,7 @@ class DynBatchBlock(Block):
                 'block %s runs per sample (correct, but one call at a time): %s. %s'
                 'DYNBATCH_DEBUG=2 prints each flush\'s plan.'
                 % (self.block.name, sig.reason, _per_sample_advice(sig.reason))),
-                stacklevel=_user_stacklevel())
+                stacklevel=user_stacklevel())
         return sig
 
     def _family_id(self, key, fmt):

@@ -1,7 +1,11 @@
 """One family of errors, each naming the block, the argument and the shapes
 involved, and saying what to do."""
+import contextlib
+import os
+import sys
 
-__all__ = ['DynBatchError', 'ScopeError', 'LazyValueError', 'InputError', 'PerSampleWarning']
+__all__ = ['DynBatchError', 'ScopeError', 'LazyValueError', 'InputError', 'PerSampleWarning',
+           'FreedGraphWarning']
 
 
 class DynBatchError(Exception):
@@ -40,3 +44,31 @@ class PerSampleWarning(UserWarning):
     :func:`~gluon_dynbatch.register_batching_rule` for ops that do act row
     by row, and ``warnings.filterwarnings('ignore',
     category=PerSampleWarning)`` for blocks meant to run so."""
+
+
+class FreedGraphWarning(UserWarning):
+    """A training flush read rows of an earlier one whose autograd graph a
+    ``backward()`` (without ``retain_graph=True``) has freed, so no
+    gradient flows through them into the calls that made them.  One step
+    holds the rows of many calls, so ``backward()`` on one sample's loss
+    frees them for every sample, where per sample only that sample's graph
+    is freed.  Sum the losses and call ``backward()`` once (or pass
+    ``retain_graph=True``); where the gradient is meant to stop there
+    (truncated backpropagation), pass ``value.data.detach()`` instead of
+    the value, which also silences the warning."""
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_CONTEXTLIB = contextlib.__file__
+
+
+def user_stacklevel():
+    """``stacklevel`` for a warning given here that points at the user's
+    line: the first frame outside gluon_dynbatch (the C recorder adds no
+    frame of its own, the Python one adds two) and ``contextlib`` (a
+    scope's ``with`` that runs the flush)."""
+    frame, level = sys._getframe(1), 1    # pylint: disable=protected-access
+    while frame is not None and (frame.f_code.co_filename.startswith(_PACKAGE) or
+                                 frame.f_code.co_filename == _CONTEXTLIB):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -14,6 +14,7 @@ import operator
 import os
 import threading
 import time
+import warnings
 
 import mxnet as mx
 import numpy as np
@@ -21,7 +22,7 @@ from mxnet.base import _LIB, NDArrayHandle, SymbolHandle, check_call, mx_uint
 from mxnet.ndarray.ndarray import _DTYPE_NP_TO_MX, DLDataType, _int64_enabled
 
 from . import accel
-from .errors import InputError
+from .errors import FreedGraphWarning, InputError, user_stacklevel
 from .graph import DONE, LazyValue
 from .lanes import PADDED, SEGMENT
 from .lower import (element_major, embedding_reads, host_part, host_split,
@@ -65,6 +66,7 @@ def run_plan(plan, wait=False, after_step=None):
     hoist = FlushHoist(plan.steps) if plan.strategy != 'per-sample' else None
     tables = FlushTables(plan.steps, hoist.groups if hoist is not None else ()) \
         if mx.autograd.is_recording() else None
+    produced = [] if tables is not None else None     # training: every step's outputs
     if wait:
         mx.nd.waitall()
     for number, step in enumerate(plan.steps):
@@ -77,12 +79,19 @@ def run_plan(plan, wait=False, after_step=None):
             after_step(number, step)
         if wait:
             mx.nd.waitall()
+        if produced is not None:
+            produced.append(outs)
         if recipes is not None:
             recipes[number] = learned
             outputs.append(outs)
             for index, array in enumerate(outs):
                 where[id(array)] = (number, index)
         seconds.append(clock() - start)
+    if produced is not None:
+        for outs in produced:
+            for out in outs:
+                if type(out) is NDArray:
+                    out.__class__ = RecordedOutput
     return seconds
 
 
@@ -263,6 +272,7 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hois
               else to_device(inverse[ragged.segment], ctx) if kind == 'inverse_segment'
               else item.data(ctx) for kind, item in program.feeds]
     if tables is not None:
+        _warn_if_freed(step, sources)
         inputs = _own_handles(inputs, program.feeds, recipe is not None)
     outs = call_program(program.cached_op, inputs, (sig,))
     if isinstance(outs, NDArray):
@@ -295,6 +305,39 @@ def _own_handles(inputs, feeds, replayed):
     return [grad_free(array) if type(array) is GradFree or
             (replayed and kind in ('idx', 'ragged') and array is not None) else array
             for array, (kind, _) in zip(inputs, feeds)]
+
+
+def _warn_if_freed(step, sources):
+    """Warn (:class:`~gluon_dynbatch.FreedGraphWarning`) where a training
+    step reads rows of an earlier training flush whose autograd graph a
+    ``backward()`` freed: no gradient reaches the calls that made them.
+    Per sample that is right only for the samples whose own losses were
+    backpropagated, and the step cannot tell which (found by an autograd
+    fuzzer: a loss built after another sample's ``backward()`` silently
+    lost the gradient of its first calls).  Such an output was made by a
+    recorded op, so carrying no gradient now (no graph, or only the bare
+    variable autograd gives a freed array a recorded op reads) means its
+    graph was freed.  One type test a source, and ~5 us a source from an
+    earlier flush (rare: a scope flushed mid-way, or values carried over
+    from an earlier scope)."""
+    for parts in sources.values():
+        for part in parts:
+            if type(part) is RecordedOutput and _carries_no_gradient(part):
+                maker = next((leaf._node.sig.block.name for node in step.nodes
+                              for leaf in node.leaves if type(leaf) is LazyValue and
+                              leaf._node.arrays is not None and
+                              any(array is part for array in leaf._node.arrays)), 'another block')
+                warnings.warn(FreedGraphWarning(
+                    'block %s: this training flush reads outputs of block %s computed in an '
+                    'earlier flush whose autograd graph a backward() without '
+                    'retain_graph=True has freed, so no gradient flows back through them. One '
+                    'batched step holds the rows of many calls: backward() on one sample\'s '
+                    'loss frees them for every sample, where per sample only that sample\'s '
+                    'graph is freed. Sum the losses and call backward() once, or pass '
+                    'retain_graph=True; if the gradient is meant to stop here (truncated '
+                    'backpropagation), pass value.data.detach() instead of the value.'
+                    % (step.sig.block.name, maker)), stacklevel=user_stacklevel())
+                return
 
 
 def _grad_free_by_node(nodes, sig, flags, free):
@@ -933,6 +976,15 @@ class GradFree(NDArray):
     def attach_grad(self, grad_req='write', stype=None):
         self.__class__ = NDArray
         return NDArray.attach_grad(self, grad_req, stype)
+
+
+class RecordedOutput(NDArray):
+    """A batched output of a training flush that has ended, as the nodes
+    of a later flush read it: a later training step checks that its
+    autograd graph is still there (:func:`_warn_if_freed`).  It is an
+    ``NDArray`` in every other way (``concat_rows`` and ``value.data`` may
+    hand one out)."""
+    __slots__ = []
 
 
 def _carries_no_gradient(part):

@@ -2085,6 +2085,72 @@ def test_one_backward_per_samples_loss_needs_retain_graph(strategy):
         grads(True, False)
 
 
+@pytest.mark.parametrize('strategy', ['per-sample', 'depth', 'agenda', 'cached', 'auto'])
+def test_a_flush_reading_rows_freed_by_backward_warns(strategy):
+    """Found by an autograd fuzzer: backward() on one sample's loss frees
+    the whole step, and a later training flush reading another sample's
+    value then got no gradient through it, silently (per sample that
+    sample's graph is still there).  It now warns, naming both blocks; it
+    does not where the graph is kept (retain_graph=True, or no backward
+    in between: gradients then equal per-sample ones), where the user
+    cuts it on purpose (value.data.detach()), or under the per-sample
+    strategy, whose steps each hold one call, as per sample."""
+    first, second = (dyb.DynBatchBlock(nn.Dense(3, in_units=3)) for _ in range(2))
+    for block in (first, second):
+        block.initialize()
+    xs = [mx.nd.array(np.random.RandomState(i).randn(1, 3)) for i in range(3)]
+
+    def grads(batched, between, carry=lambda h: h):
+        for block in (first, second):
+            block.collect_params().zero_grad()
+        with autograd.record():
+            if batched:
+                with dyb.batching(strategy):
+                    hs = [first(x) for x in xs]
+                head = (hs[0].data ** 2).sum()
+            else:
+                hs = [first.block(x) for x in xs]
+                head = (hs[0] ** 2).sum()
+        if between is not None:
+            head.backward(retain_graph=between == 'retain')
+        with autograd.record():
+            if batched:
+                with dyb.batching(strategy):
+                    out = second(carry(hs[1]))
+                loss = out.data.sum()
+            else:
+                loss = second.block(carry(hs[1])).sum()
+        loss.backward()
+        return [block.weight.grad().asnumpy() for block in (first.block, second.block)]
+
+    for between in ('retain', None):
+        expected = grads(False, between)
+        for _ in range(2):      # (twice: a cached plan replays)
+            with warnings.catch_warnings():
+                warnings.simplefilter('error', dyb.FreedGraphWarning)
+                got = grads(True, between)
+            for want, have in zip(expected, got):
+                np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', dyb.FreedGraphWarning)
+        got = grads(True, 'free', carry=lambda value: value.data.detach())
+    expected = grads(False, 'free', carry=lambda h: h.detach())
+    for want, have in zip(expected, got):
+        np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
+    if strategy == 'per-sample':    # one step a call: the other samples' graphs stay
+        expected = grads(False, 'free')
+        with warnings.catch_warnings():
+            warnings.simplefilter('error', dyb.FreedGraphWarning)
+            got = grads(True, 'free')
+        for want, have in zip(expected, got):
+            np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
+        return
+    with pytest.warns(dyb.FreedGraphWarning, match='block %s: .* outputs of block %s .*freed'
+                      % (second.block.name, first.block.name)) as caught:
+        grads(True, 'free')
+    assert caught[0].filename == __file__
+
+
 _TRAIN_TWICE = r'''
 import hashlib, os, sys
 import mxnet as mx, numpy as np
