@@ -223,6 +223,11 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hois
             continue
         else:
             sources[item], index, distinct, zero, _ = _gather_item(nodes, sig, item, ctx)
+            if index is None and len(sources[item]) > 2:
+                # rows in order over many arrays (user NDArrays, one a call):
+                # read by index, so that their count pads as below, instead
+                # of a program per number of calls
+                index = np.arange(len(nodes), dtype=np.int32)
             index = _upload_index(index, uploads, ctx)
             if learned is not None:
                 learned.append(_recipe_part(fmt, distinct, index, where, zero))
