@@ -442,8 +442,9 @@ def batching(strategy='auto', flush_every='auto', merge_repeats=True):
     :class:`~.errors.LazyValueError` when read) and the next scope starts
     clean.  A generator closed at a ``yield`` inside the scope (a loop
     over it broke off) is no failure: what was recorded is run, so the
-    values it handed out can be read, as per sample.  Scopes do not nest.  Python's cyclic garbage collector is paused
-    inside a scope (reference counting still frees memory as usual).
+    values it handed out can be read, as per sample.  Scopes do not nest.
+    Python's cyclic garbage collector is paused inside a scope (reference
+    counting still frees memory as usual).
     """
     if current_scope() is not None:
         raise ScopeError('batching() scopes do not nest: a scope is already open in this '

@@ -13,6 +13,8 @@ import os
 import sys
 import warnings
 
+from .errors import user_stacklevel
+
 __all__ = ['stats', 'reset_stats', 'debug_level']
 
 _TOTALS = {}
@@ -59,7 +61,7 @@ def _read_level(raw):
         return level
     warnings.warn('DYNBATCH_DEBUG=%r is not a debug level, so nothing is printed: give 0 (or '
                   'false, no, off) for nothing, 1 (or true, yes, on) for a line per flush, '
-                  '2 for the plan as well' % raw, UserWarning, stacklevel=3)
+                  '2 for the plan as well' % raw, UserWarning, stacklevel=user_stacklevel())
     return 0
 
 

@@ -874,9 +874,11 @@ def test_debug_level_warns_once_of_a_value_that_is_no_level_and_prints_nothing(
     monkeypatch.setenv('DYNBATCH_DEBUG', value)
     block = dense()
     with pytest.warns(UserWarning, match=r"DYNBATCH_DEBUG='%s' is not a debug level, so "
-                                         r"nothing is printed: give 0" % re.escape(value)):
+                                         r"nothing is printed: give 0" % re.escape(value)) \
+            as caught:
         with dyb.batching('depth'):
             block(mx.nd.ones((1, 3)))
+    assert caught[0].filename == __file__       # the user's line (a docs audit)
     with warnings.catch_warnings():
         warnings.simplefilter('error')
         assert debug.debug_level() == 0
