@@ -967,7 +967,25 @@ class ZeroRow:
         self.arrays = [grad_free(mx.nd.zeros(shape, ctx=ctx, dtype=dtype))]
 
 
-class GradFree(NDArray):
+class _ReadsAsNDArray(type):
+    """The type of this module's ``NDArray`` subclasses: each compares
+    equal to ``NDArray`` (and to the other), since MXNet's ``__setitem__``
+    takes an array value by ``type(value) == self.__class__`` only, and
+    otherwise fails (``buf[:] = value.data``, ``mx.nd.array(value.data)``,
+    ``param.set_data(value.data)``: ``does not support assignment``, found
+    by a review) where the value is one (a step output handed out by
+    ``value.data`` or ``concat_rows``).  Hashes stay by identity."""
+
+    def __eq__(cls, other):
+        return other is cls or other is NDArray or type(other) is _ReadsAsNDArray
+
+    def __ne__(cls, other):
+        return not cls.__eq__(other)
+
+    __hash__ = type.__hash__
+
+
+class GradFree(NDArray, metaclass=_ReadsAsNDArray):
     """An array that carries no gradient: a step output computed from
     host data alone, handed out detached from autograd's graph as per-sample
     execution would leave it (see
@@ -983,13 +1001,34 @@ class GradFree(NDArray):
         return NDArray.attach_grad(self, grad_req, stype)
 
 
-class RecordedOutput(NDArray):
+class RecordedOutput(NDArray, metaclass=_ReadsAsNDArray):
     """A batched output of a training flush that has ended, as the nodes
     of a later flush read it: a later training step checks that its
     autograd graph is still there (:func:`_warn_if_freed`).  It is an
     ``NDArray`` in every other way (``concat_rows`` and ``value.data`` may
-    hand one out)."""
+    hand one out).  Its views (``x[i:j]``, ``x[i]``, ``x.reshape``, which
+    MXNet makes of the array's own class) are plain ``NDArray`` objects:
+    made outside ``autograd.record()`` they have no graph, as per sample,
+    and a later flush reading one warned that a backward() had freed it
+    (found by a review)."""
     __slots__ = []
+
+    def _slice(self, start, stop):
+        return _plain(NDArray._slice(self, start, stop))
+
+    def _at(self, idx):
+        return _plain(NDArray._at(self, idx))
+
+    def reshape(self, *shape, **kwargs):
+        return _plain(NDArray.reshape(self, *shape, **kwargs))
+
+
+def _plain(view):
+    """``view``, a view of a :class:`RecordedOutput` that MXNet made of its
+    class, as an ``NDArray``."""
+    if type(view) is RecordedOutput:
+        view.__class__ = NDArray
+    return view
 
 
 def _carries_no_gradient(part):

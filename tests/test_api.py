@@ -2184,6 +2184,86 @@ def test_a_flush_reading_rows_freed_by_backward_warns(strategy):
     assert caught[0].filename == __file__
 
 
+class _PlusOne(gluon.HybridBlock):
+    """``x + 1``: an output of host data alone (handed out detached)."""
+
+    def hybrid_forward(self, F, x):
+        return x + 1
+
+
+def test_step_outputs_handed_out_assign_into_ndarrays_as_ndarrays_do():
+    """Found by a review: a training flush's outputs become RecordedOutput
+    (and host-only outputs GradFree), NDArray subclasses, and MXNet's
+    __setitem__ takes an array by ``type(value) == self.__class__``: so
+    ``buf[:] = value.data``, ``mx.nd.array(value.data)`` and
+    ``param.set_data(value.data)`` failed (``does not support assignment``)
+    for a value of a one-row step or ``concat_rows`` of a whole step."""
+    block, host = dense(), dyb.DynBatchBlock(_PlusOne())
+    xs = [mx.nd.array(np.random.RandomState(i).randn(1, 3)) for i in range(3)]
+    with autograd.record():
+        with dyb.batching('depth'):
+            one = block(xs[0])
+        with dyb.batching('depth'):
+            many = [block(x) for x in xs]
+            free = host(np.ones((1, 3), dtype='float32'))
+        arrays = [one.data, dyb.concat_rows(many), free.data]
+    for array in arrays:
+        buf = mx.nd.zeros(array.shape)
+        buf[:] = array
+        np.testing.assert_array_equal(buf.asnumpy(), array.asnumpy())
+        np.testing.assert_array_equal(mx.nd.array(array).asnumpy(), array.asnumpy())
+        buf = mx.nd.zeros((4,) + array.shape[1:], dtype='float64')
+        buf[1:2] = array[:1]
+        np.testing.assert_allclose(buf[1:2].asnumpy(), array[:1].asnumpy())
+    param = gluon.Parameter('copy', shape=(1, 3))
+    param.initialize()
+    param.set_data(one.data)
+    np.testing.assert_array_equal(param.data().asnumpy(), one.data.asnumpy())
+
+
+@pytest.mark.parametrize('view', [lambda rows, i: rows[i:i + 1],
+                                  lambda rows, i: rows[i].reshape((1, 3))])
+def test_views_of_a_training_flush_output_read_later_do_not_warn(view):
+    """Found by a review: MXNet makes a view (``rows[i:i + 1]``,
+    ``rows[i]``, ``reshape``) of an array's own class, so views of a
+    RecordedOutput (``concat_rows`` of a whole step) were RecordedOutput
+    too; made outside autograd.record() they have no graph (as per
+    sample), and a later training flush reading them warned that a
+    backward() had freed them, which none had.  Gradients are per-sample
+    ones."""
+    first, second = dense(), dense()
+    xs = [mx.nd.array(np.random.RandomState(i).randn(1, 3)) for i in range(3)]
+
+    def grads(batched):
+        for block in (first, second):
+            block.collect_params().zero_grad()
+        with autograd.record():
+            if batched:
+                with dyb.batching('depth'):
+                    hs = [first(x) for x in xs]
+                rows = dyb.concat_rows(hs)
+            else:
+                rows = mx.nd.concat(*[first.block(x) for x in xs], dim=0)
+        parts = [view(rows, i) for i in range(3)]
+        with autograd.record():
+            if batched:
+                with dyb.batching('depth'):
+                    outs = [second(part) for part in parts]
+                out = dyb.concat_rows(outs)
+            else:
+                out = mx.nd.concat(*[second.block(part) for part in parts], dim=0)
+            loss = (out ** 2).sum() + (rows ** 2).sum()
+        loss.backward()
+        return [block.weight.grad().asnumpy() for block in (first.block, second.block)]
+
+    expected = grads(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', dyb.FreedGraphWarning)
+        got = grads(True)
+    for want, have in zip(expected, got):
+        np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
+
+
 _TRAIN_TWICE = r'''
 import hashlib, os, sys
 import mxnet as mx, numpy as np
