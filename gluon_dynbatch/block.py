@@ -28,7 +28,7 @@ from mxnet.ndarray.ndarray import _DTYPE_NP_TO_MX
 
 from . import accel, debug
 from .errors import InputError, PerSampleWarning, ScopeError, user_stacklevel
-from .execute import collect, pad_leaves, run_plan, threaded_engine, to_device
+from .execute import collect, pad_leaves, rows_of, run_plan, threaded_engine, to_device
 from .graph import (DONE, FAILED, PENDING, LazyValue, Node, data_marked, lazy_results, recorded,
                     repeat_node, shared_results)
 from .lower import INDEXED_OPS, make_cached_op, programs_built, ragged_lists
@@ -680,9 +680,9 @@ def concat_rows(values):
     parts, index, _ = collect(values, ctx)
     with recorded():            # (see graph.recorded)
         source = parts[0] if len(parts) == 1 else mx.nd.concat(*parts, dim=0)
-        if index is None:
-            return source
-        return mx.nd.take(source, to_device(np.asarray(index, dtype='int32'), ctx))
+        if index is not None:
+            source = mx.nd.take(source, to_device(np.asarray(index, dtype='int32'), ctx))
+    return source if source is parts[0] else rows_of(parts, source)
 
 
 def repeat_key(sig, leaves):

@@ -31,6 +31,7 @@ from .trace import error_line
 
 __all__ = ['run_plan', 'run_step', 'FlushTables', 'FlushHoist', 'collect', 'gather_rows',
            'pad_leaves', 'to_device', 'threaded_engine', 'ZeroRow', 'GradFree', 'grad_free',
+           'RecordedOutput', 'FreedRows', 'rows_of',
            'flush_hoists',
            'RaggedInputs']
 
@@ -327,20 +328,21 @@ def _warn_if_freed(step, sources):
     from an earlier scope)."""
     for parts in sources.values():
         for part in parts:
-            if type(part) is RecordedOutput and _carries_no_gradient(part):
-                maker = next((leaf._node.sig.block.name for node in step.nodes
+            if type(part) is FreedRows or \
+                    type(part) is RecordedOutput and _carries_no_gradient(part):
+                maker = next((' of block %s' % leaf._node.sig.block.name for node in step.nodes
                               for leaf in node.leaves if type(leaf) is LazyValue and
                               leaf._node.arrays is not None and
-                              any(array is part for array in leaf._node.arrays)), 'another block')
+                              any(array is part for array in leaf._node.arrays)), '')
                 warnings.warn(FreedGraphWarning(
-                    'block %s: this training flush reads outputs of block %s computed in an '
-                    'earlier flush whose autograd graph a backward() without '
-                    'retain_graph=True has freed, so no gradient flows back through them. One '
-                    'batched step holds the rows of many calls: backward() on one sample\'s '
-                    'loss frees them for every sample, where per sample only that sample\'s '
-                    'graph is freed. Sum the losses and call backward() once, or pass '
-                    'retain_graph=True; if the gradient is meant to stop here (truncated '
-                    'backpropagation), pass value.data.detach() instead of the value.'
+                    'block %s: this training flush reads outputs%s computed in an earlier '
+                    'flush whose autograd graph a backward() without retain_graph=True has '
+                    'freed, so no gradient flows back through them. One batched step holds '
+                    'the rows of many calls: backward() on one sample\'s loss frees them for '
+                    'every sample, where per sample only that sample\'s graph is freed. Sum '
+                    'the losses and call backward() once, or pass retain_graph=True; if the '
+                    'gradient is meant to stop here (truncated backpropagation), pass '
+                    'value.data.detach() instead of the value.'
                     % (step.sig.block.name, maker)), stacklevel=user_stacklevel())
                 return
 
@@ -1007,20 +1009,45 @@ class RecordedOutput(NDArray, metaclass=_ReadsAsNDArray):
     autograd graph is still there (:func:`_warn_if_freed`).  It is an
     ``NDArray`` in every other way (``concat_rows`` and ``value.data`` may
     hand one out).  Its views (``x[i:j]``, ``x[i]``, ``x.reshape``, which
-    MXNet makes of the array's own class) are plain ``NDArray`` objects:
-    made outside ``autograd.record()`` they have no graph, as per sample,
-    and a later flush reading one warned that a backward() had freed it
-    (found by a review)."""
+    MXNet makes of the array's own class) are plain ``NDArray`` objects
+    (:func:`rows_of`): made outside ``autograd.record()`` they have no
+    graph, as per sample, and a later flush reading one warned that a
+    backward() had freed it (found by a review)."""
     __slots__ = []
 
     def _slice(self, start, stop):
-        return _plain(NDArray._slice(self, start, stop))
+        return rows_of((self,), _plain(NDArray._slice(self, start, stop)), False)
 
     def _at(self, idx):
-        return _plain(NDArray._at(self, idx))
+        return rows_of((self,), _plain(NDArray._at(self, idx)), False)
 
     def reshape(self, *shape, **kwargs):
-        return _plain(NDArray.reshape(self, *shape, **kwargs))
+        return rows_of((self,), _plain(NDArray.reshape(self, *shape, **kwargs)), False)
+
+
+class FreedRows(NDArray, metaclass=_ReadsAsNDArray):
+    """Rows read out of a :class:`RecordedOutput` whose graph a
+    ``backward()`` had freed (:func:`rows_of`): they hold its values, but
+    no gradient reaches the calls that made them, so a later training
+    step reading them warns, as for the output itself (found by a review:
+    ``value.data`` read after another sample's ``backward()`` and passed
+    to a call lost its gradient silently)."""
+    __slots__ = []
+
+
+def rows_of(sources, rows, always=True):
+    """``rows``, a new array read out of ``sources`` (step outputs), as a
+    :class:`FreedRows` where one of them is a :class:`RecordedOutput`
+    whose graph a ``backward()`` freed; unless ``always`` (a view, which
+    per sample is a constant when made outside ``autograd.record()``) only
+    while autograd records.  ~2-7 us a training step's output, nothing
+    for others."""
+    for source in sources:
+        if type(source) is RecordedOutput and (always or mx.autograd.is_recording()) and \
+                _carries_no_gradient(source):
+            rows.__class__ = FreedRows
+            break
+    return rows
 
 
 def _plain(view):

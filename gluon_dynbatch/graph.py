@@ -137,6 +137,9 @@ class LazyValue:
                 with recorded():
                     self._data = mx.nd.slice_axis(array, axis=0, begin=node.row,
                                                   end=node.row + 1)
+                if type(array) is not mx.nd.NDArray:    # (a training step's output)
+                    from .execute import rows_of
+                    rows_of((array,), self._data)
         return self._data
 
     def asnumpy(self):

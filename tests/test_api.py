@@ -2123,17 +2123,22 @@ def test_a_flush_reading_rows_freed_by_backward_warns(strategy):
     """Found by an autograd fuzzer: backward() on one sample's loss frees
     the whole step, and a later training flush reading another sample's
     value then got no gradient through it, silently (per sample that
-    sample's graph is still there).  It now warns, naming both blocks; it
-    does not where the graph is kept (retain_graph=True, or no backward
-    in between: gradients then equal per-sample ones), where the user
-    cuts it on purpose (value.data.detach()), or under the per-sample
-    strategy, whose steps each hold one call, as per sample."""
+    sample's graph is still there).  It now warns, naming both blocks,
+    also where the rows come through ``.data``, ``concat_rows`` or a view
+    made under record (found by a review); it does not where the graph is
+    kept (retain_graph=True, or no backward in between: gradients then
+    equal per-sample ones), where the user cuts it on purpose
+    (value.data.detach()), or under the per-sample strategy, whose steps
+    each hold one call, as per sample."""
     first, second = (dyb.DynBatchBlock(nn.Dense(3, in_units=3)) for _ in range(2))
     for block in (first, second):
         block.initialize()
     xs = [mx.nd.array(np.random.RandomState(i).randn(1, 3)) for i in range(3)]
+    carries = {'value': lambda hs: hs[1], 'data': lambda hs: hs[1].data,
+               'concat_rows': lambda hs: dyb.concat_rows([hs[1]]),
+               'view': lambda hs: dyb.concat_rows(hs)[1:2]}
 
-    def grads(batched, between, carry=lambda h: h):
+    def grads(batched, between, carry=carries['value'], plain=lambda h: h):
         for block in (first, second):
             block.collect_params().zero_grad()
         with autograd.record():
@@ -2149,39 +2154,40 @@ def test_a_flush_reading_rows_freed_by_backward_warns(strategy):
         with autograd.record():
             if batched:
                 with dyb.batching(strategy):
-                    out = second(carry(hs[1]))
+                    out = second(carry(hs))
                 loss = out.data.sum()
             else:
-                loss = second.block(carry(hs[1])).sum()
+                loss = second.block(plain(hs[1])).sum()
         loss.backward()
         return [block.weight.grad().asnumpy() for block in (first.block, second.block)]
 
-    for between in ('retain', None):
-        expected = grads(False, between)
-        for _ in range(2):      # (twice: a cached plan replays)
-            with warnings.catch_warnings():
-                warnings.simplefilter('error', dyb.FreedGraphWarning)
-                got = grads(True, between)
-            for want, have in zip(expected, got):
-                np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
-    with warnings.catch_warnings():
-        warnings.simplefilter('error', dyb.FreedGraphWarning)
-        got = grads(True, 'free', carry=lambda value: value.data.detach())
-    expected = grads(False, 'free', carry=lambda h: h.detach())
-    for want, have in zip(expected, got):
-        np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
-    if strategy == 'per-sample':    # one step a call: the other samples' graphs stay
-        expected = grads(False, 'free')
+    def check(expected, between, carry):
         with warnings.catch_warnings():
             warnings.simplefilter('error', dyb.FreedGraphWarning)
-            got = grads(True, 'free')
+            got = grads(True, between, carry)
         for want, have in zip(expected, got):
             np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
+
+    for between in ('retain', None):
+        expected = grads(False, between)
+        for carry in carries.values():
+            for _ in range(2):      # (twice: a cached plan replays)
+                check(expected, between, carry)
+    check(grads(False, 'free', plain=lambda h: h.detach()), 'free',   # cut on purpose
+          lambda hs: hs[1].data.detach())
+    if strategy == 'per-sample':    # one step a call: the other samples' graphs stay
+        expected = grads(False, 'free')
+        for name in ('value', 'data'):
+            check(expected, 'free', carries[name])
         return
-    with pytest.warns(dyb.FreedGraphWarning, match='block %s: .* outputs of block %s .*freed'
-                      % (second.block.name, first.block.name)) as caught:
-        grads(True, 'free')
-    assert caught[0].filename == __file__
+    for name, carry in carries.items():
+        with pytest.warns(dyb.FreedGraphWarning,
+                          match='block %s: .* outputs%s computed .*freed' % (
+                              second.block.name,
+                              ' of block %s' % first.block.name if name == 'value' else '')) \
+                as caught:
+            grads(True, 'free', carry)
+        assert caught[0].filename == __file__, name
 
 
 class _PlusOne(gluon.HybridBlock):
