@@ -27,6 +27,7 @@ difference of their times is the difference of their recorders.
 """
 import argparse
 import atexit
+import gc
 import os
 import shutil
 import subprocess
@@ -157,6 +158,12 @@ def main(argv=None):
     if largest >= len(items):   # (the minibatches start anywhere but past the split's end)
         build_parser().error('argument --settings: a minibatch of %d is not less than the %d '
                              'pairs of the test split' % (largest, len(items)))
+    # Python's full collections walked the data set's ~0.5M objects (~0.2-0.5
+    # s each) and landed on one side's repeat now and then, adding 100-300 us
+    # a minibatch to it at 'infer 1' (found while chasing a 3% that was
+    # noise).  Frozen, they walk only what the two sides make.
+    gc.collect()
+    gc.freeze()
     ctx = bt.Forms(vocab_size, embedding, 0, wanted=['dynbatch-depth'])
     sides = {'revision': OldForm(old, old.DynBatchBlock(ctx.node), old.DynBatchBlock(ctx.head),
                                  args.strategy),
