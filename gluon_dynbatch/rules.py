@@ -172,8 +172,16 @@ def _all_batched(op):
     """Element-wise on inputs of equal shape: a shared input would keep its
     per-sample shape while the batched ones grow, so all must be batched."""
     if not all(op.batched):
-        return '%s mixes batched and shared inputs of equal shape' % op.op
+        return '%s mixes batched and shared inputs of equal shape%s' % (
+            op.op, BROADCAST_ADVICE if op.op in _ARITHMETIC else '')
     return None
+
+
+BROADCAST_ADVICE = (' (a shared input of leading dimension 1, such as a (1, n) parameter, '
+                    'broadcasts over the batch with F.broadcast_add, broadcast_mul, ...)')
+"""Appended to the reason of an element-wise op that mixes batched and
+shared inputs, where a broadcasting op would batch (found by a user test:
+``x + self.v.data()`` with ``v`` of shape (1, n) ran per sample)."""
 
 
 def _batched_data_shared_rest(op):
@@ -337,6 +345,9 @@ broadcast_hypot broadcast_equal broadcast_not_equal broadcast_greater
 broadcast_greater_equal broadcast_lesser broadcast_lesser_equal broadcast_logical_and
 broadcast_logical_or broadcast_logical_xor'''.split()
 
+_ARITHMETIC = frozenset(ELEMENTWISE) - {'where', 'add_n', 'ElementWiseSum', '_grad_add'}
+"""Element-wise ops that a ``broadcast_*`` op can replace."""
+
 register_batching_rule(*ROWWISE)(_rowwise)
 register_batching_rule(*ELEMENTWISE)(_all_batched)
 register_batching_rule(*BROADCAST)(_broadcast)
@@ -369,6 +380,21 @@ register_batching_rule('transpose')(_transpose)
 register_batching_rule('dot')(_dot)
 register_batching_rule('take')(_take)
 register_batching_rule('batch_dot')(_all_batched)
+
+
+@register_batching_rule('slice')
+def _slice(op):
+    """``slice(begin, end, step)`` keeps the batch axis whole when its bounds
+    on axis 0 are unset (``None``) or begin at 0, with step 1: per sample
+    ``end=1`` also keeps the one row, but batched it would keep the first
+    sample only, so axis 0's end must be ``None`` (as ``x[:, 1:3]`` has)."""
+    begin, end, step = (op.attr(key, ()) or () for key in ('begin', 'end', 'step'))
+    if ((begin and begin[0] not in (None, 0)) or (end and end[0] is not None)
+            or (step and step[0] not in (None, 1))):
+        return ('slice cuts the batch axis (begin=%s, end=%s%s): leave axis 0 unset, '
+                'F.slice(x, begin=(None, ...), end=(None, ...)), or use slice_axis'
+                % (begin, end, ', step=%s' % (step,) if step else ''))
+    return None
 
 
 @register_batching_rule('reshape_like')

@@ -52,6 +52,15 @@ CASES = [
      lambda F, y: F.sum(y, axis=2), (1, 6), True),
     ('reshape into rows and back', lambda F, h: F.reshape(h, shape=(-1, 3)),
      lambda F, y: F.reshape(y, shape=(-1, 6)), (1, 6), False),
+    # slice (x[:, 1:4] in NDArray code) ran per sample for want of a rule (found by a user test)
+    ('slice with axis 0 unset', lambda F, h: F.slice(h, begin=(None, 1), end=(None, 4)),
+     None, (1, 6), True),
+    ('slice from 0 to an unset end', lambda F, h: F.slice(h, begin=(0, 1, 0), end=(None, 3, 5),
+                                                          step=(1, 1, 2)), None, (1, 4, 6), True),
+    ('slice ending at 1 on the batch axis', lambda F, h: F.slice(h, begin=(0, 1), end=(1, 4)),
+     None, (1, 6), False),
+    ('slice stepping back on the batch axis', lambda F, h: F.slice(
+        h, begin=(None, 1), end=(None, 4), step=(-1, 1)), None, (1, 6), False),
 ]
 WHY = {'reshape into rows and back': 'gives it more than one row'}
 """The reason an unsafe case must give, where another check would refuse
@@ -1033,6 +1042,26 @@ def test_reshape_like_of_a_shared_input_runs_per_sample():
     assert_same(run_both(lambda: [block(p) for p in preds], [block], preds, 'depth'))
     batch_safe, reason = _verdict(block)
     assert not batch_safe and 'mixes batched and shared' in reason, reason
+
+
+class PlusSharedRow(gluon.HybridBlock):
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.v = self.params.get('v', shape=(1, 3), init=mx.init.Uniform(1.0))
+
+    def hybrid_forward(self, F, x, v):  # pylint: disable=arguments-differ
+        return x + v
+
+
+def test_elementwise_op_of_a_shared_row_says_to_broadcast():
+    block = dyb.DynBatchBlock(PlusSharedRow())
+    block.initialize()
+    xs = [mx.nd.array(np.full((1, 3), k, np.float32)) for k in range(3)]
+    assert_same(run_both(lambda: [block(x) for x in xs], [block], xs, 'depth'))
+    batch_safe, reason = _verdict(block)
+    assert not batch_safe and 'mixes batched and shared' in reason, reason
+    assert 'F.broadcast_add' in reason, reason
 
 
 class Relu(gluon.HybridBlock):
