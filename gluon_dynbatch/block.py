@@ -509,7 +509,24 @@ SYMBOL_ADVICE = (' A Symbol reaches a wrapper called inside another block\'s hyb
                  'while that block is traced: call the wrapped block itself there '
                  '(wrapper.block, made a child block of the outer one), and wrap only the '
                  'outer block.')
-"""Appended to the error for a Symbol among a call's arguments (found by a fuzzer)."""
+"""Appended to the error for a Symbol among a call's arguments while a block
+is traced (found by a fuzzer)."""
+
+
+SYMBOL_FROM_CALLER_ADVICE = (
+    ' No block is being traced, so the caller made it: the begin_state() of Gluon\'s '
+    'modifier cells (ResidualCell, ZoneoutCell) makes '
+    'Symbols unless given func=mx.nd.zeros; pass NDArrays.')
+"""Appended to the error for a Symbol among a call's arguments made outside
+any trace (found by a user test: ``ResidualCell.begin_state()`` defaults to
+``mx.sym.zeros``, and the error blamed a wrapper called inside a traced
+block)."""
+
+
+def _symbol_advice():
+    """The advice for a Symbol argument: from inside a trace, or from the caller."""
+    is_owned = getattr(_TRACING, '_is_owned', None)
+    return SYMBOL_ADVICE if is_owned is None or is_owned() else SYMBOL_FROM_CALLER_ADVICE
 
 
 CONSTANT_ADVICE = (' Gluon passes None and numbers through outside a scope, but a '
@@ -760,7 +777,7 @@ def _signature_key(dblock, fmt, leaves, scope):
                              % (dblock.block.name, _leaf_path(fmt, _position(leaves, leaf)),
                                 type(leaf).__name__, CONSTANT_ADVICE
                                 if leaf is None or isinstance(leaf, (numbers.Number, np.generic))
-                                else SYMBOL_ADVICE if isinstance(leaf, mx.sym.Symbol) else ''))
+                                else _symbol_advice() if isinstance(leaf, mx.sym.Symbol) else ''))
         if leaf_ctx is not ctx and leaf_ctx is not None:
             if ctx is None:
                 ctx = leaf_ctx
@@ -1329,8 +1346,12 @@ class DynBatchBlock(Block):
 
     def __init__(self, block, pad_lists=None, prefix=None):
         if not isinstance(block, mx.gluon.HybridBlock):
+            hybrid = {'Sequential': 'HybridSequential',
+                      'SequentialRNNCell': 'HybridSequentialRNNCell'}.get(type(block).__name__)
             raise InputError('DynBatchBlock wraps a gluon HybridBlock (it traces the block\'s '
-                             'hybrid_forward symbolically); got %s.' % type(block).__name__)
+                             'hybrid_forward symbolically); got %s.%s'
+                             % (type(block).__name__, ' Use its hybrid form, %s.' % hybrid
+                                if hybrid else ''))
         super().__init__(prefix=prefix)
         self.block = block
         if pad_lists is None:

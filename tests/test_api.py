@@ -1840,6 +1840,33 @@ def test_error_a_wrapper_called_inside_a_traced_block_says_what_to_call():
             outer(mx.nd.ones((1, 3)))
 
 
+def test_error_a_symbol_from_the_caller_names_modifier_cells_begin_state():
+    """Found by a user test: ResidualCell.begin_state() makes Symbols (mx.sym.zeros is
+    its default func), and the error blamed a wrapper called inside a traced block."""
+    cell = gluon.rnn.ResidualCell(gluon.rnn.GRUCell(4, input_size=4))
+    wrapped = dyb.DynBatchBlock(cell)
+    wrapped.initialize()
+    with pytest.raises(dyb.InputError, match=r'got Symbol.*No block is being traced.*'
+                       r'func=mx\.nd\.zeros') as info:
+        with dyb.batching():
+            wrapped(mx.nd.ones((1, 4)), cell.begin_state(batch_size=1))
+    assert 'wrapper.block' not in str(info.value)
+    state = cell.begin_state(batch_size=1, func=mx.nd.zeros)   # the advice works
+    with dyb.batching():
+        out, _ = wrapped(mx.nd.ones((1, 4)), state)
+    np.testing.assert_allclose(out.asnumpy(), cell(mx.nd.ones((1, 4)), state)[0].asnumpy(),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('block, hybrid', [(gluon.nn.Sequential, 'HybridSequential'),
+                                           (gluon.rnn.SequentialRNNCell,
+                                            'HybridSequentialRNNCell')])
+def test_error_a_non_hybrid_container_names_its_hybrid_form(block, hybrid):
+    with pytest.raises(dyb.InputError, match='got %s. Use its hybrid form, %s.'
+                       % (block.__name__, hybrid)):
+        dyb.DynBatchBlock(block())
+
+
 @pytest.mark.parametrize('strategy', ['per-sample', 'depth', 'agenda', 'cached', 'auto'])
 @pytest.mark.parametrize('accelerated', [True, False])
 def test_attach_grad_on_a_values_data_makes_it_a_leaf_as_per_sample(strategy, accelerated):
