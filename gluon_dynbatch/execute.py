@@ -1003,36 +1003,57 @@ class GradFree(NDArray, metaclass=_ReadsAsNDArray):
         return NDArray.attach_grad(self, grad_req, stype)
 
 
-class RecordedOutput(NDArray, metaclass=_ReadsAsNDArray):
+class _StepRows(NDArray, metaclass=_ReadsAsNDArray):
+    """Base of :class:`RecordedOutput` and :class:`FreedRows`: MXNet makes
+    views (``x[i:j]``, ``x[i]``, ``x.reshape``) of the array's own class,
+    which :meth:`_view` decides instead."""
+    __slots__ = []
+
+    def _slice(self, start, stop):
+        return self._view(NDArray._slice(self, start, stop))
+
+    def _at(self, idx):
+        return self._view(NDArray._at(self, idx))
+
+    def reshape(self, *shape, **kwargs):
+        return self._view(NDArray.reshape(self, *shape, **kwargs))
+
+    def _view(self, view):
+        raise NotImplementedError
+
+
+class RecordedOutput(_StepRows):
     """A batched output of a training flush that has ended, as the nodes
     of a later flush read it: a later training step checks that its
     autograd graph is still there (:func:`_warn_if_freed`).  It is an
     ``NDArray`` in every other way (``concat_rows`` and ``value.data`` may
-    hand one out).  Its views (``x[i:j]``, ``x[i]``, ``x.reshape``, which
-    MXNet makes of the array's own class) are plain ``NDArray`` objects
-    (:func:`rows_of`): made outside ``autograd.record()`` they have no
-    graph, as per sample, and a later flush reading one warned that a
-    backward() had freed it (found by a review)."""
+    hand one out).  Its views are plain ``NDArray`` objects, or
+    :class:`FreedRows` (:func:`rows_of`): made outside
+    ``autograd.record()`` they have no graph, as per sample, and a later
+    flush reading one warned that a backward() had freed it (found by a
+    review)."""
     __slots__ = []
 
-    def _slice(self, start, stop):
-        return rows_of((self,), _plain(NDArray._slice(self, start, stop)), False)
-
-    def _at(self, idx):
-        return rows_of((self,), _plain(NDArray._at(self, idx)), False)
-
-    def reshape(self, *shape, **kwargs):
-        return rows_of((self,), _plain(NDArray.reshape(self, *shape, **kwargs)), False)
+    def _view(self, view):
+        view.__class__ = NDArray
+        return rows_of((self,), view, False)
 
 
-class FreedRows(NDArray, metaclass=_ReadsAsNDArray):
+class FreedRows(_StepRows):
     """Rows read out of a :class:`RecordedOutput` whose graph a
     ``backward()`` had freed (:func:`rows_of`): they hold its values, but
     no gradient reaches the calls that made them, so a later training
     step reading them warns, as for the output itself (found by a review:
     ``value.data`` read after another sample's ``backward()`` and passed
-    to a call lost its gradient silently)."""
+    to a call lost its gradient silently).  Its views made under
+    ``autograd.record()`` are such rows too; others are constants, as per
+    sample, and plain ``NDArray`` objects."""
     __slots__ = []
+
+    def _view(self, view):
+        if not mx.autograd.is_recording():
+            view.__class__ = NDArray
+        return view
 
 
 def rows_of(sources, rows, always=True):
@@ -1048,14 +1069,6 @@ def rows_of(sources, rows, always=True):
             rows.__class__ = FreedRows
             break
     return rows
-
-
-def _plain(view):
-    """``view``, a view of a :class:`RecordedOutput` that MXNet made of its
-    class, as an ``NDArray``."""
-    if type(view) is RecordedOutput:
-        view.__class__ = NDArray
-    return view
 
 
 def _carries_no_gradient(part):

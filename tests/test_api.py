@@ -2297,6 +2297,40 @@ def test_views_of_a_training_flush_output_read_later_do_not_warn(view):
         np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
 
 
+def test_views_of_freed_rows_stay_freed_only_under_record():
+    """Rows read out of a step a backward() freed (``.data`` after another
+    sample's backward) are FreedRows, which a later training step warns
+    of; their views made outside autograd.record() are constants, as per
+    sample, and plain NDArrays (no warning); made under record they stay
+    FreedRows."""
+    from gluon_dynbatch.execute import FreedRows
+    first, second = dense(), dense()
+    xs = [mx.nd.array(np.random.RandomState(i).randn(1, 3)) for i in range(3)]
+    with autograd.record():
+        with dyb.batching('depth'):
+            hs = [first(x) for x in xs]
+        head = (hs[0].data ** 2).sum()
+    head.backward()
+    rows = hs[1].data
+    assert type(rows) is FreedRows and type(rows) == mx.nd.NDArray
+    outside = [rows.reshape((1, 3)), rows[0:1]]
+    assert all(type(view) is mx.nd.NDArray for view in outside)
+    with autograd.record():
+        inside = [rows.reshape((1, 3)), rows[0:1]]
+    assert all(type(view) is FreedRows for view in inside)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', dyb.FreedGraphWarning)
+        with autograd.record():
+            with dyb.batching('depth'):
+                out = second(outside[0])
+            out.data.sum().backward()
+    with pytest.warns(dyb.FreedGraphWarning):
+        with autograd.record():
+            with dyb.batching('depth'):
+                out = second(inside[0])
+            out.data.sum().backward()
+
+
 _TRAIN_TWICE = r'''
 import hashlib, os, sys
 import mxnet as mx, numpy as np
