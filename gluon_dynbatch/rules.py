@@ -326,6 +326,115 @@ def _take(op):
     return 'take with batched data and batched indices'
 
 
+def _axes(op, key, ndim):
+    """The axis attribute ``key`` (an int or a tuple) as a tuple of axes in
+    ``range(ndim)`` (negative ones counted from the end)."""
+    axes = op.attr(key, ())
+    axes = axes if isinstance(axes, (tuple, list)) else (axes,)
+    return tuple(a % ndim for a in axes)
+
+
+def _broadcast_axis(op):
+    """``axis`` does not name axis 0 (an empty one broadcasts nothing).  The
+    op broadcasts axes of size 1 to ``size``: per sample axis 0 has size 1
+    and would be broadcast to ``size`` rows, batched it has N."""
+    ndim = op.batched_ndim()
+    if ndim is None or 0 in _axes(op, 'axis', ndim):
+        return ('%s broadcasts the batch axis (axis=%s): a sample has one row; broadcast the '
+                'other axes only' % (op.op, op.attrs.get('axis')))
+    return None
+
+
+def _broadcast_to(op):
+    """The target ``shape`` has ``0`` (keep) for axis 0.  It includes the
+    batch axis, which batched has N rows: a ``1`` there, right per
+    sample, fails batched, and more would give a sample more rows."""
+    shape = op.attr('shape', ())
+    if not shape or shape[0] != 0:
+        return ('broadcast_to(shape=%s) fixes the batch axis at %s: write 0 (keep) for axis 0, '
+                'as in shape=(0, ...)' % (shape, shape[0] if shape else None))
+    return None
+
+
+def _broadcast_like(op):
+    """A batched ``rhs`` when no axes are named; with ``lhs_axes`` and
+    ``rhs_axes``, a batched ``lhs`` and no pair naming axis 0, or a shared
+    ``lhs`` and the pair (0, 0).  ``lhs`` is broadcast to ``rhs``'s shape,
+    on every axis when none are named (a shared ``lhs`` has leading dim 1
+    and broadcasts over the batch; a shared ``rhs`` would keep one row).
+    On named pairs, the rows are ``lhs``'s unless axis 0 is named: the
+    pair (0, 0) takes them from a batched ``rhs``, where MXNet needs
+    ``lhs``'s dim 1, so a shared ``lhs``; any other pair with axis 0 moves
+    the batch axis."""
+    lhs_axes, rhs_axes = op.attr('lhs_axes'), op.attr('rhs_axes')
+    if lhs_axes is None and rhs_axes is None:
+        if not op.batched[1]:
+            return ('broadcast_like of a batched lhs like a shared rhs broadcasts across the '
+                    'batch axis: broadcast like a batched tensor, or name lhs_axes/rhs_axes '
+                    'other than 0')
+        return None
+    if lhs_axes is None or rhs_axes is None or None in op.shapes:
+        return 'broadcast_like with only one of lhs_axes and rhs_axes, or unknown shapes'
+    pairs = list(zip(_axes(op, 'lhs_axes', len(op.shapes[0])),
+                     _axes(op, 'rhs_axes', len(op.shapes[1]))))
+    batch_pairs = [pair for pair in pairs if 0 in pair]
+    if not batch_pairs:
+        if not op.batched[0]:
+            return ('broadcast_like of a shared lhs on axes other than the batch axis gives a '
+                    'shared result: include the pair (0, 0) in lhs_axes/rhs_axes')
+        return None
+    if batch_pairs == [(0, 0)] and not op.batched[0]:
+        return None
+    return ('broadcast_like(lhs_axes=%s, rhs_axes=%s) moves the batch axis, or broadcasts a '
+            'batched lhs on it: pair axis 0 with axis 0, with a shared lhs, or leave it out'
+            % (lhs_axes, rhs_axes))
+
+
+def _tile(op):
+    """``reps`` shorter than the rank (MXNet pads it with leading 1s), or
+    of the rank with ``reps[0] == 1``.  A longer ``reps`` adds leading
+    axes, and a repeat of axis 0 gives a sample more rows (batched, the
+    whole batch would be repeated)."""
+    reps, ndim = tuple(op.attr('reps', ())), op.batched_ndim()
+    if ndim is None or len(reps) > ndim or (len(reps) == ndim and reps[0] != 1):
+        return ('tile(reps=%s) repeats or moves the batch axis: give reps of at most the rank, '
+                'with 1 for axis 0 when of the rank' % (reps,))
+    return None
+
+
+def _swapaxes(op):
+    """Neither ``dim1`` nor ``dim2`` is axis 0, or both are (a no-op, as
+    the default ``dim1=dim2=0``); else the batch axis is moved."""
+    ndim = op.batched_ndim()
+    dims = [op.attr(key, 0) for key in ('dim1', 'dim2')]
+    if ndim is None or (dims[0] % ndim == 0) != (dims[1] % ndim == 0):
+        return 'swapaxes(dim1=%d, dim2=%d) moves the batch axis' % tuple(dims)
+    return None
+
+
+def _gemm2(op):
+    """A and B batched when axis 0 is a batch axis of matrices (rank 3 or
+    more, rows on another axis); A batched and not transposed, B shared,
+    when axis 0 holds the rows (rank 2, or ``axis=0``).  The op multiplies
+    ``op(A) op(B)`` over the rows (axis ``axis``, -2 by default) and
+    columns (the last axis); other axes are batch axes of equal size in A
+    and B (a shared operand's 1 would not broadcast).  Only A's rows are
+    rows of the result: B's are summed over, or its columns."""
+    ndim = op.batched_ndim()
+    rows = op.attr('axis', -2) % ndim if ndim else None
+    if rows == ndim - 1 or rows is None:
+        return 'linalg_gemm2 with rows on the last axis, or of unknown rank'
+    if rows != 0:
+        if not all(op.batched):
+            return ('linalg_gemm2 on a batch axis of matrices with a shared operand, which '
+                    'keeps one row while the batched grows: batch both, or use rank 2')
+        return None
+    if op.flag('transpose_a') or not op.batched[0] or op.batched[1]:
+        return ('linalg_gemm2 with rows on the batch axis (rank 2, or axis=0) multiplies '
+                'across it unless A is batched and not transposed, and B shared')
+    return None
+
+
 ROWWISE = '''Activation relu sigmoid tanh softsign exp log log1p expm1 sqrt rsqrt cbrt
 square abs negative sign round rint floor ceil trunc fix reciprocal sin cos tan arcsin
 arccos arctan sinh cosh arctanh arcsinh arccosh erf erfinv gamma gammaln _copy identity
@@ -334,7 +443,7 @@ _plus_scalar _minus_scalar _rminus_scalar _mul_scalar _div_scalar _rdiv_scalar
 _power_scalar _rpower_scalar _maximum_scalar _minimum_scalar _mod_scalar _rmod_scalar
 _equal_scalar _not_equal_scalar _greater_scalar _greater_equal_scalar _lesser_scalar
 _lesser_equal_scalar _logical_and_scalar _logical_or_scalar _hypot_scalar
-Flatten flatten one_hot L2Normalization'''.split()
+Flatten flatten one_hot L2Normalization smooth_l1'''.split()
 ELEMENTWISE = '''elemwise_add elemwise_sub elemwise_mul elemwise_div _plus _Plus _add
 _minus _Minus _sub _mul _Mul _div _Div _maximum _Maximum _minimum _Minimum _power _Power
 _hypot _mod add_n ElementWiseSum _grad_add where _equal _not_equal _greater
@@ -380,6 +489,15 @@ register_batching_rule('transpose')(_transpose)
 register_batching_rule('dot')(_dot)
 register_batching_rule('take')(_take)
 register_batching_rule('batch_dot')(_all_batched)
+register_batching_rule('broadcast_axis', 'broadcast_axes')(_broadcast_axis)
+register_batching_rule('broadcast_to')(_broadcast_to)
+register_batching_rule('broadcast_like')(_broadcast_like)
+register_batching_rule('tile')(_tile)
+register_batching_rule('SwapAxis', 'swapaxes')(_swapaxes)
+register_batching_rule('_linalg_gemm2', 'linalg_gemm2')(_gemm2)
+# along one axis; axis=None sorts the flattened tensor, across samples
+register_batching_rule('topk', 'sort', 'argsort')(_axis_rule('axis', -1))
+register_batching_rule('reverse', 'flip')(_axis_rule('axis', None))
 
 
 @register_batching_rule('slice')

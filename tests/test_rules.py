@@ -61,6 +61,76 @@ CASES = [
      None, (1, 6), False),
     ('slice stepping back on the batch axis', lambda F, h: F.slice(
         h, begin=(None, 1), end=(None, 4), step=(-1, 1)), None, (1, 6), False),
+    # ops a user trial found without a rule (a refused case per op, where one exists)
+    ('smooth_l1', lambda F, h: F.smooth_l1(h, scalar=2.0), None, (1, 3, 6), True),
+    ('broadcast_axis of axis 1', lambda F, h: F.broadcast_axis(
+        F.sum(h, axis=1, keepdims=True), axis=1, size=3), None, (1, 3, 6), True),
+    ('broadcast_axis of the batch axis', lambda F, h: F.broadcast_axis(
+        F.sum(h, axis=1, keepdims=True), axis=(1, 0), size=(3, 2)),
+     lambda F, y: F.mean(y, axis=0, keepdims=True), (1, 3, 6), False),
+    ('broadcast_to keeping axis 0', lambda F, h: F.broadcast_to(
+        F.sum(h, axis=-2, keepdims=True), shape=(0, 3, 0)), None, (1, 3, 6), True),
+    ('broadcast_to with axis 0 of 1', lambda F, h: F.broadcast_to(
+        F.sum(h, axis=-2, keepdims=True), shape=(1, 3, 6)), None, (1, 3, 6), False),
+    ('broadcast_like a batched rhs', lambda F, h: F.broadcast_like(
+        F.sum(h, axis=-1, keepdims=True), h) + h, None, (1, 3, 6), True),
+    ('broadcast_like of a shared lhs', lambda F, h: F.broadcast_like(
+        F.sin(F.arange(6)).reshape((1, 1, 6)), h) * h, None, (1, 3, 6), True),
+    ('broadcast_like on other axes', lambda F, h: F.broadcast_like(
+        F.sum(h, axis=-1, keepdims=True), F.zeros((2, 5, 4)), lhs_axes=(-1,), rhs_axes=(-2,)),
+     None, (1, 3, 6), True),
+    ('broadcast_like of a shared lhs on axis 0', lambda F, h: F.broadcast_like(
+        F.sin(F.arange(6)).reshape((1, 6)), h, lhs_axes=(0,), rhs_axes=(0,)) * F.sum(h, axis=1),
+     None, (1, 3, 6), True),
+    ('broadcast_like a shared rhs', lambda F, h: F.broadcast_like(h, F.zeros((1, 3, 6))),
+     None, (1, 3, 6), False),
+    ('broadcast_like of a shared lhs on axis 1', lambda F, h: F.concat(F.broadcast_like(
+        F.sin(F.arange(6)).reshape((1, 1, 6)), h, lhs_axes=(1,), rhs_axes=(-2,)), h, dim=-1),
+     None, (1, 3, 6), False),
+    ('broadcast_like axis 1 like the batch axis', lambda F, h: F.broadcast_like(
+        F.sum(h, axis=1, keepdims=True), h, lhs_axes=(1,), rhs_axes=(0,)),
+     None, (1, 3, 6), False),
+    ('tile of the last axes', lambda F, h: F.tile(h, reps=(2,)) + F.tile(h, reps=(1, 1, 2)),
+     None, (1, 3, 6), True),
+    ('tile of the batch axis', lambda F, h: F.tile(h, reps=(2, 1, 1)),
+     lambda F, y: F.mean(y, axis=0, keepdims=True), (1, 3, 6), False),
+    ('tile adding an axis', lambda F, h: F.tile(h, reps=(2, 1, 1, 1)),
+     lambda F, y: F.sum(y, axis=0), (1, 3, 6), False),
+    ('topk values along -1', lambda F, h: F.topk(h, axis=-1, k=2, ret_typ='value'),
+     None, (1, 3, 6), True),
+    ('topk indices along 1', lambda F, h: F.topk(h, axis=1, k=2) + h.slice_axis(
+        axis=1, begin=0, end=2), None, (1, 3, 6), True),
+    ('topk along the batch axis', lambda F, h: F.topk(h, axis=-3, k=1, ret_typ='value'),
+     None, (1, 3, 6), False),
+    ('topk of the flattened sample', lambda F, h: F.topk(h, axis=None, k=2, ret_typ='value'),
+     lambda F, y: F.reshape(y, shape=(1, 2)), (1, 3, 6), False),
+    ('sort and argsort along -2', lambda F, h: F.sort(h, axis=-2) * F.argsort(h, axis=1),
+     None, (1, 3, 6), True),
+    ('sort along the batch axis', lambda F, h: F.sort(h, axis=0), None, (1, 3, 6), False),
+    ('argsort of the flattened sample', lambda F, h: F.argsort(h, axis=None),
+     lambda F, y: F.reshape(y, shape=(1, 18)), (1, 3, 6), False),
+    ('flip the last axes', lambda F, h: F.flip(h, axis=(1, 2)), None, (1, 3, 6), True),
+    ('flip the batch axis', lambda F, h: F.flip(F.sum(h, axis=1), axis=(0, 1)),
+     None, (1, 3, 6), False),
+    ('swapaxes of the last axes', lambda F, h: F.swapaxes(h, dim1=-1, dim2=1),
+     None, (1, 3, 6), True),
+    ('swapaxes of the batch axis', lambda F, h: F.swapaxes(
+        F.sum(h, axis=1, keepdims=True), dim1=0, dim2=-2),
+     lambda F, y: F.sum(y, axis=1), (1, 3, 6), False),
+    ('linalg_gemm2 of rank 2', lambda F, h: F.linalg.gemm2(
+        h, F.sin(F.arange(24)).reshape((4, 6)), transpose_b=True, alpha=0.5), None, (1, 6), True),
+    ('linalg_gemm2 of batched matrices', lambda F, h: F.linalg.gemm2(h, h, transpose_b=True),
+     None, (1, 3, 6), True),
+    ('linalg_gemm2 with rows on axis 0', lambda F, h: F.linalg.gemm2(
+        h, F.sin(F.arange(36)).reshape((6, 3, 2)), axis=0), None, (1, 3, 6), True),
+    ('linalg_gemm2 of batched and shared matrices', lambda F, h: F.linalg.gemm2(
+        h, F.sin(F.arange(24)).reshape((1, 6, 4))), None, (1, 3, 6), False),
+    ('linalg_gemm2 transposing a batched rank 2', lambda F, h: F.linalg.gemm2(
+        h, F.sin(F.arange(4)).reshape((1, 4)), transpose_a=True),
+     lambda F, y: F.sum(y, axis=0, keepdims=True), (1, 6), False),
+    ('linalg_gemm2 of a batched rank 2 rhs', lambda F, h: F.linalg.gemm2(
+        F.sin(F.arange(4)).reshape((4, 1)), h),
+     lambda F, y: F.sum(y, axis=0, keepdims=True), (1, 6), False),
 ]
 WHY = {'reshape into rows and back': 'gives it more than one row'}
 """The reason an unsafe case must give, where another check would refuse
