@@ -690,9 +690,9 @@ def concat_rows(values):
                              'values must share one dtype (cast one: v.data.astype(...)).'
                              % (i, np.dtype(value.dtype).name, np.dtype(dtype).name))
     if marked:
+        arrays = [value.data if type(value) is LazyValue else value for value in values]
         with recorded():
-            return mx.nd.concat(*[value.data if type(value) is LazyValue else value
-                                  for value in values], dim=0)
+            return rows_of(arrays, mx.nd.concat(*arrays, dim=0))
     ctx = values[0].context
     parts, index, _ = collect(values, ctx)
     with recorded():            # (see graph.recorded)

@@ -31,7 +31,7 @@ from .trace import error_line
 
 __all__ = ['run_plan', 'run_step', 'FlushTables', 'FlushHoist', 'collect', 'gather_rows',
            'pad_leaves', 'to_device', 'threaded_engine', 'ZeroRow', 'GradFree', 'grad_free',
-           'RecordedOutput', 'FreedRows', 'rows_of',
+           'RecordedOutput', 'OutputRows', 'FreedRows', 'rows_of',
            'flush_hoists',
            'RaggedInputs']
 
@@ -328,8 +328,9 @@ def _warn_if_freed(step, sources):
     from an earlier scope)."""
     for parts in sources.values():
         for part in parts:
-            if type(part) is FreedRows or \
-                    type(part) is RecordedOutput and _carries_no_gradient(part):
+            kind = type(part)
+            if kind is FreedRows or kind is RecordedOutput and _carries_no_gradient(part) or \
+                    kind is OutputRows and _reads_freed_rows(part):
                 maker = next((' of block %s' % leaf._node.sig.block.name for node in step.nodes
                               for leaf in node.leaves if type(leaf) is LazyValue and
                               leaf._node.arrays is not None and
@@ -1004,9 +1005,13 @@ class GradFree(NDArray, metaclass=_ReadsAsNDArray):
 
 
 class _StepRows(NDArray, metaclass=_ReadsAsNDArray):
-    """Base of :class:`RecordedOutput` and :class:`FreedRows`: MXNet makes
-    views (``x[i:j]``, ``x[i]``, ``x.reshape``) of the array's own class,
-    which :meth:`_view` decides instead."""
+    """Base of :class:`RecordedOutput`, :class:`OutputRows` and
+    :class:`FreedRows`: MXNet makes views (``x[i:j]``, ``x[i]``,
+    ``x.reshape``) of the array's own class, which :meth:`_view` decides
+    instead (by default: made under ``autograd.record()`` they keep the
+    class, others are constants, as per sample, and plain ``NDArray``
+    objects).  Attaching a gradient makes one a plain ``NDArray`` leaf, as
+    per sample (no warning then: the gradient stops there on purpose)."""
     __slots__ = []
 
     def _slice(self, start, stop):
@@ -1018,8 +1023,15 @@ class _StepRows(NDArray, metaclass=_ReadsAsNDArray):
     def reshape(self, *shape, **kwargs):
         return self._view(NDArray.reshape(self, *shape, **kwargs))
 
+    def attach_grad(self, grad_req='write', stype=None):
+        # a leaf of its own, as per sample: the gradient stops there on purpose
+        self.__class__ = NDArray
+        return NDArray.attach_grad(self, grad_req, stype)
+
     def _view(self, view):
-        raise NotImplementedError
+        if not mx.autograd.is_recording():
+            view.__class__ = NDArray
+        return view
 
 
 class RecordedOutput(_StepRows):
@@ -1027,16 +1039,28 @@ class RecordedOutput(_StepRows):
     of a later flush read it: a later training step checks that its
     autograd graph is still there (:func:`_warn_if_freed`).  It is an
     ``NDArray`` in every other way (``concat_rows`` and ``value.data`` may
-    hand one out).  Its views are plain ``NDArray`` objects, or
-    :class:`FreedRows` (:func:`rows_of`): made outside
-    ``autograd.record()`` they have no graph, as per sample, and a later
-    flush reading one warned that a backward() had freed it (found by a
-    review)."""
+    hand one out).  Its views made under ``autograd.record()`` are
+    :class:`OutputRows` or :class:`FreedRows` (:func:`rows_of`); others
+    are plain ``NDArray`` objects: they have no graph, as per sample, and
+    a later flush reading one warned that a backward() had freed it
+    (found by a review)."""
     __slots__ = []
 
     def _view(self, view):
         view.__class__ = NDArray
         return rows_of((self,), view, False)
+
+
+class OutputRows(_StepRows):
+    """Rows read out of a :class:`RecordedOutput` while its graph was
+    still there (:func:`rows_of`: ``value.data``, ``concat_rows``, views
+    made under ``autograd.record()``): a ``backward()`` may free the
+    output's graph later while these rows keep theirs, which then ends at
+    the freed output, so a later training step reading them checks that
+    (:func:`_reads_freed_rows`; found by a review: ``hs[1].data`` read
+    before another sample's ``backward()`` and passed to a call after it
+    lost its gradient silently)."""
+    __slots__ = []
 
 
 class FreedRows(_StepRows):
@@ -1045,30 +1069,61 @@ class FreedRows(_StepRows):
     no gradient reaches the calls that made them, so a later training
     step reading them warns, as for the output itself (found by a review:
     ``value.data`` read after another sample's ``backward()`` and passed
-    to a call lost its gradient silently).  Its views made under
-    ``autograd.record()`` are such rows too; others are constants, as per
-    sample, and plain ``NDArray`` objects."""
+    to a call lost its gradient silently)."""
     __slots__ = []
-
-    def _view(self, view):
-        if not mx.autograd.is_recording():
-            view.__class__ = NDArray
-        return view
 
 
 def rows_of(sources, rows, always=True):
-    """``rows``, a new array read out of ``sources`` (step outputs), as a
-    :class:`FreedRows` where one of them is a :class:`RecordedOutput`
-    whose graph a ``backward()`` freed; unless ``always`` (a view, which
-    per sample is a constant when made outside ``autograd.record()``) only
-    while autograd records.  ~2-7 us a training step's output, nothing
-    for others."""
+    """``rows``, a new array read out of ``sources`` (step outputs, or
+    arrays read out of them), as a :class:`FreedRows` where one of them is
+    a :class:`RecordedOutput` whose graph a ``backward()`` freed (or
+    itself such rows), else as :class:`OutputRows` where one is a
+    :class:`RecordedOutput` (or :class:`OutputRows`); unless ``always`` (a
+    view, which per sample is a constant when made outside
+    ``autograd.record()``) only while autograd records.  ~2-7 us a
+    training step's output, nothing for others."""
+    if not always and not mx.autograd.is_recording():
+        return rows
     for source in sources:
-        if type(source) is RecordedOutput and (always or mx.autograd.is_recording()) and \
-                _carries_no_gradient(source):
+        kind = type(source)
+        if kind is FreedRows or kind is RecordedOutput and _carries_no_gradient(source):
             rows.__class__ = FreedRows
             break
+        if kind is RecordedOutput or kind is OutputRows:
+            rows.__class__ = OutputRows
     return rows
+
+
+def _reads_freed_rows(rows, depth=3):
+    """Whether :class:`OutputRows` ``rows`` reach, within ``depth``
+    recorded ops (the slices, ``concat`` and ``take`` that read them out of
+    step outputs), an op whose inputs a ``backward()`` without
+    ``retain_graph=True`` cleared: the gradient stops there.  ~8 us a
+    level; asked only of such rows read by a later training step."""
+    frontier = [_autograd_symbol(rows)]
+    for _ in range(depth + 1):
+        below = []
+        for symbol in frontier:
+            if symbol is None:
+                return True         # the rows' own graph was freed
+            children = symbol.get_children()
+            if children is None:
+                if not symbol.list_arguments():
+                    return True     # an op node left without inputs
+                continue            # a variable (a leaf)
+            below.extend(children[i] for i in range(len(children.list_outputs())))
+        frontier = below
+    return False
+
+
+def _autograd_symbol(array):
+    """The symbol of ``array``'s autograd graph, None where it has none."""
+    handle = SymbolHandle()
+    try:
+        check_call(_LIB.MXAutogradGetSymbol(array.handle, ctypes.byref(handle)))
+    except mx.base.MXNetError:
+        return None
+    return mx.sym.Symbol(handle)
 
 
 def _carries_no_gradient(part):
@@ -1082,16 +1137,14 @@ def _carries_no_gradient(part):
     it."""
     if type(part) is GradFree or type(part) is np.ndarray:
         return True
-    handle = SymbolHandle()
-    try:
-        check_call(_LIB.MXAutogradGetSymbol(part.handle, ctypes.byref(handle)))
-    except mx.base.MXNetError:
+    symbol = _autograd_symbol(part)
+    if symbol is None:
         return True
     # a variable without a gradient attached: autograd made it when a
     # recorded op read the array (MXNet's RecordOp does so for every input
     # that has none), as a batched step whose other rows carry a gradient
     # does where the per-sample op was not recorded
-    return mx.sym.Symbol(handle).get_children() is None and part.grad is None
+    return symbol.get_children() is None and part.grad is None
 
 
 def grad_free(array):

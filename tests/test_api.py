@@ -2331,6 +2331,85 @@ def test_views_of_freed_rows_stay_freed_only_under_record():
             out.data.sum().backward()
 
 
+
+@pytest.mark.parametrize('read', ['data', 'concat_rows', 'view'])
+def test_rows_read_before_a_backward_that_frees_them_warn_when_passed_after(read):
+    """Found by a review: rows read out of a step while its graph was there
+    (``hs[1].data`` before another sample's ``backward()``) kept a graph of
+    their own that ends at the freed step, so a later flush reading them
+    got no gradient through them, silently (per sample ``hs[1]`` keeps its
+    graph); they now warn as rows read after the backward() do.  With the
+    graph kept there is no warning and the gradients are per-sample ones."""
+    first, second = dense(), dense()
+    xs = [mx.nd.array(np.random.RandomState(i).randn(1, 3)) for i in range(3)]
+    take = {'data': lambda hs: hs[1].data,
+            'concat_rows': lambda hs: dyb.concat_rows([hs[1], hs[2]])[0:1],
+            'view': lambda hs: dyb.concat_rows(hs)[1].reshape((1, 3))}[read]
+
+    def grads(batched, retain):
+        for block in (first, second):
+            block.collect_params().zero_grad()
+        with autograd.record():
+            if batched:
+                with dyb.batching('depth'):
+                    hs = [first(x) for x in xs]
+                rows = take(hs)             # read before the backward()
+                head = (hs[0].data ** 2).sum()
+            else:
+                hs = [first.block(x) for x in xs]
+                rows = hs[1]
+                head = (hs[0] ** 2).sum()
+        head.backward(retain_graph=retain)
+        with autograd.record():
+            if batched:
+                with dyb.batching('depth'):
+                    out = second(rows)
+                loss = out.data.sum()
+            else:
+                loss = second.block(rows).sum()
+        if retain:      # (freed: its gradient stops, or MXNet's 'any container is empty')
+            loss.backward()
+        return [block.weight.grad().asnumpy() for block in (first.block, second.block)]
+
+    if read == 'data':
+        expected = grads(False, True)
+        with warnings.catch_warnings():
+            warnings.simplefilter('error', dyb.FreedGraphWarning)
+            got = grads(True, True)
+        for want, have in zip(expected, got):
+            np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', dyb.FreedGraphWarning)
+        grads(True, True)
+    with pytest.warns(dyb.FreedGraphWarning, match='computed in an earlier flush .*freed'):
+        grads(True, False)
+
+
+def test_freed_rows_given_a_gradient_are_a_leaf_and_do_not_warn():
+    """Found by a review: ``value.data.attach_grad()`` makes that array a
+    leaf, as per sample, and later calls read it; read after a backward()
+    freed its step it was a FreedRows, so the later flush warned that no
+    gradient flowed, while the gradient does reach the mark."""
+    first, second = dense(), dense()
+    xs = [mx.nd.array(np.random.RandomState(i).randn(1, 3)) for i in range(3)]
+    with autograd.record():
+        with dyb.batching('depth'):
+            hs = [first(x) for x in xs]
+        head = (hs[0].data ** 2).sum()
+    head.backward()
+    rows = hs[1].data
+    rows.attach_grad()
+    assert type(rows) is mx.nd.NDArray
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', dyb.FreedGraphWarning)
+        with autograd.record():
+            with dyb.batching('depth'):
+                out = second(hs[1])
+            loss = out.data.sum()
+        loss.backward()
+    expected = second.block.weight.data().sum(axis=0, keepdims=True)
+    np.testing.assert_allclose(rows.grad.asnumpy(), expected.asnumpy(), rtol=1e-5)
+
 _TRAIN_TWICE = r'''
 import hashlib, os, sys
 import mxnet as mx, numpy as np
