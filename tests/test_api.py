@@ -2297,13 +2297,9 @@ def test_views_of_a_training_flush_output_read_later_do_not_warn(view):
         np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
 
 
-def test_views_of_freed_rows_stay_freed_only_under_record():
-    """Rows read out of a step a backward() freed (``.data`` after another
-    sample's backward) are FreedRows, which a later training step warns
-    of; their views made outside autograd.record() are constants, as per
-    sample, and plain NDArrays (no warning); made under record they stay
-    FreedRows."""
-    from gluon_dynbatch.execute import FreedRows
+def _values_after_another_samples_backward():
+    """A second block, and the values ``hs`` of three calls of a first one
+    after ``backward()`` on ``hs[0]``'s loss freed their step."""
     first, second = dense(), dense()
     xs = [mx.nd.array(np.random.RandomState(i).randn(1, 3)) for i in range(3)]
     with autograd.record():
@@ -2311,6 +2307,17 @@ def test_views_of_freed_rows_stay_freed_only_under_record():
             hs = [first(x) for x in xs]
         head = (hs[0].data ** 2).sum()
     head.backward()
+    return second, hs
+
+
+def test_views_of_freed_rows_stay_freed_only_under_record():
+    """Rows read out of a step a backward() freed (``.data`` after another
+    sample's backward) are FreedRows, which a later training step warns
+    of; their views made outside autograd.record() are constants, as per
+    sample, and plain NDArrays (no warning); made under record they stay
+    FreedRows."""
+    from gluon_dynbatch.execute import FreedRows
+    second, hs = _values_after_another_samples_backward()
     rows = hs[1].data
     assert type(rows) is FreedRows and type(rows) == mx.nd.NDArray
     outside = [rows.reshape((1, 3)), rows[0:1]]
@@ -2390,13 +2397,7 @@ def test_freed_rows_given_a_gradient_are_a_leaf_and_do_not_warn():
     leaf, as per sample, and later calls read it; read after a backward()
     freed its step it was a FreedRows, so the later flush warned that no
     gradient flowed, while the gradient does reach the mark."""
-    first, second = dense(), dense()
-    xs = [mx.nd.array(np.random.RandomState(i).randn(1, 3)) for i in range(3)]
-    with autograd.record():
-        with dyb.batching('depth'):
-            hs = [first(x) for x in xs]
-        head = (hs[0].data ** 2).sum()
-    head.backward()
+    second, hs = _values_after_another_samples_backward()
     rows = hs[1].data
     rows.attach_grad()
     assert type(rows) is mx.nd.NDArray
@@ -2409,6 +2410,7 @@ def test_freed_rows_given_a_gradient_are_a_leaf_and_do_not_warn():
         loss.backward()
     expected = second.block.weight.data().sum(axis=0, keepdims=True)
     np.testing.assert_allclose(rows.grad.asnumpy(), expected.asnumpy(), rtol=1e-5)
+
 
 _TRAIN_TWICE = r'''
 import hashlib, os, sys
