@@ -394,12 +394,37 @@ def _tile(op):
     """``reps`` shorter than the rank (MXNet pads it with leading 1s), or
     of the rank with ``reps[0] == 1``.  A longer ``reps`` adds leading
     axes, and a repeat of axis 0 gives a sample more rows (batched, the
-    whole batch would be repeated)."""
+    whole batch would be repeated).  Nor may a batch of several rows give
+    MXNet's tile kernels more than 5 axes, which fail ('Too many reduction
+    axes') where one row, merged away, left 5: ``reps=(2, 2, 2)`` on a
+    sample of shape ``(1, 1, 2, 6)`` (found by the property test)."""
     reps, ndim = tuple(op.attr('reps', ())), op.batched_ndim()
     if ndim is None or len(reps) > ndim or (len(reps) == ndim and reps[0] != 1):
         return ('tile(reps=%s) repeats or moves the batch axis: give reps of at most the rank, '
                 'with 1 for axis 0 when of the rank' % (reps,))
+    shape = (2,) + tuple(op.shapes[0][1:])      # the batch axis of more than one row
+    reps = (1,) * (ndim - len(reps)) + reps
+    if _kernel_ndim([d for r, n in zip(reps, shape) for d in (r, n)],
+                    [d for n in shape for d in (1, n)]) > 5:
+        return ('tile(reps=%s) of a sample of shape %s: with the batch axis grown, MXNet\'s '
+                'tile kernels would need more than 5 axes and fail; tile fewer axes'
+                % (op.attr('reps'), op.shapes[0]))
     return None
+
+
+def _kernel_ndim(big, small):
+    """The number of axes MXNet's broadcast and reduce kernels use between
+    shapes ``big`` and ``small`` (``BroadcastReduceShapeCompact``: runs of
+    broadcast or of kept axes merge, axes of size 1 vanish; over 5 fail)."""
+    if _size(small) == 1:
+        return 1
+    count, bprod, sprod = 0, 1, 1
+    for b, s in zip(big, small):
+        if (b != s and sprod > 1) or (b == s and bprod != sprod):
+            count, bprod, sprod = count + 1, 1, 1
+        bprod *= b
+        sprod *= s if b == s else 1
+    return count + (bprod > 1 or sprod > 1)
 
 
 def _swapaxes(op):
