@@ -622,8 +622,6 @@ def private_scope(strategy):
         _LOCAL.scope = outer
 
 
-
-
 def _per_sample_advice(reason):
     """What a user can do about a block that runs per sample for
     ``reason`` (``check_batch_safe``'s), as a sentence or ''."""
