@@ -900,10 +900,15 @@ def check_padding_is_neutral(dblock, sig, padded):
     kinds = [kind for kind in kinds if kind is dtype or runs_in(kind) is not None]
     gradient_kinds = list(kinds)
     ids = _id_inputs(short_symbol) | _id_inputs(long_symbol)
+    lengths = (_length_inputs(dblock, sig, short_symbol, sig) +
+               _length_inputs(dblock, sig, long_symbol, padded))
+    length_rng = np.random.RandomState(2)
     zero = {}
     for low, high in PADDING_CHECK_RANGES:
         leaves = [mx.nd.array(rng.uniform(low, high, shape), ctx=sig.ctx, dtype=dtype)
                   for shape in sig.in_shapes]
+        if lengths:
+            leaves = _valid_lengths(dblock, sig, padded, lengths, leaves, length_rng, zero)
         with mx.autograd.pause():
             longer = _pad_with_zeros(sig, padded, leaves, dtype, zero)
             runs = [(dblock.block(*regroup(sig.fmt, leaves)[0]),
@@ -961,6 +966,95 @@ def check_padding_is_neutral(dblock, sig, padded):
                     'parameters), though not its output.%s' % (
                         dblock.block.name, _padding_text(sig.fmt, padded.fmt), what, low, high,
                         _PADDING_ADVICE))
+
+
+LENGTH_INPUTS = {'softmax': ('use_length', 'axis', -1),
+                 'log_softmax': ('use_length', 'axis', -1),
+                 'SequenceMask': ('use_sequence_length', 'axis', 0),
+                 'SequenceLast': ('use_sequence_length', 'axis', 0),
+                 'SequenceReverse': ('use_sequence_length', None, 0)}
+"""Ops that read a length per row from their input 1, when their flag is
+set (the flag, the attribute naming the axis the length runs along, its
+default).  MXNet 1.9.1 does not check the lengths: ``softmax`` given a
+length past its axis reads and writes out of bounds (the process aborted
+in ``free()``), so :func:`check_padding_is_neutral` draws the arguments
+that lengths are computed from as whole numbers that fit."""
+
+
+def _length_inputs(dblock, sig, symbol, one):
+    """``[(op, length symbol, axis size, data names)]`` for each op of
+    :data:`LENGTH_INPUTS` in ``symbol`` (of signature ``one``) that reads
+    lengths computed from the block's arguments: what computes its lengths,
+    the size of the axis they run along, and the names of the arguments
+    they are computed from."""
+    graph = json.loads(symbol_json(symbol))
+    nodes = graph['nodes']
+    below = inputs_below(nodes)
+    internals = symbol.get_internals()
+    names = internals.list_outputs()
+    known = {name: shape for name, shape in zip(one.data_names, one.in_shapes)
+             if name in symbol.list_arguments()}
+    found = []
+    for node in nodes:
+        spec = LENGTH_INPUTS.get(node['op'])
+        attrs = node.get('attrs', {})
+        if spec is None or len(node['inputs']) < 2 or \
+                attrs.get(spec[0], 'False').lower() not in ('true', '1'):
+            continue
+        data = [name for name in below[node['inputs'][1][0]] if name in one.data_names]
+        if not data:
+            continue
+        entries = []
+        for number, index, _ in node['inputs'][:2]:
+            source = nodes[number]
+            if source['op'] == 'null':
+                entries.append(names.index(source['name']))
+                continue
+            candidates = [source['name'] + '_output', source['name'] + '_output%d' % index]
+            entries.append(next(names.index(c) for c in candidates if c in names))
+        source = internals[entries[0]]
+        args = set(source.list_arguments())
+        data_shape = source.infer_shape_partial(
+            **{name: shape for name, shape in known.items() if name in args})[1][0]
+        axis = int(attrs[spec[1]]) if spec[1] and spec[1] in attrs else spec[2]
+        if not data_shape or not data_shape[axis % len(data_shape)]:
+            raise InputError(
+                'block %s declares pad_lists, but the padding check cannot tell how long the '
+                'axis of its op %s (%s) is, to give it valid lengths.%s'
+                % (dblock.block.name, node['op'], node['name'], _PADDING_ADVICE))
+        found.append((node, internals[entries[1]], data_shape[axis % len(data_shape)], data))
+    return found
+
+
+def _valid_lengths(dblock, sig, padded, lengths, leaves, rng, zero):
+    """``leaves`` with the arguments that lengths are computed from
+    (``lengths``, :func:`_length_inputs`) drawn as whole numbers from 0 to
+    the shortest axis those lengths run along; raise if the lengths so
+    computed still fall outside it (computed otherwise than copied or
+    cast), since MXNet would read out of bounds."""
+    limit = min(size for _, _, size, _ in lengths)
+    names = set().union(*(data for _, _, _, data in lengths))
+    leaves = [mx.nd.array(rng.randint(0, limit + 1, leaf.shape), ctx=leaf.context,
+                          dtype=leaf.dtype) if name in names else leaf
+              for name, leaf in zip(sig.data_names, leaves)]
+    longer = _pad_with_zeros(sig, padded, leaves, leaves[0].dtype, zero)
+    for node, length, size, _ in lengths:
+        for one, values in ((sig, leaves), (padded, longer)):
+            given = dict(zip(one.data_names, values))
+            if not set(length.list_inputs()) <= set(given):
+                continue            # (lengths read from a parameter: none found yet)
+            with mx.autograd.pause():
+                got = mx.nd.CachedOp(length)(*[given[name] for name in length.list_inputs()])
+            got = got.asnumpy()
+            if got.min() < 0 or got.max() > size:
+                raise InputError(
+                    'block %s declares pad_lists, but the padding check cannot give its op %s '
+                    '(%s) lengths within its axis of %d: drawn as whole numbers from 0 to %d, '
+                    'its arguments %s gave lengths from %g to %g, and MXNet does not check '
+                    'them.%s' % (dblock.block.name, node['op'], node['name'], size, limit,
+                                 ', '.join(sorted(names)), got.min(), got.max(),
+                                 _PADDING_ADVICE))
+    return leaves
 
 
 _PADDING_ADVICE = (' Pass pad_lists=False to DynBatchBlock (calls of different list lengths '

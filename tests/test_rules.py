@@ -305,6 +305,63 @@ def test_wrong_pad_lists_claim_on_a_max_is_caught():
             block(x, [neg, neg * 2])
 
 
+class AttendWithLength(gluon.HybridBlock):
+    """Dot attention over a ragged list of keys, its softmax told the
+    list's length: padding keys past it are masked, so neutral.  ``scale``
+    computes the softmax's lengths as ``scale`` times the argument."""
+    dynbatch_pad_lists = True
+
+    def __init__(self, scale=1, mean_too=False):
+        super().__init__()
+        self.scale, self.mean_too = scale, mean_too
+        with self.name_scope():
+            self.dense = gluon.nn.Dense(3, in_units=3)
+
+    def hybrid_forward(self, F, length, q, keys):
+        stacked = F.stack(*keys, axis=1)                                  # (1, T, 3)
+        scores = F.batch_dot(stacked, self.dense(q).expand_dims(axis=2)).squeeze(axis=2)
+        lengths = F.cast(length * self.scale, 'int32')
+        w = F.softmax(scores, lengths, axis=-1, use_length=True)
+        out = F.batch_dot(w.expand_dims(axis=1), stacked).squeeze(axis=1)
+        return out + F.mean(stacked, axis=1) if self.mean_too else out
+
+
+def _attend_calls(block, keys):
+    return [block(np.array([n], dtype=np.float32), keys[n - 1], keys[:n])
+            for n in (2, 3, 3, 1)]
+
+
+def test_pad_lists_with_a_softmax_told_the_lengths_runs_batched():
+    """The padding check gave every argument random values, the length
+    too: MXNet's softmax read and wrote past its axis (the process aborted
+    in free(), found by a user trial with attention over ragged lists).
+    The arguments lengths are computed from now take whole numbers within
+    the axis, and the lists of 1, 2 and 3 keys run as one step."""
+    block = dyb.DynBatchBlock(AttendWithLength())
+    block.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(0)
+    keys = [mx.nd.array(rng.uniform(-1, 1, (1, 3))) for _ in range(3)]
+    dyb.reset_stats()
+    assert_same(run_both(lambda: _attend_calls(block, keys), [block], keys))
+    assert dyb.stats()['last']['batch_sizes'] == [4]
+
+
+@pytest.mark.parametrize('scale, mean_too, match', [
+    (2, False, r'cannot give its op softmax .* lengths within its axis of (\d): drawn as '
+               r'whole numbers from 0 to \1, its arguments dynbatch_in\d+ gave lengths from'),
+    (1, True, r'declares pad_lists.*changes its output 0')])
+def test_pad_lists_with_lengths_still_checked(scale, mean_too, match):
+    """Lengths computed otherwise than copied could still fall outside the
+    axis: refused before MXNet runs them.  And a block that padding
+    changes elsewhere is still caught."""
+    block = dyb.DynBatchBlock(AttendWithLength(scale, mean_too))
+    block.initialize(mx.init.Uniform(0.5))
+    keys = [mx.nd.ones((1, 3)) * k for k in range(3)]
+    with pytest.raises(dyb.InputError, match=match):
+        with dyb.batching('depth'):
+            _attend_calls(block, keys)
+
+
 class SumOfTransformedChildren(gluon.HybridBlock):
     """Adds ``tanh(W h_k + b)`` per child: a zero child adds ``tanh(b)``,
     which is zero only while Gluon's initial zero bias lasts."""
