@@ -540,6 +540,33 @@ def _slice(op):
     return None
 
 
+@register_batching_rule('_contrib_div_sqrt_dim')
+def _div_sqrt_dim(op):
+    """Divides by the square root of the last axis's size (gluonnlp's
+    ``DotProductAttentionCell(scaled=True)``): row-wise, but at rank 1 the
+    last axis is the batch axis, whose size grows batched."""
+    return _rank1(op)
+
+
+@register_batching_rule('SequenceMask')
+def _sequence(op):
+    """Batch-major only (``axis=1``: rows on axis 0, steps on axis 1), with
+    one length per row (input 1, batched) when ``use_sequence_length``.
+    The default ``axis=0`` reads axis 0 as the steps: a sample's one row
+    would be its one step, and batched the samples would be the steps.
+    (``SequenceLast`` has no rule: MXNet 1.9.1's backward of it leaves
+    the gradient of the steps it did not pick unwritten, NaN or garbage
+    per sample as batched, and with ``axis=1`` and no lengths it crashed.)"""
+    if op.attr('axis', 0) != 1:
+        return ('%s reads the batch axis as its sequence axis (axis=%s): write it '
+                'batch-major, axis=1' % (op.op, op.attr('axis', 0)))
+    if op.flag('use_sequence_length') and not all(op.batched):
+        return '%s with lengths shared across the batch' % op.op
+    if not op.batched[0]:
+        return '%s of shared data with batched lengths' % op.op
+    return None
+
+
 @register_batching_rule('reshape_like')
 def _reshape_like(op):
     """Input 0 reshaped to input 1's shape (Gluon's losses reshape the label

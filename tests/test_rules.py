@@ -135,6 +135,16 @@ CASES = [
     ('linalg_gemm2 of a batched rank 2 rhs', lambda F, h: F.linalg.gemm2(
         F.sin(F.arange(4)).reshape((4, 1)), h),
      lambda F, y: F.sum(y, axis=0, keepdims=True), (1, 6), False),
+    # ops of attention over ragged lists a user trial found without a rule (gluonnlp's
+    # DotProductAttentionCell scales by div_sqrt_dim; SequenceMask masks scores past a length)
+    ('div_sqrt_dim', lambda F, h: F.contrib.div_sqrt_dim(h), None, (1, 3, 6), True),
+    ('div_sqrt_dim of rank 1', lambda F, h: F.contrib.div_sqrt_dim(F.sum(h, axis=1)),
+     lambda F, y: F.expand_dims(y, axis=1), (1, 6), False),
+    # (lengths through BlockGrad: MXNet 1.9.1 leaves their gradient unwritten, NaN here)
+    ('SequenceMask batch-major', lambda F, h: F.SequenceMask(
+        h, F.BlockGrad(F.sum(h, axis=(1, 2)) * 0 + 2), use_sequence_length=True, value=-3.0,
+        axis=1), None, (1, 3, 6), True),
+    ('SequenceMask time-major', lambda F, h: F.SequenceMask(h), None, (1, 3, 6), False),
 ]
 WHY = {'reshape into rows and back': 'gives it more than one row'}
 """The reason an unsafe case must give, where another check would refuse
