@@ -1028,13 +1028,15 @@ def _length_inputs(dblock, sig, symbol, one):
 
 def _valid_lengths(dblock, sig, padded, lengths, leaves, rng, zero):
     """``leaves`` with the arguments that lengths are computed from
-    (``lengths``, :func:`_length_inputs`) drawn as whole numbers from 0 to
-    the shortest axis those lengths run along; raise if the lengths so
+    (``lengths``, :func:`_length_inputs`) drawn as whole numbers from 1 to
+    the shortest axis those lengths run along (0 is no length of a real
+    list: a masked fill of every step, ``SequenceMask(value=-1e9)``, then
+    makes a softmax over the padding uniform); raise if the lengths so
     computed still fall outside it (computed otherwise than copied or
     cast), since MXNet would read out of bounds."""
     limit = min(size for _, _, size, _ in lengths)
     names = set().union(*(data for _, _, _, data in lengths))
-    leaves = [mx.nd.array(rng.randint(0, limit + 1, leaf.shape), ctx=leaf.context,
+    leaves = [mx.nd.array(rng.randint(min(limit, 1), limit + 1, leaf.shape), ctx=leaf.context,
                           dtype=leaf.dtype) if name in names else leaf
               for name, leaf in zip(sig.data_names, leaves)]
     longer = _pad_with_zeros(sig, padded, leaves, leaves[0].dtype, zero)
@@ -1049,7 +1051,7 @@ def _valid_lengths(dblock, sig, padded, lengths, leaves, rng, zero):
             if got.min() < 0 or got.max() > size:
                 raise InputError(
                     'block %s declares pad_lists, but the padding check cannot give its op %s '
-                    '(%s) lengths within its axis of %d: drawn as whole numbers from 0 to %d, '
+                    '(%s) lengths within its axis of %d: drawn as whole numbers from 1 to %d, '
                     'its arguments %s gave lengths from %g to %g, and MXNet does not check '
                     'them.%s' % (dblock.block.name, node['op'], node['name'], size, limit,
                                  ', '.join(sorted(names)), got.min(), got.max(),
