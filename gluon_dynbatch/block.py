@@ -880,6 +880,7 @@ def check_padding_is_neutral(dblock, sig, padded):
         symbols[np.float64] = wide
         kinds.insert(0, np.float64)
     made = {}
+    own_runs = _runs_with_own_parameters(dblock, sig, padded)
 
     def runs_in(kind):
         if kind not in made:
@@ -911,8 +912,7 @@ def check_padding_is_neutral(dblock, sig, padded):
             leaves = _valid_lengths(dblock, sig, padded, lengths, leaves, length_rng, zero)
         with mx.autograd.pause():
             longer = _pad_with_zeros(sig, padded, leaves, dtype, zero)
-            runs = [(dblock.block(*regroup(sig.fmt, leaves)[0]),
-                     dblock.block(*regroup(padded.fmt, longer)[0]), 'its parameters', False)]
+            runs = [own_runs(leaves, longer) + ('its parameters', False)]
             for kind in kinds:
                 symbol_runs = runs_in(kind).outputs(leaves)
                 if symbol_runs is not None:
@@ -1057,6 +1057,28 @@ def _valid_lengths(dblock, sig, padded, lengths, leaves, rng, zero):
                                  ', '.join(sorted(names)), got.min(), got.max(),
                                  _PADDING_ADVICE))
     return leaves
+
+
+def _runs_with_own_parameters(dblock, sig, padded):
+    """``f(leaves, longer) -> (short outputs, padded outputs)`` with the
+    block's own parameters, for :func:`check_padding_is_neutral`: the
+    block called as it is, or, where it or a block below it is hybridized,
+    its traced symbols (what a hybridized block runs per sample).  A
+    hybridized Gluon block keeps the nesting of the arguments it was first
+    called with and refuses lists of another length, so the check failed
+    every flush that padded with Gluon's raw ``ValueError`` ("The argument
+    structure of HybridBlock does not match the cached version") after
+    ``wrapper.hybridize()`` (found by a fuzzer), and its calls would fix
+    the user's block to the check's list lengths."""
+    if not any(getattr(block, '_active', False) for block in blocks_of(dblock.block)):
+        return lambda leaves, longer: (dblock.block(*regroup(sig.fmt, leaves)[0]),
+                                       dblock.block(*regroup(padded.fmt, longer)[0]))
+    short_op, long_op = make_cached_op(sig.symbol)[0], make_cached_op(padded.symbol)[0]
+
+    def params(one):
+        return {one.input_names[i]: param.data(one.ctx) for i, param in one.param_slots}
+    return lambda leaves, longer: (_run_symbol(short_op, sig, leaves, params(sig)),
+                                   _run_symbol(long_op, padded, longer, params(padded)))
 
 
 _PADDING_ADVICE = (' Pass pad_lists=False to DynBatchBlock (calls of different list lengths '

@@ -147,6 +147,48 @@ def test_hybridize_on_the_wrapper_forgets_what_was_traced():
                                rtol=1e-6)
 
 
+class MeanOfChildren(gluon.HybridBlock):
+    """Declares pad_lists falsely: a zero child changes the mean."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.dense = nn.Dense(3, in_units=3)
+
+    def hybrid_forward(self, F, x, kids):
+        return self.dense(x) + F.add_n(*kids) / len(kids)
+
+
+def test_hybridized_pad_lists_block_checks_its_padding_by_its_symbols():
+    """A hybridized Gluon block keeps the nesting of its first call's
+    arguments, so the padding check's own-parameter run (the block called
+    with short, then padded lists) failed every padded flush after
+    ``wrapper.hybridize()`` with Gluon's raw ValueError ('argument
+    structure ... does not match'); found by a fuzzer.  It now runs the
+    traced symbols with the block's parameters, and still refuses a false
+    claim."""
+    block = dyb.DynBatchBlock(DenseAddLists(), pad_lists=True)
+    block.initialize(mx.init.Uniform(0.5))
+    block.hybridize()
+    rng = np.random.RandomState(0)
+    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 3))) for _ in range(4)]
+    with dyb.batching('depth'):
+        one = block(xs[0], [xs[1]])
+        two = block(xs[0], [xs[2], xs[3]])
+    np.testing.assert_allclose(one.asnumpy(), (block.block.dense(xs[0]) + xs[1] * 0.5).asnumpy(),
+                               rtol=1e-5)
+    np.testing.assert_allclose(two.asnumpy(), (block.block.dense(xs[0]) + (xs[2] + xs[3]) *
+                                               0.5).asnumpy(), rtol=1e-5)
+    assert dyb.stats()['last']['steps'] == 1
+    mean = dyb.DynBatchBlock(MeanOfChildren(), pad_lists=True)
+    mean.initialize()
+    mean.hybridize()
+    with pytest.raises(dyb.InputError, match='changes its output'):
+        with dyb.batching('depth'):
+            mean(xs[0], [xs[1]])
+            mean(xs[0], [xs[2], xs[3]])
+
+
 def test_cast_on_the_wrapper_runs_the_pending_calls_first():
     """Per sample a call made before ``cast`` ran in the old dtype; its
     batched program could not read the cast parameters (MXNet's raw
