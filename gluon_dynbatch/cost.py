@@ -607,21 +607,7 @@ class Auto(Strategy):
         state = self._thread_state()
         state.compile_s = 0.0
         if len(nodes) < self.small:
-            # Deciding costs more than any choice could save on a graph this
-            # small (depth's analysis is a few microseconds): plan by depth.
-            # (One thread-state lookup here and one in observe, which then
-            # returns: a loop that reads a value after every call flushes
-            # ~35 us calls one by one, and auto's bookkeeping was 4 us of
-            # each.)
-            plan = self._replayed(nodes, summary) if summary is not None and \
-                summary['depth_steps'] >= REPLAY_STEPS else None
-            if plan is not None and plan.strategy == 'cached':
-                self.choices['cached'] = self.choices.get('cached', 0) + 1
-                state.last = _REPLAYED
-                return plan
-            self.choices['depth'] = self.choices.get('depth', 0) + 1
-            state.last = _UNDECIDED
-            return plan or STRATEGIES['depth'].plan(nodes)
+            return self._plan_small(nodes, summary, state)
         summary = summary or summarize(nodes)
         self._flushes += 1
         fingerprint = summary['fingerprint']
@@ -648,40 +634,12 @@ class Auto(Strategy):
         sized = (kind, len(nodes).bit_length())
         pace = self._pace(sized, summary.get('record_s'), summary.get('recorded') or len(nodes))
         predictions = self._corrected(raw, sized)
-        ranked = sorted(predictions, key=lambda k: sum(predictions[k]))
-        if 'agenda' in predictions and 'depth' in predictions and self._same_plans(sized) \
-                and ranked.index('agenda') < ranked.index('depth'):
-            # Where agenda makes depth's steps, depth's plan does as well for
-            # less: its analysis is never slower per node, and reading the
-            # results after it cost less (at SICK minibatch 4 agenda's took
-            # 0.06-0.1 ms more of a 2.1 ms flush over three runs), which the
-            # model does not price.  Their predictions then differ only by
-            # the learned analysis costs, whose noise once had auto run
-            # agenda in 64 of 64 flushes there (1.07-1.10x depth).
-            first, second = ranked.index('agenda'), ranked.index('depth')
-            ranked[first], ranked[second] = 'depth', 'agenda'
-        if 'cached' not in predictions:
-            # (a repeating summary is decided by measured totals, and the
-            # run that times the best other strategy must be that one)
-            self._explore(ranked, predictions, sized)
+        ranked = self._ranked(predictions, sized)
         verdict = self._cached_measured_best(fingerprint) if 'cached' in predictions else False
         if verdict is not False:    # True: run it; None: time the best other
             ranked.remove('cached')
             ranked.insert(0 if verdict else len(ranked), 'cached')
-        plan = None
-        if ranked[0] == 'cached':
-            key, entry = self.cached.lookup(nodes, summary)
-            if entry is not None:
-                plan = self._refreshed(fingerprint, key, entry, nodes)
-                if plan is not None:
-                    ranked.remove('depth')
-                    ranked.insert(0, 'depth')
-                else:
-                    plan = self.cached.plan(nodes, key=key)
-                    self.last_compile_s = self.cached.last_compile_s
-            else:   # same summary, other structure: trust the predictions from now on
-                self._repeat(fingerprint).best_ms['cached'] = float('inf')
-                ranked.pop(0)
+        plan = self._cached_plan(nodes, summary, ranked) if ranked[0] == 'cached' else None
         name = ranked[0]
         if plan is None:
             setup, start = SETUP[0], time.perf_counter()
@@ -702,6 +660,68 @@ class Auto(Strategy):
                      'depth_steps': summary['depth_steps'], 'kind': kind, 'sized': sized,
                      'fingerprint': fingerprint,
                      'predictions_ms': {k: round(a + r, 3) for k, (a, r) in predictions.items()}}
+        return plan
+
+    def _plan_small(self, nodes, summary, state):
+        """The plan of a flush of fewer than :attr:`small` calls: deciding
+        costs more than any choice could save on a graph this small
+        (depth's analysis is a few microseconds), so it is depth's, or a
+        replay of a structure seen before (:meth:`_replayed`).  (One
+        thread-state lookup here and one in observe, which then returns: a
+        loop that reads a value after every call flushes ~35 us calls one
+        by one, and auto's bookkeeping was 4 us of each.)"""
+        plan = self._replayed(nodes, summary) if summary is not None and \
+            summary['depth_steps'] >= REPLAY_STEPS else None
+        if plan is not None and plan.strategy == 'cached':
+            self.choices['cached'] = self.choices.get('cached', 0) + 1
+            state.last = _REPLAYED
+            return plan
+        self.choices['depth'] = self.choices.get('depth', 0) + 1
+        state.last = _UNDECIDED
+        return plan or STRATEGIES['depth'].plan(nodes)
+
+    def _ranked(self, predictions, sized):
+        """The strategies of ``predictions``, cheapest predicted total
+        first, depth ahead of agenda where they make the same plans here,
+        and with an exploring run's choice moved ahead (:meth:`_explore`)."""
+        ranked = sorted(predictions, key=lambda k: sum(predictions[k]))
+        if 'agenda' in predictions and 'depth' in predictions and self._same_plans(sized) \
+                and ranked.index('agenda') < ranked.index('depth'):
+            # Where agenda makes depth's steps, depth's plan does as well for
+            # less: its analysis is never slower per node, and reading the
+            # results after it cost less (at SICK minibatch 4 agenda's took
+            # 0.06-0.1 ms more of a 2.1 ms flush over three runs), which the
+            # model does not price.  Their predictions then differ only by
+            # the learned analysis costs, whose noise once had auto run
+            # agenda in 64 of 64 flushes there (1.07-1.10x depth).
+            first, second = ranked.index('agenda'), ranked.index('depth')
+            ranked[first], ranked[second] = 'depth', 'agenda'
+        if 'cached' not in predictions:
+            # (a repeating summary is decided by measured totals, and the
+            # run that times the best other strategy must be that one)
+            self._explore(ranked, predictions, sized)
+        return ranked
+
+    def _cached_plan(self, nodes, summary, ranked):
+        """The plan ``'cached'``, first in ``ranked``, runs: the stored
+        one (compiled once it comes back), or None where another strategy
+        runs instead, moved to the front of ``ranked``: depth, where the
+        stored plan is due a check against a fresh one (:meth:`_refreshed`),
+        or the next best, where the summary's structure is not the stored
+        one's (its predictions are trusted from then on)."""
+        fingerprint = summary['fingerprint']
+        key, entry = self.cached.lookup(nodes, summary)
+        if entry is None:
+            self._repeat(fingerprint).best_ms['cached'] = float('inf')
+            ranked.pop(0)
+            return None
+        plan = self._refreshed(fingerprint, key, entry, nodes)
+        if plan is not None:
+            ranked.remove('depth')
+            ranked.insert(0, 'depth')
+            return plan
+        plan = self.cached.plan(nodes, key=key)
+        self.last_compile_s = self.cached.last_compile_s
         return plan
 
     def _replayed(self, nodes, summary):
