@@ -918,28 +918,7 @@ def check_padding_is_neutral(dblock, sig, padded):
                 if symbol_runs is not None:
                     break
             runs.append(symbol_runs + ('random parameters', kind is not dtype))
-        # (the symbols' outputs come flat, in the order flatten() gives the block's)
-        for short_out, long_out, parameters, wide in runs:
-            flat_short, flat_long = [], []
-            flatten([short_out], flat_short)
-            flatten([long_out], flat_long)
-            for out, (a, b) in enumerate(zip(flat_short, flat_long)):
-                a, b = a.asnumpy(), b.asnumpy()
-                if a.shape != b.shape:
-                    raise InputError(
-                        'block %s declares pad_lists, but padding its list arguments with '
-                        'zeros (%s) changes the shape of its output %d from %s to %s%s.%s'
-                        % (dblock.block.name, _padding_text(sig.fmt, padded.fmt), out,
-                           a.shape, b.shape, _shifted_outputs(runs, sig, padded),
-                           _PADDING_ADVICE))
-                if not _close(a, b, wide):
-                    raise InputError(
-                        'block %s declares pad_lists, but padding its list arguments with '
-                        'zeros (%s) changes its output %d (inputs drawn from [%g, %g], '
-                        '%s)%s.%s' % (
-                            dblock.block.name, _padding_text(sig.fmt, padded.fmt), out, low,
-                            high, parameters, _shifted_outputs(runs, sig, padded),
-                            _PADDING_ADVICE))
+        _check_padded_outputs(dblock, sig, padded, runs, (low, high))
         for kind in list(gradient_kinds):
             grads = runs_in(kind).gradients(leaves, ids, rng)
             if grads is not None:
@@ -950,22 +929,58 @@ def check_padding_is_neutral(dblock, sig, padded):
             # no gradient to compare: MXNet 1.9.1 cannot run this backward
             # here; the outputs were compared
             continue
-        short_grads, long_grads = grads
-        # by name: a parameter only longer lists read (one per child
-        # position) takes no gradient per sample, so none padded either
-        short_names, long_grads = {name for name, _ in short_grads}, dict(long_grads)
-        for what, a in short_grads + [(name, None) for name in long_grads
-                                      if name not in short_names]:
-            b = long_grads.get(what)
-            if a is None or b is None:
-                a, b = (np.zeros_like(b), b) if a is None else (a, np.zeros_like(a))
-            if not _close(a, b, kind is not dtype):
+        _check_padded_gradients(dblock, sig, padded, grads, kind is not dtype, (low, high))
+
+
+def _check_padded_outputs(dblock, sig, padded, runs, drawn):
+    """Raise unless each of the padding check's ``runs`` (the block's
+    outputs for its lists as they are and padded, what parameters it ran
+    with, and whether in float64) gave equal outputs, inputs drawn from the
+    range ``drawn`` (see :func:`check_padding_is_neutral`).  The symbols'
+    outputs come flat, in the order flatten() gives the block's."""
+    for short_out, long_out, parameters, wide in runs:
+        flat_short, flat_long = [], []
+        flatten([short_out], flat_short)
+        flatten([long_out], flat_long)
+        for out, (a, b) in enumerate(zip(flat_short, flat_long)):
+            a, b = a.asnumpy(), b.asnumpy()
+            if a.shape != b.shape:
                 raise InputError(
-                    'block %s declares pad_lists, but padding its list arguments with zeros '
-                    '(%s) changes the gradient of %s (inputs drawn from [%g, %g], random '
-                    'parameters), though not its output.%s' % (
-                        dblock.block.name, _padding_text(sig.fmt, padded.fmt), what, low, high,
+                    'block %s declares pad_lists, but padding its list arguments with '
+                    'zeros (%s) changes the shape of its output %d from %s to %s%s.%s'
+                    % (dblock.block.name, _padding_text(sig.fmt, padded.fmt), out,
+                       a.shape, b.shape, _shifted_outputs(runs, sig, padded),
+                       _PADDING_ADVICE))
+            if not _close(a, b, wide):
+                raise InputError(
+                    'block %s declares pad_lists, but padding its list arguments with '
+                    'zeros (%s) changes its output %d (inputs drawn from [%g, %g], '
+                    '%s)%s.%s' % (
+                        dblock.block.name, _padding_text(sig.fmt, padded.fmt), out,
+                        drawn[0], drawn[1], parameters, _shifted_outputs(runs, sig, padded),
                         _PADDING_ADVICE))
+
+
+def _check_padded_gradients(dblock, sig, padded, grads, wide, drawn):
+    """Raise unless the padding check's gradients ``grads`` (``(name,
+    array)`` pairs for the lists as they are and padded) agree, inputs
+    drawn from the range ``drawn``.  By name: a parameter only longer lists
+    read (one per child position) takes no gradient per sample, so none
+    padded either."""
+    short_grads, long_grads = grads
+    short_names, long_grads = {name for name, _ in short_grads}, dict(long_grads)
+    for what, a in short_grads + [(name, None) for name in long_grads
+                                  if name not in short_names]:
+        b = long_grads.get(what)
+        if a is None or b is None:
+            a, b = (np.zeros_like(b), b) if a is None else (a, np.zeros_like(a))
+        if not _close(a, b, wide):
+            raise InputError(
+                'block %s declares pad_lists, but padding its list arguments with zeros '
+                '(%s) changes the gradient of %s (inputs drawn from [%g, %g], random '
+                'parameters), though not its output.%s' % (
+                    dblock.block.name, _padding_text(sig.fmt, padded.fmt), what, drawn[0],
+                    drawn[1], _PADDING_ADVICE))
 
 
 LENGTH_INPUTS = {'softmax': ('use_length', 'axis', -1),
