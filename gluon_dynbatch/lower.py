@@ -926,98 +926,127 @@ def flush_program(steps, recipes, hoists=()):
     if len({step.sig.ctx for step in steps}) != 1 or \
             any(recipe is None or None in recipe for recipe in recipes):
         return None
-    ctx = steps[0].sig.ctx
-    outputs, spec, params = [], {}, {}
-    hoisted = {}     # step number -> (its host items, the part's values, its inverse)
-
-    def param_var(param):
-        """The program's input for ``param``, one per Parameter object:
-        its own variable, unless an equally named parameter of another
-        block took that name."""
-        name, number = param.name, 0
-        while params.setdefault(name, param) is not param:
-            number += 1
-            name = '%s_dynbatch%d' % (param.name, number)
-        return param.var() if name == param.name else \
-            mx.sym.var(name, shape=param.shape, dtype=param.dtype)
-
-    for group, (split, members) in enumerate(hoists):
-        bind = {}
-        for name, (kind, what) in zip(split.symbol.list_inputs(), split.feeds):
-            if kind == 'host':
-                bind[name] = mx.sym.var('hoist%d_%d' % (group, what))
-                spec['hoist%d_%d' % (group, what)] = ('hoist_rows', (group, what))
-            else:
-                bind[name] = param_var(what)
-        values = split.symbol(**bind)
-        inverse = mx.sym.var('hoist%d_inverse' % group)
-        spec['hoist%d_inverse' % group] = ('hoist_inverse', group)
-        start = 0
-        for number, items, rows in members:
-            hoisted[number] = (items, values, mx.sym.slice_axis(
-                inverse, axis=0, begin=start, end=start + rows))
-            start += rows
+    inputs = _ProgramInputs(steps[0].sig.ctx)
+    hoisted = _hoisted_parts(hoists, inputs)
+    outputs = []    # per step, its output symbols
     for number, (step, recipe) in enumerate(zip(steps, recipes)):
-        sig = step.sig
-        items, values, inverse = hoisted.get(number, ((), None, None))
-        pattern = tuple(None if how == 'empty' else ('hoisted', 1) if item in items else
-                        ('direct' if how == 'host' or how[1] is None else
-                         'ragged' if len(how) > 2 else 'take', 1)
-                        for item, how in enumerate(recipe))
-        program = step_program(sig, pattern).for_rows(len(step.nodes)).symbol
-        wanted = set(program.list_inputs())
-        bind = {}
-        for how in recipe:
-            if how not in ('empty', 'host') and len(how) > 2:   # ragged lists' inputs
-                for name in (SEGMENT, PADDED):
-                    if name in wanted or name == SEGMENT and INVERSE_SEGMENT in wanted:
-                        bind[name] = mx.sym.var('%s_s%d' % (name, number))
-                        spec['%s_s%d' % (name, number)] = ('const', how[2][name])
-                break
-        if items:
-            bind[INVERSE] = inverse
-            if INVERSE_SEGMENT in wanted:
-                bind[INVERSE_SEGMENT] = mx.sym.take(inverse, bind[SEGMENT], axis=0)
-            for position in range(len(values.list_outputs())):
-                bind[HOISTED + str(position)] = values[position]
-        for item, how in enumerate(recipe):
-            if how == 'empty' or item in items:
-                continue
-            name = 's%d_%d' % (number, item)
-            if how == 'host':
-                bind['src%d_0' % item] = mx.sym.var('host_' + name)
-                spec['host_' + name] = ('host', (number, item))
-                continue
-            parts, index = how[:2]
-            sources, sizes = [], []
-            for step_number, out in parts:
-                if step_number < 0:   # padding: a zero row
-                    sources.append(mx.sym.var('zero_' + name))
-                    spec['zero_' + name] = ('const', mx.nd.zeros(
-                        sig.item_shape(item), ctx=ctx, dtype=sig.key[-2]))
-                    sizes.append(1)
-                else:
-                    sources.append(outputs[step_number][out])
-                    sizes.append(len(steps[step_number].nodes))
-            if index is not None and len(sources) > 1:
-                sources, index = _narrow(sources, sizes, index, name, spec)
-            bind['src%d_0' % item] = sources[0] if len(sources) == 1 else \
-                mx.sym.concat(*sources, dim=0)
-            if index is not None:
-                bind['idx%d' % item] = mx.sym.var('idx_' + name)
-                spec['idx_' + name] = ('const', index)
-        for _, param in sig.param_slots:   # one input per parameter, shared by all steps
-            bind[param.name] = param_var(param)
-        symbol = program(**{name: value for name, value in bind.items() if name in wanted})
+        symbol = _step_symbol(steps, number, recipe, hoisted.get(number), outputs, inputs)
         outputs.append([symbol[i] for i in range(len(symbol.list_outputs()))])
     group = mx.sym.Group([out for outs in outputs for out in outs])
     # parameters by weak reference: a program kept by a plan cache must not
     # keep a dropped model's parameters alive (its plan, whose signatures
     # are gone, is never run again: see CachedPlan)
-    feeds = [('param', weakref.ref(params[name])) if name in params else spec[name]
-             for name in group.list_inputs()]
+    feeds = [('param', weakref.ref(inputs.params[name])) if name in inputs.params
+             else inputs.spec[name] for name in group.list_inputs()]
     return FlushProgram(group, feeds, [len(outs) for outs in outputs],
-                        [members for _, members in hoists], ctx)
+                        [members for _, members in hoists], inputs.ctx)
+
+
+class _ProgramInputs:
+    """The inputs of a flush program being built: ``spec``, what feeds
+    each variable by name (see :class:`FlushProgram`), and ``params``, the
+    Parameter each parameter variable reads."""
+
+    def __init__(self, ctx):
+        self.ctx, self.spec, self.params = ctx, {}, {}
+
+    def var(self, name, feed):
+        """A variable ``name`` fed by ``feed``."""
+        self.spec[name] = feed
+        return mx.sym.var(name)
+
+    def param_var(self, param):
+        """The program's input for ``param``, one per Parameter object:
+        its own variable, unless an equally named parameter of another
+        block took that name."""
+        name, number = param.name, 0
+        while self.params.setdefault(name, param) is not param:
+            number += 1
+            name = '%s_dynbatch%d' % (param.name, number)
+        return param.var() if name == param.name else \
+            mx.sym.var(name, shape=param.shape, dtype=param.dtype)
+
+
+def _hoisted_parts(hoists, inputs):
+    """Step number -> (its host items, the values of its group's host part
+    over the group's distinct rows, the step's rows of their inverse
+    index), for the steps of ``hoists``."""
+    hoisted = {}
+    for group, (split, members) in enumerate(hoists):
+        bind = {}
+        for name, (kind, what) in zip(split.symbol.list_inputs(), split.feeds):
+            bind[name] = inputs.var('hoist%d_%d' % (group, what), ('hoist_rows', (group, what))) \
+                if kind == 'host' else inputs.param_var(what)
+        values = split.symbol(**bind)
+        inverse = inputs.var('hoist%d_inverse' % group, ('hoist_inverse', group))
+        start = 0
+        for number, items, rows in members:
+            hoisted[number] = (items, values, mx.sym.slice_axis(
+                inverse, axis=0, begin=start, end=start + rows))
+            start += rows
+    return hoisted
+
+
+def _step_symbol(steps, number, recipe, hoisted, outputs, inputs):
+    """Step ``number``'s program, its inputs bound to the program's: its
+    recipe's sources (earlier steps' ``outputs``, host rows, zero rows,
+    gather indices), its hoisted part's values and its parameters."""
+    step = steps[number]
+    sig = step.sig
+    items, values, inverse = hoisted or ((), None, None)
+    pattern = tuple(None if how == 'empty' else ('hoisted', 1) if item in items else
+                    ('direct' if how == 'host' or how[1] is None else
+                     'ragged' if len(how) > 2 else 'take', 1)
+                    for item, how in enumerate(recipe))
+    program = step_program(sig, pattern).for_rows(len(step.nodes)).symbol
+    wanted = set(program.list_inputs())
+    bind = {}
+    for how in recipe:
+        if how not in ('empty', 'host') and len(how) > 2:   # ragged lists' inputs
+            for name in (SEGMENT, PADDED):
+                if name in wanted or name == SEGMENT and INVERSE_SEGMENT in wanted:
+                    bind[name] = inputs.var('%s_s%d' % (name, number), ('const', how[2][name]))
+            break
+    if items:
+        bind[INVERSE] = inverse
+        if INVERSE_SEGMENT in wanted:
+            bind[INVERSE_SEGMENT] = mx.sym.take(inverse, bind[SEGMENT], axis=0)
+        for position in range(len(values.list_outputs())):
+            bind[HOISTED + str(position)] = values[position]
+    for item, how in enumerate(recipe):
+        if how != 'empty' and item not in items:
+            bind.update(_item_inputs(steps, number, item, how, outputs, inputs))
+    for _, param in sig.param_slots:   # one input per parameter, shared by all steps
+        bind[param.name] = inputs.param_var(param)
+    return program(**{name: value for name, value in bind.items() if name in wanted})
+
+
+def _item_inputs(steps, number, item, how, outputs, inputs):
+    """The program inputs of argument ``item`` of step ``number``, read as
+    its recipe says (``how``): its host rows, or its sources (earlier
+    steps' outputs and zero rows, narrowed and concatenated) and their
+    gather index."""
+    name = 's%d_%d' % (number, item)
+    if how == 'host':
+        return {'src%d_0' % item: inputs.var('host_' + name, ('host', (number, item)))}
+    sig = steps[number].sig
+    parts, index = how[:2]
+    sources, sizes = [], []
+    for step_number, out in parts:
+        if step_number < 0:   # padding: a zero row
+            sources.append(inputs.var('zero_' + name, ('const', mx.nd.zeros(
+                sig.item_shape(item), ctx=inputs.ctx, dtype=sig.key[-2]))))
+            sizes.append(1)
+        else:
+            sources.append(outputs[step_number][out])
+            sizes.append(len(steps[step_number].nodes))
+    if index is not None and len(sources) > 1:
+        sources, index = _narrow(sources, sizes, index, name, inputs.spec)
+    bind = {'src%d_0' % item: sources[0] if len(sources) == 1 else
+            mx.sym.concat(*sources, dim=0)}
+    if index is not None:
+        bind['idx%d' % item] = inputs.var('idx_' + name, ('const', index))
+    return bind
 
 
 NARROW_ROWS = 32
