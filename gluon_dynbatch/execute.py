@@ -179,14 +179,7 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hois
     nodes hand out detached (:func:`_grad_free_by_node`): a recipe reading
     one is not followed, since its rows must come from the nodes."""
     sig, nodes = step.sig, step.nodes
-    if varied and recipe is not None and any(
-            type(how) is tuple and any(number >= 0 and id(outputs[number][out]) in varied
-                                       for number, out in how[0]) for how in recipe):
-        recipe = None
-    if recipe is not None and None in recipe and \
-            any(type(how) is tuple and len(how) > 2 for how in recipe):
-        # a ragged recipe with a list found anew: lay out every list anew,
-        # so that all of the step's lists share one layout
+    if recipe is not None and not _recipe_usable(recipe, outputs, varied):
         recipe = None
     learned = [] if where is not None else None
     pattern, sources, indices, uploads = [], {}, {}, {}
@@ -242,19 +235,7 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hois
         ragged = _lay_out_lists(sig, lists, sources, indices, pattern, uploads, learned,
                                 where, ctx, step.ragged)
     host = [item for item, parts in sources.items() if type(parts[0]) is np.ndarray]
-    # recording: outputs of host data alone (and of arguments that carry no
-    # gradient) are handed out detached, as per sample
-    free = sig.grad_free_outputs((True,) * len(sig.fmt)) if tables is not None else ()
-    by_node = None
-    if free:
-        flags = tuple(item not in sources or all(map(_carries_no_gradient, sources[item]))
-                      for item in range(len(sig.fmt)))
-        narrowed = sig.grad_free_outputs(flags)
-        if len(narrowed) < len(free) and any(
-                not flag and any(map(_carries_no_gradient, sources[item]))
-                for item, flag in enumerate(flags)):
-            by_node = _grad_free_by_node(nodes, sig, flags, narrowed)
-        free = narrowed
+    free, by_node = _grad_free_outputs(sig, nodes, sources) if tables is not None else ((), None)
     if host and tables is not None:
         for item in tables.reads(sig, host):
             sources[item] = [tables.positions(sources[item][0])]
@@ -295,6 +276,38 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hois
             if varied is not None:
                 varied.update(id(outs[number]) for number in more)
     return outs, learned
+
+
+def _recipe_usable(recipe, outputs, varied):
+    """Whether a step may follow ``recipe``: not where it reads an output
+    that some of its nodes hand out detached (in ``varied``, see
+    :func:`run_step`), and not where it is ragged and has a list to find
+    anew (every list is then laid out anew, so that all of the step's
+    lists share one layout)."""
+    if varied and any(type(how) is tuple and any(number >= 0 and id(outputs[number][out])
+                                                 in varied for number, out in how[0])
+                      for how in recipe):
+        return False
+    return not (None in recipe and any(type(how) is tuple and len(how) > 2 for how in recipe))
+
+
+def _grad_free_outputs(sig, nodes, sources):
+    """``(free, by_node)`` for a training step: the numbers of its outputs
+    handed out detached, as per sample (outputs of host data alone, and of
+    arguments that carry no gradient), and, where that differs between its
+    nodes, :func:`_grad_free_by_node`'s map (else None)."""
+    free = sig.grad_free_outputs((True,) * len(sig.fmt))
+    if not free:
+        return free, None
+    flags = tuple(item not in sources or all(map(_carries_no_gradient, sources[item]))
+                  for item in range(len(sig.fmt)))
+    narrowed = sig.grad_free_outputs(flags)
+    by_node = None
+    if len(narrowed) < len(free) and any(
+            not flag and any(map(_carries_no_gradient, sources[item]))
+            for item, flag in enumerate(flags)):
+        by_node = _grad_free_by_node(nodes, sig, flags, narrowed)
+    return narrowed, by_node
 
 
 def _own_handles(inputs, feeds, replayed):
