@@ -207,10 +207,13 @@ def _broadcast(op):
     return None
 
 
-def _axis_rule(key, default, need_all_batched=False, added=0):
+def _axis_rule(key, default, need_all_batched=False, added=0, advice=''):
+    """A rule refusing the op where its axis attribute ``key`` (``default``
+    when absent) is the batch axis, ``advice`` appended to the reason."""
     def rule(op):
         if op.axis_is_batch(key, default, added):
-            return '%s acts on the batch axis (%s=%s)' % (op.op, key, op.attrs.get(key, default))
+            return '%s acts on the batch axis (%s=%s)%s' % (
+                op.op, key, op.attrs.get(key, default), advice)
         if need_all_batched:
             return _all_batched(op)
         return None
@@ -496,8 +499,16 @@ def _layer_norm(op):
     """Refuses a normalisation axis that is the batch axis; needs batched
     data and shared gamma/beta."""
     return _axis_rule('axis', -1)(op) or _batched_data_shared_rest(op)
-register_batching_rule('concat', 'Concat')(_axis_rule('dim', 1, need_all_batched=True))
-register_batching_rule('stack')(_axis_rule('axis', 0, need_all_batched=True, added=1))
+# (where users met them: a readout over a list of states, per sample
+# F.mean(F.stack(*hs, axis=0), axis=0), runs per sample, and the reason
+# says how to write it so that it batches)
+JOIN_ADVICE = ('; to join per-sample rows (1, ...) and reduce over them, stack them on axis 1 '
+               'and reduce over axis 1 (F.mean(F.stack(*hs, axis=1), axis=1)), or sum them '
+               'with F.add_n(*hs)')
+register_batching_rule('concat', 'Concat')(_axis_rule('dim', 1, need_all_batched=True,
+                                                      advice=JOIN_ADVICE))
+register_batching_rule('stack')(_axis_rule('axis', 0, need_all_batched=True, added=1,
+                                           advice=JOIN_ADVICE))
 register_batching_rule('expand_dims')(_axis_rule('axis', None, added=1))
 register_batching_rule('slice_axis', 'repeat', 'argmax', 'argmin')(_axis_rule('axis', None))
 # SliceChannel (split) cuts along axis 1 unless told otherwise: Gluon's

@@ -1450,3 +1450,36 @@ def test_error_a_rule_returning_neither_none_nor_a_reason(verdict, monkeypatch):
                        r'returned %r: a rule returns None' % verdict):
         with dyb.batching():
             block(mx.nd.ones((1, 4)))
+
+
+class Readout(gluon.HybridBlock):
+    """A dense layer over the mean of a list of states, joined on ``axis``."""
+
+    def __init__(self, axis):
+        super().__init__()
+        self.axis = axis
+        with self.name_scope():
+            self.dense = gluon.nn.Dense(3, in_units=4)
+
+    def hybrid_forward(self, F, hs):
+        return self.dense(F.mean(F.stack(*hs, axis=self.axis), axis=self.axis))
+
+
+def test_a_readout_stacked_on_axis_0_is_told_the_form_that_batches():
+    """A readout that stacks per-sample states on axis 0 runs per sample;
+    its reason (in the PerSampleWarning) names the form that batches,
+    stacking on axis 1 (found by a user trial), and that form batches with
+    per-sample results and gradients."""
+    rng = np.random.RandomState(0)
+    states = [mx.nd.array(rng.rand(1, 4)) for _ in range(12)]
+    calls = [states[i:i + 3] for i in range(0, 12, 3)]
+    for axis, safe in ((0, False), (1, True)):
+        block = dyb.DynBatchBlock(Readout(axis))
+        block.initialize(mx.init.Uniform(0.5))
+        assert_same(run_both(lambda: [block(hs) for hs in calls], [block], states, 'depth'))
+        batch_safe, reason = _verdict(block)
+        assert batch_safe == safe, reason
+        if not safe:
+            assert 'stack acts on the batch axis (axis=0); to join per-sample rows' in reason
+            assert 'F.mean(F.stack(*hs, axis=1), axis=1)' in reason
+    assert dyb.stats()['last']['batch_sizes'] == [4]
