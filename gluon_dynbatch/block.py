@@ -997,11 +997,13 @@ that lengths are computed from as whole numbers that fit."""
 
 
 def _length_inputs(dblock, sig, symbol, one):
-    """``[(op, length symbol, axis size, data names)]`` for each op of
+    """``[(op, length symbol, axis size, data names, one)]`` for each op of
     :data:`LENGTH_INPUTS` in ``symbol`` (of signature ``one``) that reads
     lengths computed from the block's arguments: what computes its lengths,
     the size of the axis they run along, and the names of the arguments
-    they are computed from."""
+    they are computed from (``one``'s names: a signature names its
+    arguments by position, so a list padded longer moves the names of the
+    arguments after it)."""
     graph = json.loads(symbol_json(symbol))
     nodes = graph['nodes']
     below = inputs_below(nodes)
@@ -1037,7 +1039,8 @@ def _length_inputs(dblock, sig, symbol, one):
                 'block %s declares pad_lists, but the padding check cannot tell how long the '
                 'axis of its op %s (%s) is, to give it valid lengths.%s'
                 % (dblock.block.name, node['op'], node['name'], _PADDING_ADVICE))
-        found.append((node, internals[entries[1]], data_shape[axis % len(data_shape)], data))
+        found.append((node, internals[entries[1]], data_shape[axis % len(data_shape)], data,
+                      one))
     return found
 
 
@@ -1048,29 +1051,37 @@ def _valid_lengths(dblock, sig, padded, lengths, leaves, rng, zero):
     list: a masked fill of every step, ``SequenceMask(value=-1e9)``, then
     makes a softmax over the padding uniform); raise if the lengths so
     computed still fall outside it (computed otherwise than copied or
-    cast), since MXNet would read out of bounds."""
-    limit = min(size for _, _, size, _ in lengths)
-    names = set().union(*(data for _, _, _, data in lengths))
+    cast), since MXNet would read out of bounds.  The padded symbol's
+    names are mapped to the shorter signature's by position (a padding
+    element is no argument drawn): taken as they are, the name of an
+    argument after a padded list named another argument of the shorter
+    signature, which was then drawn as whole numbers instead (a list under
+    ``max`` drawn positive passed a false claim)."""
+    limit = min(size for _, _, size, _, _ in lengths)
+    # the padded signature's name -> the shorter one's, None for padding
+    short_name = dict(zip(padded.data_names, pad_leaves(sig.fmt, list(sig.data_names),
+                                                        padded.fmt, lambda item: None)))
+    names = {name if one is sig else short_name.get(name)
+             for _, _, _, data, one in lengths for name in data} - {None}
     leaves = [mx.nd.array(rng.randint(min(limit, 1), limit + 1, leaf.shape), ctx=leaf.context,
                           dtype=leaf.dtype) if name in names else leaf
               for name, leaf in zip(sig.data_names, leaves)]
     longer = _pad_with_zeros(sig, padded, leaves, leaves[0].dtype, zero)
-    for node, length, size, _ in lengths:
-        for one, values in ((sig, leaves), (padded, longer)):
-            given = dict(zip(one.data_names, values))
-            if not set(length.list_inputs()) <= set(given):
-                continue            # (lengths read from a parameter: none found yet)
-            with mx.autograd.pause():
-                got = mx.nd.CachedOp(length)(*[given[name] for name in length.list_inputs()])
-            got = got.asnumpy()
-            if got.min() < 0 or got.max() > size:
-                raise InputError(
-                    'block %s declares pad_lists, but the padding check cannot give its op %s '
-                    '(%s) lengths within its axis of %d: drawn as whole numbers from 1 to %d, '
-                    'its arguments %s gave lengths from %g to %g, and MXNet does not check '
-                    'them.%s' % (dblock.block.name, node['op'], node['name'], size, limit,
-                                 ', '.join(sorted(names)), got.min(), got.max(),
-                                 _PADDING_ADVICE))
+    for node, length, size, _, one in lengths:
+        given = dict(zip(one.data_names, leaves if one is sig else longer))
+        if not set(length.list_inputs()) <= set(given):
+            continue            # (lengths read from a parameter: none found yet)
+        with mx.autograd.pause():
+            got = mx.nd.CachedOp(length)(*[given[name] for name in length.list_inputs()])
+        got = got.asnumpy()
+        if got.min() < 0 or got.max() > size:
+            raise InputError(
+                'block %s declares pad_lists, but the padding check cannot give its op %s '
+                '(%s) lengths within its axis of %d: drawn as whole numbers from 1 to %d, '
+                'its arguments %s gave lengths from %g to %g, and MXNet does not check '
+                'them.%s' % (dblock.block.name, node['op'], node['name'], size, limit,
+                             ', '.join(sorted(names)), got.min(), got.max(),
+                             _PADDING_ADVICE))
     return leaves
 
 

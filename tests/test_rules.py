@@ -378,6 +378,65 @@ def test_pad_lists_with_lengths_still_checked(scale, mean_too, match):
             _attend_calls(block, keys)
 
 
+class AttendThenMax(gluon.HybridBlock):
+    """Attention over ``keys``, its softmax told their length, plus a max
+    over the list ``hs`` after it: padding ``hs`` with zeros changes the
+    max of negative rows, so the claim is false."""
+    dynbatch_pad_lists = True
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.dense = gluon.nn.Dense(3, in_units=3)
+
+    def hybrid_forward(self, F, keys, length, hs):
+        stacked = F.stack(*keys, axis=1)
+        scores = F.batch_dot(stacked, self.dense(hs[0]).expand_dims(axis=2)).squeeze(axis=2)
+        w = F.softmax(scores, F.cast(length, 'int32'), axis=-1, use_length=True)
+        return F.batch_dot(w.expand_dims(axis=1), stacked).squeeze(axis=1) + \
+            F.max(F.stack(*hs, axis=1), axis=1)
+
+
+def test_pad_lists_lengths_drawn_for_the_arguments_they_are_computed_from():
+    """A signature names its arguments by position, so padding ``keys``
+    moves the name of every argument after it: the padded symbol's length
+    argument was named as the shorter signature's ``hs[0]``, which was
+    then drawn as whole numbers from 1, positive, and a max over ``hs``
+    padded with zeros passed the check (batched, a call with negative
+    ``hs`` silently returned the max with 0)."""
+    block = dyb.DynBatchBlock(AttendThenMax())
+    block.initialize(mx.init.Uniform(0.5))
+    keys = [mx.nd.ones((1, 3)) * k for k in (1, 2)]
+    neg = -mx.nd.ones((1, 3))
+    with pytest.raises(dyb.InputError, match=r'attendthenmax\d+ declares pad_lists.*changes its '
+                                             r'output 0'):
+        with dyb.batching('depth'):
+            for n in (1, 2):
+                block(keys[:n], mx.nd.array([n]), [neg * k for k in range(1, n + 1)])
+
+
+class KeysFirst(AttendWithLength):
+    """:class:`AttendWithLength` with its list first and its length last."""
+
+    def hybrid_forward(self, F, keys, q, length):      # pylint: disable=arguments-differ
+        return super().hybrid_forward(F, length, q, keys)
+
+
+@pytest.mark.parametrize('how', ['softmax', 'SequenceMask'])
+def test_pad_lists_length_after_the_list_passes_the_check(how):
+    """The length named after the padded list: its lengths, read under the
+    shorter signature's name of that position (a key, or ``q``), fell
+    outside the axis, and a neutral block was refused."""
+    block = dyb.DynBatchBlock(KeysFirst(how=how))
+    block.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(0)
+    keys = [mx.nd.array(rng.uniform(-1, 1, (1, 3))) for _ in range(3)]
+    dyb.reset_stats()
+    assert_same(run_both(lambda: [block(keys[:n], keys[n - 1], np.array([n], dtype=np.float32))
+                                  for n in (2, 3, 3, 1)], [block], keys))
+    assert dyb.stats()['last']['batch_sizes'] == [4]
+
+
 class SumOfTransformedChildren(gluon.HybridBlock):
     """Adds ``tanh(W h_k + b)`` per child: a zero child adds ``tanh(b)``,
     which is zero only while Gluon's initial zero bias lasts."""
