@@ -909,7 +909,8 @@ def check_padding_is_neutral(dblock, sig, padded):
         leaves = [mx.nd.array(rng.uniform(low, high, shape), ctx=sig.ctx, dtype=dtype)
                   for shape in sig.in_shapes]
         if lengths:
-            leaves = _valid_lengths(dblock, sig, padded, lengths, leaves, length_rng, zero)
+            leaves = _valid_lengths(dblock, sig, padded, lengths, leaves, length_rng, zero,
+                                    lambda: runs_in(kinds[0]).params)
         with mx.autograd.pause():
             longer = _pad_with_zeros(sig, padded, leaves, dtype, zero)
             runs = [own_runs(leaves, longer) + ('its parameters', False)]
@@ -1044,7 +1045,7 @@ def _length_inputs(dblock, sig, symbol, one):
     return found
 
 
-def _valid_lengths(dblock, sig, padded, lengths, leaves, rng, zero):
+def _valid_lengths(dblock, sig, padded, lengths, leaves, rng, zero, random_parameters):
     """``leaves`` with the arguments that lengths are computed from
     (``lengths``, :func:`_length_inputs`) drawn as whole numbers from 1 to
     the shortest axis those lengths run along (0 is no length of a real
@@ -1056,7 +1057,10 @@ def _valid_lengths(dblock, sig, padded, lengths, leaves, rng, zero):
     element is no argument drawn): taken as they are, the name of an
     argument after a padded list named another argument of the shorter
     signature, which was then drawn as whole numbers instead (a list under
-    ``max`` drawn positive passed a false claim)."""
+    ``max`` drawn positive passed a false claim).  Lengths computed with
+    parameters are checked with the block's own and with the random values
+    the symbols run with (``random_parameters()``, by name): unchecked, a
+    length argument scaled by a parameter aborted the process."""
     limit = min(size for _, _, size, _, _ in lengths)
     # the padded signature's name -> the shorter one's, None for padding
     short_name = dict(zip(padded.data_names, pad_leaves(sig.fmt, list(sig.data_names),
@@ -1069,19 +1073,26 @@ def _valid_lengths(dblock, sig, padded, lengths, leaves, rng, zero):
     longer = _pad_with_zeros(sig, padded, leaves, leaves[0].dtype, zero)
     for node, length, size, _, one in lengths:
         given = dict(zip(one.data_names, leaves if one is sig else longer))
-        if not set(length.list_inputs()) <= set(given):
-            continue            # (lengths read from a parameter: none found yet)
-        with mx.autograd.pause():
-            got = mx.nd.CachedOp(length)(*[given[name] for name in length.list_inputs()])
-        got = got.asnumpy()
-        if got.min() < 0 or got.max() > size:
-            raise InputError(
-                'block %s declares pad_lists, but the padding check cannot give its op %s '
-                '(%s) lengths within its axis of %d: drawn as whole numbers from 1 to %d, '
-                'its arguments %s gave lengths from %g to %g, and MXNet does not check '
-                'them.%s' % (dblock.block.name, node['op'], node['name'], size, limit,
-                             ', '.join(sorted(names)), got.min(), got.max(),
-                             _PADDING_ADVICE))
+        needed = length.list_inputs()
+        if set(needed) <= set(given):
+            tries = [('', given)]
+        else:
+            own = {one.input_names[i]: param.data(one.ctx) for i, param in one.param_slots}
+            drawn = {name: value.astype(leaves[0].dtype, copy=False)
+                     for name, value in random_parameters().items() if name in needed}
+            tries = [(' with its parameters', dict(own, **given)),
+                     (' with random parameters', dict(drawn, **given))]
+        for parameters, values in tries:
+            with mx.autograd.pause():
+                got = mx.nd.CachedOp(length)(*[values[name] for name in needed]).asnumpy()
+            if got.min() < 0 or got.max() > size:
+                raise InputError(
+                    'block %s declares pad_lists, but the padding check cannot give its op %s '
+                    '(%s) lengths within its axis of %d: drawn as whole numbers from 1 to %d, '
+                    'its arguments %s gave lengths from %g to %g%s, and MXNet does not check '
+                    'them.%s' % (dblock.block.name, node['op'], node['name'], size, limit,
+                                 ', '.join(sorted(names)), got.min(), got.max(), parameters,
+                                 _PADDING_ADVICE))
     return leaves
 
 

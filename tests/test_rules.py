@@ -437,6 +437,41 @@ def test_pad_lists_length_after_the_list_passes_the_check(how):
     assert dyb.stats()['last']['batch_sizes'] == [4]
 
 
+class ScaledLength(gluon.HybridBlock):
+    """Attention whose softmax length is its argument times a parameter
+    (3): called with a third of the list's length, per sample in bounds."""
+    dynbatch_pad_lists = True
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.dense = gluon.nn.Dense(3, in_units=3)
+            self.scale = self.params.get('scale', shape=(1,), init=mx.init.Constant(3),
+                                         grad_req='null')
+
+    def hybrid_forward(self, F, third, q, keys, scale):
+        stacked = F.stack(*keys, axis=1)
+        scores = F.batch_dot(stacked, self.dense(q).expand_dims(axis=2)).squeeze(axis=2)
+        length = F.cast(F.broadcast_mul(third, scale), 'int32')
+        w = F.softmax(scores, length, axis=-1, use_length=True)
+        return F.batch_dot(w.expand_dims(axis=1), stacked).squeeze(axis=1)
+
+
+def test_pad_lists_lengths_computed_with_a_parameter_are_checked():
+    """Lengths computed from an argument and a parameter were not checked
+    (the check ran only lengths of arguments alone): drawn from 1 to the
+    axis and scaled by 3, they made MXNet's softmax write past its axis
+    and the process abort (free(): invalid next size).  Now refused."""
+    block = dyb.DynBatchBlock(ScaledLength())
+    block.initialize()
+    keys = [mx.nd.ones((1, 3)) * k for k in range(1, 7)]
+    with pytest.raises(dyb.InputError, match=r'cannot give its op softmax .* lengths within its '
+                                             r'axis of 3.* with its parameters'):
+        with dyb.batching('depth'):
+            for n in (3, 6):
+                block(np.array([n / 3], dtype=np.float32), keys[0], keys[:n])
+
+
 class SumOfTransformedChildren(gluon.HybridBlock):
     """Adds ``tanh(W h_k + b)`` per child: a zero child adds ``tanh(b)``,
     which is zero only while Gluon's initial zero bias lasts."""
