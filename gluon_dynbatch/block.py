@@ -1091,8 +1091,9 @@ def _valid_lengths(dblock, sig, padded, lengths, leaves, rng, zero, random_param
                     '(%s) lengths within its axis of %d: drawn as whole numbers from 1 to %d, '
                     'its arguments %s gave lengths from %g to %g%s, and MXNet does not check '
                     'them.%s' % (dblock.block.name, node['op'], node['name'], size, limit,
-                                 ', '.join(sorted(names)), got.min(), got.max(), parameters,
-                                 _PADDING_ADVICE))
+                                 ', '.join(_leaf_path(sig.fmt, sig.data_names.index(name))
+                                           for name in sorted(names, key=sig.data_names.index)),
+                                 got.min(), got.max(), parameters, _PADDING_ADVICE))
     return leaves
 
 

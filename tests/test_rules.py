@@ -364,7 +364,7 @@ def test_pad_lists_with_a_softmax_told_the_lengths_runs_batched(how):
 
 @pytest.mark.parametrize('scale, mean_too, match', [
     (2, False, r'cannot give its op softmax .* lengths within its axis of (\d): drawn as '
-               r'whole numbers from 1 to \1, its arguments dynbatch_in\d+ gave lengths from'),
+               r'whole numbers from 1 to \1, its arguments #0 gave lengths from'),
     (1, True, r'declares pad_lists.*changes its output 0')])
 def test_pad_lists_with_lengths_still_checked(scale, mean_too, match):
     """Lengths computed otherwise than copied could still fall outside the
