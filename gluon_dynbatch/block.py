@@ -1113,10 +1113,13 @@ def _runs_with_own_parameters(dblock, sig, padded):
                                        dblock.block(*regroup(padded.fmt, longer)[0]))
     short_op, long_op = make_cached_op(sig.symbol)[0], make_cached_op(padded.symbol)[0]
 
-    def params(one):
-        return {one.input_names[i]: param.data(one.ctx) for i, param in one.param_slots}
-    return lambda leaves, longer: (_run_symbol(short_op, sig, leaves, params(sig)),
-                                   _run_symbol(long_op, padded, longer, params(padded)))
+    def run(op, one, values):
+        """The outputs nested as the block returns them (a failed check
+        compares them so, see :func:`_shifted_outputs`)."""
+        params = {one.input_names[i]: param.data(one.ctx) for i, param in one.param_slots}
+        out = _run_symbol(op, one, values, params)
+        return out[0] if one.out_fmt == 0 else regroup(one.out_fmt, out)[0]
+    return lambda leaves, longer: (run(short_op, sig, leaves), run(long_op, padded, longer))
 
 
 _PADDING_ADVICE = (' Pass pad_lists=False to DynBatchBlock (calls of different list lengths '

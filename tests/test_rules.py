@@ -563,12 +563,17 @@ class MessagesLastNotNeutral(gluon.HybridBlock):
     (MessagesFirst, r'it returns 2 arrays for the shorter lists and 3 padded.*return such '
                     r'lists last'),
 ])
-def test_wrong_pad_lists_claims_found_by_a_review_are_caught(block_class, match):
+@pytest.mark.parametrize('hybridized', [False, True])
+def test_wrong_pad_lists_claims_found_by_a_review_are_caught(block_class, match, hybridized):
     """A block whose output shape follows the list length failed the check
     with numpy's broadcasting error; one that a zero row changes only for
-    inputs past 3 passed it, and its batched results were wrong."""
+    inputs past 3 passed it, and its batched results were wrong.  The same
+    errors hybridized, where the check runs the traced symbols with the
+    block's parameters (their flat outputs lost the list-output hint)."""
     block = dyb.DynBatchBlock(block_class())
     block.initialize()
+    if hybridized:
+        block.hybridize()
     x = mx.nd.full((1, 4), 5.0)
     kids = [mx.nd.full((1, 4), 1.0), mx.nd.full((1, 4), 2.0)]
     with pytest.raises(dyb.InputError, match=match):
