@@ -34,7 +34,7 @@ from .graph import (DONE, FAILED, PENDING, LazyValue, Node, data_marked, lazy_re
 from .lower import INDEXED_OPS, make_cached_op, programs_built, ragged_lists
 from .plan import SETUP, STRATEGIES, Strategy, check_plan, summarize
 from .trace import (blocks_of, error_line, flatten, graph_readers, inputs_below, leaf_count,
-                    regroup, symbol_json, trace_signature)
+                    load_graph, regroup, symbol_json, trace_signature)
 
 __all__ = ['DynBatchBlock', 'batching', 'concat_rows', 'current_scope', 'private_scope']
 
@@ -1008,8 +1008,6 @@ def _length_inputs(dblock, sig, symbol, one):
     graph = json.loads(symbol_json(symbol))
     nodes = graph['nodes']
     below = inputs_below(nodes)
-    internals = symbol.get_internals()
-    names = internals.list_outputs()
     known = {name: shape for name, shape in zip(one.data_names, one.in_shapes)
              if name in symbol.list_arguments()}
     found = []
@@ -1022,15 +1020,10 @@ def _length_inputs(dblock, sig, symbol, one):
         data = [name for name in below[node['inputs'][1][0]] if name in one.data_names]
         if not data:
             continue
-        entries = []
-        for number, index, _ in node['inputs'][:2]:
-            source = nodes[number]
-            if source['op'] == 'null':
-                entries.append(names.index(source['name']))
-                continue
-            candidates = [source['name'] + '_output', source['name'] + '_output%d' % index]
-            entries.append(next(names.index(c) for c in candidates if c in names))
-        source = internals[entries[0]]
+        # the op's data and lengths, each exactly the entry it reads (by
+        # the graph: an op's outputs are not all named '<op>_output<i>')
+        source, length = (load_graph(dict(graph), nodes, [entry])
+                          for entry in node['inputs'][:2])
         args = set(source.list_arguments())
         data_shape = source.infer_shape_partial(
             **{name: shape for name, shape in known.items() if name in args})[1][0]
@@ -1040,8 +1033,7 @@ def _length_inputs(dblock, sig, symbol, one):
                 'block %s declares pad_lists, but the padding check cannot tell how long the '
                 'axis of its op %s (%s) is, to give it valid lengths.%s'
                 % (dblock.block.name, node['op'], node['name'], _PADDING_ADVICE))
-        found.append((node, internals[entries[1]], data_shape[axis % len(data_shape)], data,
-                      one))
+        found.append((node, length, data_shape[axis % len(data_shape)], data, one))
     return found
 
 
