@@ -901,8 +901,8 @@ def check_padding_is_neutral(dblock, sig, padded):
     kinds = [kind for kind in kinds if kind is dtype or runs_in(kind) is not None]
     gradient_kinds = list(kinds)
     ids = _id_inputs(short_symbol) | _id_inputs(long_symbol)
-    lengths = (_length_inputs(dblock, sig, short_symbol, sig) +
-               _length_inputs(dblock, sig, long_symbol, padded))
+    lengths = (_length_inputs(dblock, short_symbol, sig) +
+               _length_inputs(dblock, long_symbol, padded))
     length_rng = np.random.RandomState(2)
     zero = {}
     for low, high in PADDING_CHECK_RANGES:
@@ -997,7 +997,7 @@ in ``free()``), so :func:`check_padding_is_neutral` draws the arguments
 that lengths are computed from as whole numbers that fit."""
 
 
-def _length_inputs(dblock, sig, symbol, one):
+def _length_inputs(dblock, symbol, one):
     """``[(op, length symbol, axis size, data names, one)]`` for each op of
     :data:`LENGTH_INPUTS` in ``symbol`` (of signature ``one``) that reads
     lengths computed from the block's arguments: what computes its lengths,
@@ -1069,7 +1069,7 @@ def _valid_lengths(dblock, sig, padded, lengths, leaves, rng, zero, random_param
         if set(needed) <= set(given):
             tries = [('', given)]
         else:
-            own = {one.input_names[i]: param.data(one.ctx) for i, param in one.param_slots}
+            own = _own_parameters(one)
             drawn = {name: value.astype(leaves[0].dtype, copy=False)
                      for name, value in random_parameters().items() if name in needed}
             tries = [(' with its parameters', dict(own, **given)),
@@ -1108,8 +1108,7 @@ def _runs_with_own_parameters(dblock, sig, padded):
     def run(op, one, values):
         """The outputs nested as the block returns them (a failed check
         compares them so, see :func:`_shifted_outputs`)."""
-        params = {one.input_names[i]: param.data(one.ctx) for i, param in one.param_slots}
-        out = _run_symbol(op, one, values, params)
+        out = _run_symbol(op, one, values, _own_parameters(one))
         return out[0] if one.out_fmt == 0 else regroup(one.out_fmt, out)[0]
     return lambda leaves, longer: (run(short_op, sig, leaves), run(long_op, padded, longer))
 
@@ -1413,6 +1412,12 @@ def _id_inputs(symbol):
     return set().union(*(below[node['inputs'][ID_INPUTS[node['op']]][0]] for node in nodes
                          if node['op'] in ID_INPUTS and
                          len(node['inputs']) > ID_INPUTS[node['op']]))
+
+
+def _own_parameters(sig):
+    """The block's parameters as they stand, by the name of ``sig``'s
+    traced symbol's input each feeds (for :func:`_run_symbol`)."""
+    return {sig.input_names[i]: param.data(sig.ctx) for i, param in sig.param_slots}
 
 
 def _run_symbol(op, sig, leaves, params):
