@@ -1093,8 +1093,11 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
             host_only = 0;
         if (kind == LazyValueType) {
             PyObject *producer = SLOT(leaf, lv_node);
+            /* data_marked first: it reads an attribute (Python code, where
+             * another thread may take the sig_cache entry ``produced`` is) */
+            if (data_marked(leaf)) BAIL(fallback);
             SigInfo *produced = sig_info(SLOT(producer, n_sig));
-            if (produced == NULL || data_marked(leaf)) BAIL(fallback);
+            if (produced == NULL) BAIL(fallback);
             PyObject *info = PyList_GetItem(produced->out_info,
                                             PyLong_AsSsize_t(SLOT(leaf, lv_index)));
             if (info == NULL || !PyTuple_Check(info) || PyTuple_GET_SIZE(info) != 3) {

@@ -1107,6 +1107,57 @@ def test_python_code_run_while_recording_a_call_leaves_its_signature_alone():
     np.testing.assert_allclose(out[0][1].asnumpy(), 2 * want, rtol=1e-6)
 
 
+class Twice(gluon.HybridBlock):
+    def hybrid_forward(self, F, x):
+        return F.concat(x, x, dim=1)
+
+
+@needs_extension
+def test_reading_a_lazy_arguments_gradient_leaves_its_producers_signature_alone(monkeypatch):
+    """For a lazy argument whose ``.data`` was read, the C recorder asks the
+    data for its ``grad`` (Python code, a ctypes call that lets other
+    threads run), and read the producer's shapes from the signature cache
+    entry it had found before: another thread could take that entry
+    meanwhile, and the call's key got the other signature's shape, dtype
+    and context (held borrowed), so it was traced for another shape (found
+    by a review).  Here the other thread is simulated by a ``grad``
+    property that reads a colliding signature."""
+    x = np.array([[1.0, -2.0, 3.0]], np.float32)
+    producer = dyb.DynBatchBlock(gluon.nn.Dense(3, in_units=3))
+    producer.initialize(mx.init.Uniform(0.5))
+    relu = dyb.DynBatchBlock(Relu())
+    with dyb.batching('depth'):
+        value = producer(x)
+        value.data
+        relu(value)
+    mine = value._node.sig
+    slot = lambda s: (id(s) >> 4) % 64       # noqa: E731  (_speedups.c: SIG_CACHE)
+    blocks, other = [], None
+    for _ in range(2000):
+        twice = dyb.DynBatchBlock(Twice())
+        blocks.append(twice)
+        with dyb.batching('depth'):
+            wide = twice(x)                 # shape (1, 6)
+        if slot(wide._node.sig) == slot(mine):
+            other = wide._node
+            break
+    assert other is not None
+    real = mx.nd.NDArray.grad
+
+    def grad(self):
+        accel.count_groups([other])         # reads the other signature's cache entry
+        return real.fget(self)
+    with dyb.batching('depth'):
+        value = producer(x)
+        data = value.data
+        accel.memo_clear()                  # the call finds its signature by its key
+        monkeypatch.setattr(mx.nd.NDArray, 'grad', property(grad))
+        out = relu(value)
+        monkeypatch.undo()
+    assert out.shape == (1, 3)
+    np.testing.assert_array_equal(out.asnumpy(), np.maximum(data.asnumpy(), 0))
+
+
 @needs_extension
 @pytest.mark.parametrize('allocations', range(1, 9))
 def test_arguments_freed_by_a_collection_while_recording_stay_alive(allocations):
