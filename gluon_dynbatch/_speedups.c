@@ -92,6 +92,16 @@ static int producer_failed(PyObject *producer)
     return Py_TYPE(scope) != ScopeType || SLOT(scope, sc_failure) != Py_None;
 }
 
+/* The node lazy value ``leaf`` reads, or NULL where it holds none: a
+ * LazyValue made by hand (public, it can be), whose call goes to Python,
+ * which raises.  Read before any slot of the producer (they were read at
+ * a Node's offsets from whatever it held: a crash). */
+static inline PyObject *lazy_producer(PyObject *leaf)
+{
+    PyObject *producer = SLOT(leaf, lv_node);
+    return producer != NULL && Py_TYPE(producer) == NodeType ? producer : NULL;
+}
+
 static int configured = 0;
 static int numpy_fields_read = 0;  /* see NumpyFields */
 
@@ -591,6 +601,7 @@ static int data_marked(PyObject *leaf)
 {
     PyObject *data = SLOT(leaf, lv_data);
     if (data == Py_None) return 0;
+    if (data == NULL) return 1;         /* unset (a LazyValue made by hand): Python raises */
     PyObject *grad = PyObject_GetAttr(data, s_grad);
     if (grad == NULL) { PyErr_Clear(); return 1; }     /* Python decides */
     int marked = grad != Py_None;
@@ -603,7 +614,8 @@ static int leaf_words(CallWords *cw, PyObject *leaf, long *depth, PyObject **mar
 {
     cw->leaves[cw->n_leaves++] = Py_NewRef(leaf);  /* released by record_args */
     if (Py_TYPE(leaf) == LazyValueType) {
-        PyObject *producer = SLOT(leaf, lv_node);
+        PyObject *producer = lazy_producer(leaf);
+        if (producer == NULL) return 0;
         long state = small_int(SLOT(producer, n_state));
         if (state == PENDING && SLOT(producer, n_scope) != scope)
             return 0;
@@ -1092,7 +1104,8 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
         if (kind != NumpyType)
             host_only = 0;
         if (kind == LazyValueType) {
-            PyObject *producer = SLOT(leaf, lv_node);
+            PyObject *producer = lazy_producer(leaf);
+            if (producer == NULL) BAIL(fallback);
             /* data_marked first: it reads an attribute (Python code, where
              * another thread may take the sig_cache entry ``produced`` is) */
             if (data_marked(leaf)) BAIL(fallback);

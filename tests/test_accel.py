@@ -1159,6 +1159,35 @@ def test_reading_a_lazy_arguments_gradient_leaves_its_producers_signature_alone(
 
 
 @needs_extension
+@pytest.mark.parametrize('made', ['node None', 'node not a Node', 'no fields'])
+def test_a_lazy_value_made_by_hand_is_refused_as_in_python(made):
+    """``LazyValue`` is public: one made by hand around anything but a
+    recorded node (or with its fields unset) is refused by the Python
+    recorder (an AttributeError, or a RecursionError for unset fields).
+    The C recorder read its node's fields at a Node's offsets from whatever
+    it held, and crashed (a review's find)."""
+    add = dyb.DynBatchBlock(AddTwo())
+    x = np.ones((1, 4), np.float32)
+    value = {'node None': lambda: LazyValue(None, 0),
+             'node not a Node': lambda: LazyValue(object(), 0),
+             'no fields': lambda: LazyValue.__new__(LazyValue)}[made]()
+
+    def call():
+        with dyb.batching('depth'):
+            add(x, x)                       # (the scope's first call is Python's)
+            add(value, x)
+    with pytest.raises(Exception) as in_c:
+        call()
+    accel.enable(False)
+    try:
+        with pytest.raises(Exception) as in_python:
+            call()
+    finally:
+        accel.enable(True)
+    assert in_c.type is in_python.type
+
+
+@needs_extension
 @pytest.mark.parametrize('allocations', range(1, 9))
 def test_arguments_freed_by_a_collection_while_recording_stay_alive(allocations):
     """The C recorder holds a call's leaves while it records it: a cyclic
