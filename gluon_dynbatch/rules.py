@@ -578,6 +578,32 @@ def _sequence(op):
     return None
 
 
+RANDOM_LIKE = '''_random_uniform_like _random_normal_like _random_gamma_like
+_random_exponential_like _random_poisson_like _random_negative_binomial_like
+_random_generalized_negative_binomial_like'''.split()
+"""Samplers drawing an array of their input's shape (``F.random.normal_like(h)``).
+Like the samplers of per-sample parameters (:data:`RANDOM_SAMPLE`, and
+``F.random.multinomial(p)``) they draw every element on its own, so a
+step's rows draw as its calls would: a VAE's reparameterisation ran per
+sample without their rules (a user trial).  They are no functions of
+their inputs (:func:`draws_random`): equal calls never share a result."""
+RANDOM_SAMPLE = '''_sample_uniform _sample_normal _sample_gamma _sample_exponential
+_sample_poisson _sample_negative_binomial _sample_generalized_negative_binomial'''.split()
+"""Samplers of distributions whose parameters are arrays of one shape
+(``F.random.normal(mu, sigma)``), the draws' ``shape`` appended after it."""
+# (the *_like ops read only their input's shape)
+register_batching_rule(*RANDOM_LIKE)(_rowwise)
+# (distribution parameters of one shape, the draws' shape appended after them)
+register_batching_rule(*RANDOM_SAMPLE)(_all_batched)
+
+
+@register_batching_rule('_sample_multinomial')
+def _sample_multinomial(op):
+    """Draws from the distribution on each row's last axis; at rank 1 that
+    is the batch axis."""
+    return _rank1(op)
+
+
 @register_batching_rule('reshape_like')
 def _reshape_like(op):
     """Input 0 reshaped to input 1's shape (Gluon's losses reshape the label

@@ -16,7 +16,7 @@ import numpy as np
 from mxnet.ndarray.ndarray import _DTYPE_NP_TO_MX
 
 from .errors import InputError
-from .rules import NOT_FUNCTIONS, OpView, batching_rule, draws_random
+from .rules import NOT_FUNCTIONS, RANDOM_LIKE, OpView, batching_rule, draws_random
 
 __all__ = ['symbol_json', 'flatten', 'regroup', 'leaf_count', 'TracedSignature', 'trace_signature',
            'prelu_by_ops', 'fast_forms', 'own_forms', 'load_graph', 'inputs_below', 'moved_entry',
@@ -854,6 +854,16 @@ def _entry_shape(nodes, entry, by_name):
     return tuple(shape) if shape else None
 
 
+def _draw_advice(op_name):
+    """How to draw what ``op_name`` draws from a per-sample tensor, which
+    batches (see :data:`~.rules.RANDOM_LIKE`), or ``''``."""
+    like = op_name + '_like'
+    if like not in RANDOM_LIKE:
+        return ''
+    return ('; draw it from a per-sample tensor of the shape wanted, which batches: '
+            'F.random.%s(x)' % like[len('_random_'):])
+
+
 def check_batch_safe(symbol, data_names, known):
     """``(True, '')`` when every op touching a batched tensor has a rule that
     accepts it, no op draws random numbers for shared tensors (see
@@ -870,8 +880,8 @@ def check_batch_safe(symbol, data_names, known):
         if not any(flags):
             if draws_random(node['op'], node.get('attrs')):
                 return False, ('op %s (%s) draws random numbers from no per-sample input: '
-                               'batched, one draw would serve every sample'
-                               % (node['op'], node['name']))
+                               'batched, one draw would serve every sample%s'
+                               % (node['op'], node['name'], _draw_advice(node['op'])))
             batched.append(False)
             continue
         rule = batching_rule(node['op'])
