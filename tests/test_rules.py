@@ -1017,6 +1017,57 @@ def test_samplers_with_per_sample_parameters_batch(strategy):
                                atol=1e-5)
 
 
+class NoisySum(gluon.HybridBlock):
+    """``tanh(W x + sum_k h_k)`` with noise drawn for the sum (neutral
+    padding) or for each child too (``per_child``: a padding child gets
+    noise, not neutral)."""
+    dynbatch_pad_lists = True
+
+    def __init__(self, per_child=False):
+        super().__init__()
+        self.per_child = per_child
+        with self.name_scope():
+            self.dense = gluon.nn.Dense(4, in_units=4)
+
+    def hybrid_forward(self, F, x, children):
+        total = self.dense(x)
+        for h in children:
+            total = total + h + (0.1 * F.random.normal_like(h) if self.per_child else 0)
+        return F.tanh(total) + 0.1 * F.random.normal_like(total)
+
+
+def _noisy_minibatch(block, seed):
+    mx.random.seed(seed)
+    xs = [mx.nd.array(np.random.RandomState(8).uniform(-1, 1, (1, 4))) for _ in range(9)]
+    with dyb.batching('depth'):
+        outs = [block(xs[i], xs[:i % 3]) for i in range(9)]
+    dyb.concat_rows(outs).wait_to_read()
+    return mx.nd.random.uniform(shape=(5,)).asnumpy()
+
+
+def test_pad_lists_check_of_a_block_that_draws_compares_like_draws():
+    """Found by a user trial: the padding check ran the block with the
+    shorter and the padded lists, each drawing its own noise, and so
+    refused a block whose padding is neutral, blaming the padding.  Each
+    run now starts from one seed; the user's generator is seeded after
+    the check from a number drawn from it before, so seeds still give
+    streams of their own.  Noise drawn for a padding child is refused,
+    saying that the block draws."""
+    after = []
+    for seed in (1, 2, 1):
+        block = dyb.DynBatchBlock(NoisySum())
+        block.initialize()
+        after.append(_noisy_minibatch(block, seed))
+        assert dyb.stats()['last']['batch_sizes'] == [3, 6]
+        assert dyb.stats()['last']['padding_checks'] == 1
+    assert not np.array_equal(after[0], after[1])
+    np.testing.assert_array_equal(after[0], after[2])
+    block = dyb.DynBatchBlock(NoisySum(per_child=True))
+    block.initialize()
+    with pytest.raises(dyb.InputError, match='changes its output 0.*It draws random numbers'):
+        _noisy_minibatch(block, 1)
+
+
 class LengthSoftmax(gluon.HybridBlock):
     """A softmax over a row's first ``length`` entries: a constant length
     (shared by every call) or one computed from the row (per sample)."""
