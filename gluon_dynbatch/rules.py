@@ -499,6 +499,11 @@ def _layer_norm(op):
     """Refuses a normalisation axis that is the batch axis; needs batched
     data and shared gamma/beta."""
     return _axis_rule('axis', -1)(op) or _batched_data_shared_rest(op)
+
+
+# (normalise each sample's channels, or groups of them, over its own
+# axes: nn.InstanceNorm, nn.GroupNorm; found without rules by a user trial)
+register_batching_rule('InstanceNorm', 'GroupNorm')(_batched_data_shared_rest)
 # (where users met them: a readout over a list of states, per sample
 # F.mean(F.stack(*hs, axis=0), axis=0), runs per sample, and the reason
 # says how to write it so that it batches)
@@ -534,6 +539,9 @@ register_batching_rule('_linalg_gemm2', 'linalg_gemm2')(_gemm2)
 # along one axis; axis=None sorts the flattened tensor, across samples
 register_batching_rule('topk', 'sort', 'argsort')(_axis_rule('axis', -1))
 register_batching_rule('reverse', 'flip')(_axis_rule('axis', None))
+# F.cumsum (top-p sampling's cumulative probabilities); axis=None cumulates
+# the flattened tensor, across samples
+register_batching_rule('_np_cumsum')(_axis_rule('axis', None))
 
 
 @register_batching_rule('slice')

@@ -145,6 +145,17 @@ CASES = [
         h, F.BlockGrad(F.sum(h, axis=(1, 2)) * 0 + 2), use_sequence_length=True, value=-3.0,
         axis=1), None, (1, 3, 6), True),
     ('SequenceMask time-major', lambda F, h: F.SequenceMask(h), None, (1, 3, 6), False),
+    # ops a third user trial found without a rule: cumulative probabilities of top-p
+    # sampling, and nn.InstanceNorm's and nn.GroupNorm's normalisation of a sample's own axes
+    ('cumsum along a row', lambda F, h: F.cumsum(F.softmax(h), axis=1), None, (1, 6), True),
+    ('cumsum along axis 2', lambda F, h: F.cumsum(h, axis=2), None, (1, 3, 6), True),
+    ('cumsum over the batch axis', lambda F, h: F.cumsum(h, axis=0), None, (1, 6), False),
+    ('cumsum of the flattened tensor', lambda F, h: F.cumsum(h),
+     lambda F, y: F.reshape(y, shape=(1, -1)), (1, 6), False),
+    ('InstanceNorm', lambda F, h: F.InstanceNorm(h, F.ones((3,)) * 1.5, F.ones((3,)) * 0.2),
+     None, (1, 3, 6), True),
+    ('GroupNorm', lambda F, h: F.GroupNorm(h, F.ones((2,)) * 1.5, F.ones((2,)) * 0.2,
+                                           num_groups=2), None, (1, 4, 6), True),
 ]
 WHY = {'reshape into rows and back': 'gives it more than one row'}
 """The reason an unsafe case must give, where another check would refuse
