@@ -29,15 +29,16 @@ from mxnet.ndarray.ndarray import _DTYPE_NP_TO_MX
 from . import accel, debug
 from .errors import InputError, PerSampleWarning, ScopeError, user_stacklevel
 from .execute import collect, pad_leaves, rows_of, run_plan, threaded_engine, to_device
-from .graph import (DONE, FAILED, PENDING, LazyValue, Node, data_marked, lazy_results, recorded,
-                    repeat_node, shared_results)
+from .graph import (_LAZY_OPERATOR, DONE, FAILED, PENDING, LazyValue, Node, data_marked,
+                    lazy_results, recorded, repeat_node, shared_results)
 from .lower import INDEXED_OPS, make_cached_op, programs_built, ragged_lists
 from .plan import SETUP, STRATEGIES, Strategy, check_plan, summarize
 from .rules import draws_random
 from .trace import (blocks_of, error_line, flatten, graph_readers, inputs_below, leaf_count,
                     load_graph, regroup, symbol_json, trace_signature)
 
-__all__ = ['DynBatchBlock', 'batching', 'concat_rows', 'current_scope', 'private_scope']
+__all__ = ['DynBatchBlock', 'batching', 'concat_rows', 'current_scope', 'private_scope',
+           'lazy_operator']
 
 NDArray = mx.nd.NDArray
 _LOCAL = accel.scope_holder()     # .scope: this thread's open scope
@@ -699,6 +700,75 @@ def concat_rows(values):
         if index is not None:
             source = mx.nd.take(source, to_device(np.asarray(index, dtype='int32'), ctx))
     return source if source is parts[0] else rows_of(parts, source)
+
+
+class _Operator(mx.gluon.HybridBlock):
+    """One MXNet operator of the block's arguments: what arithmetic on a
+    lazy value records (:func:`lazy_operator`)."""
+
+    def __init__(self, op_name):
+        super().__init__(prefix='lazy_%s_' % op_name)
+        self.op_name = op_name
+
+    def hybrid_forward(self, F, *args):  # pylint: disable=arguments-differ
+        return getattr(F, self.op_name)(*args)
+
+
+_OPERATORS = {}     # operator name -> the DynBatchBlock of an _Operator, made at first use
+_OPERATORS_LOCK = threading.Lock()
+
+
+def lazy_operator(op_name, *operands):
+    """MXNet operator ``op_name`` of ``operands``, one at least a lazy value:
+    what NDArray arithmetic runs per sample (``a + b`` is ``broadcast_add``
+    of the two, or of ``a`` and a number), recorded as a call of a block of
+    that one op, so that arithmetic written between block calls batches as
+    the calls do.
+
+    * A number becomes a host array of the lazy value's dtype and rank,
+      every axis 1, so that calls with different numbers share a step; cast
+      to that dtype, as NDArray's scalar operators cast it.
+    * An NDArray is an argument of the call, with leading axes of 1 added
+      where its rank is lower (as broadcasting adds them per sample); one
+      of equal rank must be one sample's (leading axis 1).
+    * A numpy array is refused with a TypeError, as NDArray refuses it;
+      anything else gives ``NotImplemented`` (Python's TypeError).
+
+    Outside a scope (a value of a closed one) it runs the operator on
+    ``.data`` at once, as a wrapped block's call runs the block there."""
+    lazy = operands[0] if type(operands[0]) is LazyValue else operands[-1]
+    args = []
+    for x in operands:
+        if type(x) is LazyValue:
+            pass
+        elif isinstance(x, NDArray):
+            if x.ndim < lazy.ndim:
+                x = x.reshape((1,) * (lazy.ndim - x.ndim) + x.shape)
+        elif type(x) is float or type(x) is int or isinstance(x, numbers.Real):
+            row = np.empty((1,) * lazy.ndim, lazy.dtype)    # (np.full: 3x the time)
+            row.fill(x)
+            x = row
+        elif isinstance(x, np.ndarray):
+            raise TypeError('arithmetic on a LazyValue (an output of block %s) takes numbers, '
+                            'NDArrays and lazy values, as NDArray\'s does; got a numpy array of '
+                            'shape %s: make it an NDArray (mx.nd.array(x)), or pass it to a '
+                            'wrapped block as a host argument.'
+                            % (lazy._node.sig.block.name, x.shape))
+        else:
+            return NotImplemented
+        args.append(x)
+    if current_scope() is None:
+        return getattr(mx.nd, op_name)(*_materialize(args))
+    block = _OPERATORS.get(op_name)
+    if block is None:
+        with _OPERATORS_LOCK:
+            if op_name not in _OPERATORS:
+                _OPERATORS[op_name] = DynBatchBlock(_Operator(op_name))
+            block = _OPERATORS[op_name]
+    return block(*args)
+
+
+_LAZY_OPERATOR[0] = lazy_operator
 
 
 def repeat_key(sig, leaves):

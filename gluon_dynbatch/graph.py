@@ -6,7 +6,9 @@ values, NDArrays or host numpy arrays), its depth (1 + deepest pending
 producer) and whether a later call of the flush reads it, all known while
 recording so that depth grouping is one pass.
 After execution a node knows the batched output arrays it landed in and its
-row there; a lazy value reads its row from them.
+row there; a lazy value reads its row from them.  Arithmetic on lazy values
+records calls too (``block.lazy_operator``); NDArray's operators are wrapped
+here so that ``ndarray + value`` reaches the value's ``__radd__``.
 """
 import threading
 
@@ -55,14 +57,29 @@ def recorded():
     return mx.autograd._RecordingStateScope(True, None)
 
 
+_LAZY_OPERATOR = [None]     # block.lazy_operator, set there (block.py imports this module)
+
+
+def _operator(op_name, reflected=False):
+    """A LazyValue method applying MXNet operator ``op_name`` to the value
+    and its other operand, if any, in this order or ``reflected``."""
+    def method(self, *other):
+        return _LAZY_OPERATOR[0](op_name, *(other + (self,) if reflected else (self,) + other))
+    method.__name__ = op_name
+    return method
+
+
 class LazyValue:
     """A block call's output that may not be computed yet.
 
     Its ``shape`` (per sample, leading axis 1), ``ndim``, ``size``, ``dtype``
     and ``context`` are known at once (they are its signature's).  Reading ``.data`` or
     ``.asnumpy()`` inside a scope runs the pending calls first (batched) and
-    recording then goes on.  It is no NDArray: arithmetic, comparisons,
-    ``bool()`` and indexing raise a TypeError that says how to get one.
+    recording then goes on.  Arithmetic (``+ - * / **``, unary ``-``,
+    ``abs()``) with numbers, NDArrays and other lazy values is recorded as
+    calls too, and batched (:func:`~gluon_dynbatch.block.lazy_operator`);
+    otherwise it is no NDArray: comparisons, ``bool()``, indexing and
+    NDArray methods raise a TypeError that says how to get one.
     Only the node and the output index are stored: one is made per output
     of every recorded call.
     """
@@ -164,12 +181,14 @@ class LazyValue:
             self._node.scope.failure = str(error).strip().splitlines()[-1]
             raise
 
-    # A lazy value is no NDArray: NDArray code meeting one (``v + 1``,
-    # ``v.sum()``, ``np.asarray(v)``) says how to get one instead of failing
+    # A lazy value is no NDArray: NDArray code meeting one (``v.sum()``,
+    # ``v[0]``, ``np.asarray(v)``) says how to get one instead of failing
     # obscurely or making an object array.
     _HINT = ('a LazyValue (an output of block %s recorded in a batching() scope) is not an '
-             'NDArray: use value.data for one value, or gluon_dynbatch.concat_rows(values) '
-             'for many (one gather)')
+             'NDArray: arithmetic (+ - * / **, unary -, abs()) on it is batched, but for '
+             'anything else do it inside a wrapped block, or read value.data for one value '
+             'or gluon_dynbatch.concat_rows(values) for many (one gather), which runs the '
+             'pending calls now')
 
     def __getattr__(self, name):
         if name.startswith('__'):       # protocol probes (copy, pickle, numpy)
@@ -192,8 +211,26 @@ class LazyValue:
     def _not_an_ndarray(self, *args):
         raise TypeError(self._HINT % self._node.sig.block.name)
 
-    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _not_an_ndarray
-    __truediv__ = __rtruediv__ = __pow__ = __rpow__ = __neg__ = __abs__ = _not_an_ndarray
+    # NDArray's arithmetic, by the operators NDArray code runs per sample
+    # (``a + b`` is ``broadcast_add``, ``-a`` ``_mul_scalar(a, -1)``), as
+    # recorded calls: written between block calls (a residual ``h + x``, a
+    # scale ``0.5 * h``), it would otherwise need a block of its own or a
+    # read of ``.data``, which runs the pending calls one sample at a time
+    __add__ = _operator('broadcast_add')
+    __radd__ = _operator('broadcast_add', reflected=True)
+    __sub__ = _operator('broadcast_sub')
+    __rsub__ = _operator('broadcast_sub', reflected=True)
+    __mul__ = _operator('broadcast_mul')
+    __rmul__ = _operator('broadcast_mul', reflected=True)
+    __truediv__ = _operator('broadcast_div')
+    __rtruediv__ = _operator('broadcast_div', reflected=True)
+    __pow__ = _operator('broadcast_power')
+    __rpow__ = _operator('broadcast_power', reflected=True)
+    __neg__ = _operator('negative')
+    __abs__ = _operator('abs')
+    __array_ufunc__ = None      # numpy's operators defer to ours (which refuse numpy arrays)
+    # (``v += x`` rebinds ``v``: an NDArray's in-place add would also change
+    # the array under its other names; quickstart.rst says so)
     __matmul__ = __rmatmul__ = __getitem__ = __lt__ = __le__ = __gt__ = __ge__ = \
         _not_an_ndarray
     # per-sample code reads the NDArray's value here (``if gate(x):``,
@@ -206,6 +243,46 @@ class LazyValue:
         state = 'failed' if self._node.scope.failure is not None else \
             ('pending', 'ready', 'failed')[self._node.state]
         return 'LazyValue(%s, shape=%s, %s)' % (self._node.sig.block.name, self.shape, state)
+
+
+def _deferring(ndarray_method, reflected):
+    """``ndarray_method`` (NDArray's ``__add__``, say), except that a lazy
+    value as the other operand gets its ``reflected`` method instead.
+    NDArray's operators raise for any operand that is no number or NDArray
+    rather than return NotImplemented, so ``total + h``, with ``total``
+    an NDArray, would never reach ``h.__radd__``."""
+    def method(self, other):
+        if type(other) is LazyValue:
+            return getattr(other, reflected)(self)
+        return ndarray_method(self, other)
+    method.__name__ = ndarray_method.__name__
+    method.__doc__ = ndarray_method.__doc__
+    return method
+
+
+def _not_in_place(ndarray_method):
+    """``ndarray_method`` (NDArray's ``__iadd__``, say), refusing a lazy
+    value with a message: the array cannot be written before the value is
+    computed."""
+    def method(self, other):
+        if type(other) is LazyValue:
+            raise TypeError('in-place arithmetic of an NDArray with a LazyValue (an output of '
+                            'block %s) is not supported: write total = total + value.'
+                            % other._node.sig.block.name)
+        return ndarray_method(self, other)
+    method.__name__ = ndarray_method.__name__
+    method.__doc__ = ndarray_method.__doc__
+    return method
+
+
+for _name, _reflected in (('add', 'radd'), ('sub', 'rsub'), ('mul', 'rmul'),
+                          ('truediv', 'rtruediv'), ('pow', 'rpow')):
+    for _own, _other in (('__%s__' % _name, '__%s__' % _reflected),
+                         ('__%s__' % _reflected, '__%s__' % _name)):
+        setattr(mx.nd.NDArray, _own, _deferring(getattr(mx.nd.NDArray, _own), _other))
+    if hasattr(mx.nd.NDArray, '__i%s__' % _name):
+        setattr(mx.nd.NDArray, '__i%s__' % _name,
+                _not_in_place(getattr(mx.nd.NDArray, '__i%s__' % _name)))
 
 
 _RUN_FAILED = (

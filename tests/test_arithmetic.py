@@ -1,0 +1,142 @@
+"""Arithmetic on lazy values (``h + x``, ``0.5 * h``, ``-h``...) between block
+calls: recorded as calls and batched, with results and gradients equal to
+the same NDArray code run per sample."""
+import mxnet as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from mxnet import gluon
+from mxnet.gluon import nn
+
+import gluon_dynbatch as dyb
+from helpers import TanhDense, assert_same, random_tree, run_both
+
+STRATEGIES = ['per-sample', 'depth', 'agenda', 'cached', 'auto']
+
+
+def dense_pair():
+    first, second = dyb.DynBatchBlock(TanhDense(4)), dyb.DynBatchBlock(TanhDense(4))
+    first.initialize(mx.init.Xavier())
+    second.initialize(mx.init.Xavier())
+    return first, second
+
+
+def every_operator(first, second, xs, bias, shift):
+    """Every operator, with numbers, NDArrays (one of lower rank), host
+    numbers of other types and other lazy values on either side."""
+    outs = []
+    for i, x in enumerate(xs):
+        h = first(x)
+        g = second(h) * 0.5 + h            # a residual and a scale between calls
+        out = -(g - 1.0) / 2.0 + g ** 2 + abs(g) + (2 - h) + 1 / (h * h + 1)
+        out = out + 2 ** h + h / g + g ** h + bias + shift[i:i + 1] * np.float32(i)
+        out = out + (x - h) * (x / (g * g + 1)) + x ** h + bias * g   # NDArray first
+        out = out + np.float32(0.25) * h - np.int64(3)
+        total = 0
+        for term in (h, g, out):
+            total = total + term           # from a number (int.__add__ defers)
+        outs.append(second(total) + x)
+    return outs
+
+
+@pytest.mark.parametrize('strategy', STRATEGIES)
+def test_every_operator_gives_per_sample_results_and_gradients(strategy):
+    first, second = dense_pair()
+    rng = np.random.RandomState(0)
+    xs = [mx.nd.array(rng.uniform(0.2, 1, (1, 4))) for _ in range(7)]
+    bias = mx.nd.array(rng.uniform(-1, 1, (4,)))         # rank 1: broadcast as per sample
+    shift = mx.nd.array(rng.uniform(-1, 1, (7, 4)))
+    results = run_both(lambda: every_operator(first, second, xs, bias, shift),
+                       [first, second], inputs=xs + [bias, shift], strategy=strategy)
+    assert_same(results)
+
+
+def test_calls_with_different_numbers_share_a_step():
+    """A number is a host argument, not part of the signature: ``h * k``
+    for ten different ``k`` is one step, not ten."""
+    first, _ = dense_pair()
+    xs = [mx.nd.ones((1, 4)) * k for k in range(10)]
+    dyb.reset_stats()
+    with dyb.batching('depth'):
+        outs = [first(x) * float(k) for k, x in enumerate(xs)]
+        rows = dyb.concat_rows(outs).asnumpy()
+    assert dyb.stats()['steps'] == 2                    # the dense, the multiply
+    expected = np.concatenate([(first(x) * float(k)).asnumpy() for k, x in enumerate(xs)])
+    np.testing.assert_allclose(rows, expected, rtol=1e-6)
+
+
+def test_number_is_cast_to_the_values_dtype():
+    first = dyb.DynBatchBlock(nn.Dense(3, in_units=3, dtype='float64'))
+    first.initialize()
+    x = mx.nd.ones((1, 3), dtype='float64')
+    with dyb.batching():
+        value = first(x) + 1e-12
+    assert value.dtype == np.float64
+    np.testing.assert_array_equal(value.asnumpy(), (first(x) + 1e-12).asnumpy())
+
+
+class TreeCell(gluon.HybridBlock):
+    """``tanh(W [x, s])`` of a token's vector and the sum of its children's
+    states, which the caller adds up outside the block."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.embed = nn.Embedding(20, 4)
+            self.dense = nn.Dense(4, in_units=8)
+
+    def hybrid_forward(self, F, token, child_sum):
+        return F.tanh(self.dense(F.concat(self.embed(token), child_sum, dim=1)))
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10 ** 6), strategy=st.sampled_from(STRATEGIES))
+def test_random_trees_summed_outside_the_block(seed, strategy):
+    """A recursive net whose child sums and readout are arithmetic between
+    calls, on random trees: per-sample results and gradients."""
+    rng = np.random.RandomState(seed)
+    cell = dyb.DynBatchBlock(TreeCell())
+    cell.initialize(mx.init.Xavier(), force_reinit=True)
+    trees = [random_tree(rng, int(rng.randint(1, 12)), max_arity=3) for _ in range(3)]
+    zero = mx.nd.zeros((1, 4))
+
+    def encode(tree):
+        total = zero
+        for child in tree.children:
+            total = total + encode(child)
+        token = np.array([tree.idx % 20], dtype=np.float32)
+        return cell(token, total * 0.5)
+
+    def forward():
+        return [encode(tree) * 2.0 - 1 for tree in trees]
+
+    assert_same(run_both(forward, [cell], strategy=strategy))
+
+
+def test_outside_a_scope_it_is_ndarray_arithmetic():
+    first, _ = dense_pair()
+    x = mx.nd.ones((1, 4))
+    with dyb.batching():
+        value = first(x)
+    out = value * 3 - 1
+    assert isinstance(out, mx.nd.NDArray)
+    np.testing.assert_allclose(out.asnumpy(), (first(x) * 3 - 1).asnumpy(), rtol=1e-6)
+
+
+def test_other_operands_and_operators_are_refused():
+    first, _ = dense_pair()
+    with dyb.batching():
+        value = first(mx.nd.ones((1, 4)))
+        for attempt in (lambda: value + np.ones((1, 4)), lambda: np.ones((1, 4)) + value):
+            with pytest.raises(TypeError, match=r'dense\d+.*numpy array of shape \(1, 4\)'):
+                attempt()
+        with pytest.raises(TypeError, match='unsupported operand'):
+            value + 'a'                     # pylint: disable=expression-not-assigned
+        total = mx.nd.zeros((1, 4))
+        with pytest.raises(TypeError, match=r'in-place.*tanhdense\d+.*total = total \+ value'):
+            total += value
+        assert (total.asnumpy() == 0).all()
+        with pytest.raises(TypeError, match=r'arithmetic.*is batched.*value\.data'):
+            value < 1           # pylint: disable=pointless-statement
+        with pytest.raises(dyb.InputError, match=r'lazy_broadcast_add.*\(3, 4\)'):
+            value + mx.nd.ones((3, 4))      # pylint: disable=expression-not-assigned
