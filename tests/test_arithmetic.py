@@ -23,19 +23,22 @@ def dense_pair():
 
 def every_operator(first, second, xs, bias, shift):
     """Every operator, with numbers, NDArrays (one of lower rank), host
-    numbers of other types and other lazy values on either side."""
+    numbers of other types and other lazy values on either side; every
+    value finite and away from tanh's saturation, where a wrong operand
+    order would hide."""
     outs = []
     for i, x in enumerate(xs):
         h = first(x)
         g = second(h) * 0.5 + h            # a residual and a scale between calls
         out = -(g - 1.0) / 2.0 + g ** 2 + abs(g) + (2 - h) + 1 / (h * h + 1)
-        out = out + 2 ** h + h / g + g ** h + bias + shift[i:i + 1] * np.float32(i)
+        out = out + 2 ** h + h / (g * g + 1) + (abs(g) + 0.5) ** h + bias
+        out = out + shift[i:i + 1] * np.float32(i)
         out = out + (x - h) * (x / (g * g + 1)) + x ** h + bias * g   # NDArray first
         out = out + np.float32(0.25) * h - np.int64(3)
         total = 0
         for term in (h, g, out):
             total = total + term           # from a number (int.__add__ defers)
-        outs.append(second(total) + x)
+        outs.extend([total, second(total) + x])
     return outs
 
 
@@ -140,3 +143,38 @@ def test_other_operands_and_operators_are_refused():
             value < 1           # pylint: disable=pointless-statement
         with pytest.raises(dyb.InputError, match=r'lazy_broadcast_add.*\(3, 4\)'):
             value + mx.nd.ones((3, 4))      # pylint: disable=expression-not-assigned
+
+
+def _apply(op, a, b, k):
+    """One step of a random program: arithmetic that stays finite."""
+    return {'add': lambda: a + b, 'sub': lambda: b - a, 'mul': lambda: a * b,
+            'div': lambda: a / (b * b + 1), 'rdiv': lambda: k / (a * a + 1),
+            'neg': lambda: -a, 'abs': lambda: abs(a), 'scale': lambda: k * a - k,
+            'pow': lambda: (abs(a) + 0.5) ** k, 'rpow': lambda: 1.5 ** b}[op]()
+
+
+@settings(max_examples=25, deadline=None)
+@given(program=st.lists(st.tuples(st.sampled_from(['add', 'sub', 'mul', 'div', 'rdiv', 'neg',
+                                                   'abs', 'scale', 'pow', 'rpow', 'call']),
+                                   st.integers(0, 10 ** 6), st.integers(0, 10 ** 6),
+                                   st.sampled_from([-2, 0.5, 1, 3.0])),
+                         min_size=1, max_size=12),
+       samples=st.integers(1, 5), strategy=st.sampled_from(STRATEGIES))
+def test_random_programs_of_calls_and_arithmetic(program, samples, strategy):
+    """Random programs mixing block calls, arithmetic on their values,
+    numbers and NDArray inputs, per sample: equal results and gradients."""
+    first, _ = dense_pair()
+    rng = np.random.RandomState(len(program))
+    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 4))) for _ in range(samples)]
+
+    def forward():
+        outs = []
+        for x in xs:
+            values = [x, first(x)]
+            for op, i, j, k in program:
+                a, b = values[i % len(values)], values[j % len(values)]
+                values.append(first(a) if op == 'call' else _apply(op, a, b, k))
+            outs.append(values[-1] if values[-1] is not x else first(x))
+        return outs
+
+    assert_same(run_both(forward, [first], inputs=xs, strategy=strategy), rtol=1e-4, atol=1e-5)
