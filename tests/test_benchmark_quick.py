@@ -159,6 +159,19 @@ def test_pipeline_benchmark_runs_and_pipelines(tmp_path):
         assert flushes['every 40'] >= 2
 
 
+@needs_sick
+def test_arithmetic_benchmark_runs(tmp_path):
+    """``bench_arithmetic.py`` on a tiny setting: its forms agree (it exits
+    otherwise) and each is timed."""
+    proc = run_benchmark('bench_arithmetic.py', '--repeats', '1', '--sizes', '4',
+                         '--hidden', '8', '--out', tmp_path)
+    assert 'engine NaiveEngine, OMP_NUM_THREADS 1, hidden 8' in proc.stdout
+    with open(tmp_path / 'arithmetic.json') as f:
+        (row,) = json.load(f)['results']
+    assert row['batch_size'] == 4 and len(row['pairs_per_s']) == 3
+    assert all(math.isfinite(v) and v > 0 for v in row['pairs_per_s'].values())
+
+
 def test_paired_ratio_takes_the_ratio_turn_by_turn():
     """Ratios between forms: the median of their ratios within each turn
     (a slow turn slows both), else the ratio of their medians."""
@@ -282,7 +295,11 @@ BAD_COMMAND_LINES = [
      "argument --repeats: '0' is not a positive integer"),
     ('profile_step.py', ['--top', '-3', '--out', 'OUT'],
      "argument --top: '-3' is not a positive integer"),
+    ('bench_arithmetic.py', ['--sizes', '0', '--out', 'OUT'],
+     "argument --sizes: '0' is not a positive integer"),
     # (checked once the data is loaded: the split's size)
+    pytest.param('bench_arithmetic.py', ['--sizes', '25', '9999', '--out', 'OUT'],
+                 'argument --sizes: 9999 is more than the 4927 pairs', marks=needs_sick),
     pytest.param('bench_treelstm.py', ['--quick', '--check-batches', '1000', '--out', 'OUT'],
                  '--check-batches 1000 x --check-pairs 8: more than the', marks=needs_sick),
 ]
