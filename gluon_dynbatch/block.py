@@ -715,6 +715,7 @@ class _Operator(mx.gluon.HybridBlock):
 
 
 _OPERATORS = {}     # operator name -> the DynBatchBlock of an _Operator, made at first use
+_NUMBERS = (numbers.Real, np.bool_)     # NDArray's numeric_types take np.bool_ too
 _OPERATORS_LOCK = threading.Lock()
 
 
@@ -727,7 +728,10 @@ def lazy_operator(op_name, *operands):
 
     * A number becomes a host array of the lazy value's dtype and rank,
       every axis 1, so that calls with different numbers share a step; cast
-      to that dtype, as NDArray's scalar operators cast it.
+      to that dtype as NDArray's scalar operators cast it: made a double
+      (an int above 2 ** 53 rounds), then cast (float16 through float32,
+      which can round a number near a tie otherwise than numpy's direct
+      cast).
     * An NDArray is an argument of the call, with leading axes of 1 added
       where its rank is lower (as broadcasting adds them per sample); one
       of equal rank must be one sample's (leading axis 1).
@@ -744,9 +748,11 @@ def lazy_operator(op_name, *operands):
         elif isinstance(x, NDArray):
             if x.ndim < lazy.ndim:
                 x = x.reshape((1,) * (lazy.ndim - x.ndim) + x.shape)
-        elif type(x) is float or type(x) is int or isinstance(x, numbers.Real):
+        elif type(x) is float or type(x) is int or isinstance(x, _NUMBERS):
             row = np.empty((1,) * lazy.ndim, lazy.dtype)    # (np.full: 3x the time)
-            row.fill(x)
+            # as NDArray's scalar operators: a double, then DType(double),
+            # which for float16 rounds through float32 (mshadow's half_t)
+            row.fill(float(x) if row.dtype != np.float16 else np.float32(float(x)))
             x = row
         elif isinstance(x, np.ndarray):
             raise TypeError('arithmetic on a LazyValue (an output of block %s) takes numbers, '

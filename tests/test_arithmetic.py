@@ -178,3 +178,32 @@ def test_random_programs_of_calls_and_arithmetic(program, samples, strategy):
         return outs
 
     assert_same(run_both(forward, [first], inputs=xs, strategy=strategy), rtol=1e-4, atol=1e-5)
+
+
+class Copy(gluon.HybridBlock):
+    """Its argument, computed (an argument returned unchanged is no lazy value)."""
+
+    def hybrid_forward(self, F, x):
+        return F.identity(x)
+
+
+@pytest.mark.parametrize('dtype, number', [('float16', 1 + 2 ** -11 + 2 ** -30),
+                                           ('float16', 2049.0001), ('int64', 2 ** 62 + 1),
+                                           ('float32', np.True_)])
+def test_numbers_are_cast_as_ndarray_scalar_operators_cast_them(dtype, number):
+    """NDArray's ``x + k`` makes ``k`` a double and casts that to the
+    dtype, float16 through float32: numpy's direct cast of the number gave
+    2050 for 2049.0001 in float16 where NDArray has 2048 (and 1.001 for
+    1 + 2 ** -11 + 2 ** -30, NDArray 1.0), and kept 2 ** 62 + 1 in int64,
+    which NDArray rounds to 2 ** 62.  ``np.bool_``, a number to NDArray,
+    was refused.  (Found by a review.)"""
+    block = dyb.DynBatchBlock(Copy())
+    x = mx.nd.array([[1, -2, 3, 0]], dtype=dtype)
+    ops = [lambda a: a + number, lambda a: number - a, lambda a: a * number]
+    with dyb.batching():
+        values = [op(block(x)) for op in ops]
+    for op, value in zip(ops, values):
+        expected = op(x).asnumpy()
+        assert value.dtype == expected.dtype
+        np.testing.assert_array_equal(value.asnumpy(), expected)
+
