@@ -771,7 +771,51 @@ def lazy_operator(op_name, *operands):
             if op_name not in _OPERATORS:
                 _OPERATORS[op_name] = DynBatchBlock(_Operator(op_name))
             block = _OPERATORS[op_name]
-    return block(*args)
+    try:
+        return block(*args)
+    except InputError as error:
+        advice = _operator_advice(operands, lazy)
+        if advice is None:
+            raise
+        raise InputError('%s of %s: %s' % (_SYMBOLS[op_name], ' and '.join(
+            _operand_text(x) for x in operands), advice)) from error
+
+
+_SYMBOLS = {'broadcast_add': '+', 'broadcast_sub': '-', 'broadcast_mul': '*',
+            'broadcast_div': '/', 'broadcast_power': '**', 'negative': 'unary -',
+            'abs': 'abs()'}
+
+
+def _operand_text(x):
+    if type(x) is LazyValue:
+        return 'a LazyValue of block %s (shape %s, %s)' % (
+            x._node.sig.block.name, x.shape, np.dtype(x.dtype).name)
+    if isinstance(x, NDArray):
+        return 'an NDArray (shape %s, %s)' % (x.shape, np.dtype(x.dtype).name)
+    return repr(x)
+
+
+def _operator_advice(operands, lazy):
+    """What to do about arithmetic on ``lazy`` that its operator's call
+    refused (called only then, to word the error by what the user wrote
+    rather than by the internal block's arguments), or None."""
+    arrays = [x for x in operands if type(x) is LazyValue or isinstance(x, NDArray)]
+    if any(isinstance(x, mx.np.ndarray) for x in arrays):
+        return ('an mxnet.numpy array takes no part in NDArray arithmetic (per sample MXNet '
+                'refuses it too): make it an NDArray with x.as_nd_ndarray().')
+    dtypes = {np.dtype(x.dtype) for x in arrays}
+    if len(dtypes) > 1:
+        return ('NDArray arithmetic takes operands of one dtype (per sample MXNet refuses '
+                'others too): cast one, an NDArray with x.astype(%r), a value in its block.'
+                % np.dtype(lazy.dtype).name)
+    for x in arrays:
+        if type(x) is not LazyValue and x.ndim >= lazy.ndim and x.shape[0] != 1:
+            return ('per sample the NDArray\'s leading axis of %d would broadcast the '
+                    'sample, but in a batched step that axis holds the samples: an NDArray '
+                    'operand must have a lower rank than the value, or a leading axis of 1. '
+                    'Do it inside a wrapped block (on one sample), or on value.data, which '
+                    'runs the pending calls now.' % x.shape[0])
+    return None
 
 
 _LAZY_OPERATOR[0] = lazy_operator

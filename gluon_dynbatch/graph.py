@@ -60,12 +60,21 @@ def recorded():
 _LAZY_OPERATOR = [None]     # block.lazy_operator, set there (block.py imports this module)
 
 
-def _operator(op_name, reflected=False):
-    """A LazyValue method applying MXNet operator ``op_name`` to the value
-    and its other operand, if any, in this order or ``reflected``."""
-    def method(self, *other):
-        return _LAZY_OPERATOR[0](op_name, *(other + (self,) if reflected else (self,) + other))
-    method.__name__ = op_name
+def _operator(name, op_name, reflected=False, unary=False):
+    """LazyValue's method ``name`` applying MXNet operator ``op_name`` to
+    the value (``unary``) or to the value and its other operand, in this
+    order or ``reflected``.  It takes as many arguments as NDArray's does
+    (``pow(v, 2, 5)`` raised an error of the operator's trace)."""
+    if unary:
+        def method(self):
+            return _LAZY_OPERATOR[0](op_name, self)
+    elif reflected:
+        def method(self, other):
+            return _LAZY_OPERATOR[0](op_name, other, self)
+    else:
+        def method(self, other):
+            return _LAZY_OPERATOR[0](op_name, self, other)
+    method.__name__, method.__qualname__ = name, 'LazyValue.' + name
     return method
 
 
@@ -216,18 +225,18 @@ class LazyValue:
     # recorded calls: written between block calls (a residual ``h + x``, a
     # scale ``0.5 * h``), it would otherwise need a block of its own or a
     # read of ``.data``, which runs the pending calls one sample at a time
-    __add__ = _operator('broadcast_add')
-    __radd__ = _operator('broadcast_add', reflected=True)
-    __sub__ = _operator('broadcast_sub')
-    __rsub__ = _operator('broadcast_sub', reflected=True)
-    __mul__ = _operator('broadcast_mul')
-    __rmul__ = _operator('broadcast_mul', reflected=True)
-    __truediv__ = _operator('broadcast_div')
-    __rtruediv__ = _operator('broadcast_div', reflected=True)
-    __pow__ = _operator('broadcast_power')
-    __rpow__ = _operator('broadcast_power', reflected=True)
-    __neg__ = _operator('negative')
-    __abs__ = _operator('abs')
+    __add__ = _operator('__add__', 'broadcast_add')
+    __radd__ = _operator('__radd__', 'broadcast_add', reflected=True)
+    __sub__ = _operator('__sub__', 'broadcast_sub')
+    __rsub__ = _operator('__rsub__', 'broadcast_sub', reflected=True)
+    __mul__ = _operator('__mul__', 'broadcast_mul')
+    __rmul__ = _operator('__rmul__', 'broadcast_mul', reflected=True)
+    __truediv__ = _operator('__truediv__', 'broadcast_div')
+    __rtruediv__ = _operator('__rtruediv__', 'broadcast_div', reflected=True)
+    __pow__ = _operator('__pow__', 'broadcast_power')
+    __rpow__ = _operator('__rpow__', 'broadcast_power', reflected=True)
+    __neg__ = _operator('__neg__', 'negative', unary=True)
+    __abs__ = _operator('__abs__', 'abs', unary=True)
     __array_ufunc__ = None      # numpy's operators defer to ours (which refuse numpy arrays)
     # (``v += x`` rebinds ``v``: an NDArray's in-place add would also change
     # the array under its other names; quickstart.rst says so)
@@ -256,6 +265,7 @@ def _deferring(ndarray_method, reflected):
             return getattr(other, reflected)(self)
         return ndarray_method(self, other)
     method.__name__ = ndarray_method.__name__
+    method.__qualname__ = ndarray_method.__qualname__
     method.__doc__ = ndarray_method.__doc__
     return method
 
@@ -271,6 +281,7 @@ def _not_in_place(ndarray_method):
                             % other._node.sig.block.name)
         return ndarray_method(self, other)
     method.__name__ = ndarray_method.__name__
+    method.__qualname__ = ndarray_method.__qualname__
     method.__doc__ = ndarray_method.__doc__
     return method
 

@@ -141,7 +141,7 @@ def test_other_operands_and_operators_are_refused():
         assert (total.asnumpy() == 0).all()
         with pytest.raises(TypeError, match=r'arithmetic.*is batched.*value\.data'):
             value < 1           # pylint: disable=pointless-statement
-        with pytest.raises(dyb.InputError, match=r'lazy_broadcast_add.*\(3, 4\)'):
+        with pytest.raises(dyb.InputError, match=r'\+ of .*\(3, 4\).*leading axis of 3'):
             value + mx.nd.ones((3, 4))      # pylint: disable=expression-not-assigned
 
 
@@ -207,3 +207,24 @@ def test_numbers_are_cast_as_ndarray_scalar_operators_cast_them(dtype, number):
         assert value.dtype == expected.dtype
         np.testing.assert_array_equal(value.asnumpy(), expected)
 
+
+def test_refused_arithmetic_says_what_was_written_and_what_to_do():
+    """An operand the operator's call refused was reported as an argument
+    of the internal block ``lazy_broadcast_add`` with a block call's advice
+    (``x[i:i+1]``, cast inside the block, and for an mxnet.numpy array
+    "dtype float32 but earlier arguments have float32"); ``pow(v, 2, 5)``
+    failed in the operator's trace.  (Found by a review.)"""
+    first, _ = dense_pair()
+    with dyb.batching():
+        value = first(mx.nd.ones((1, 4)))
+        with pytest.raises(dyb.InputError, match=r'^- of an NDArray \(shape \(2, 4\), float32\) '
+                           r'and a LazyValue of block tanhdense\d+ \(shape \(1, 4\), float32\): '
+                           r'per sample .* leading axis of 2 .* inside a wrapped block'):
+            mx.nd.ones((2, 4)) - value      # pylint: disable=expression-not-assigned
+        with pytest.raises(dyb.InputError, match=r'^\* of .*float64.*one dtype.*astype'):
+            value * mx.nd.ones((4,), dtype='float64')   # pylint: disable=expression-not-assigned
+        with pytest.raises(dyb.InputError, match=r'^\+ of .*as_nd_ndarray'):
+            value + mx.np.ones((1, 4))      # pylint: disable=expression-not-assigned
+        with pytest.raises(TypeError, match=r'LazyValue.__pow__\(\) takes 2 positional'):
+            pow(value, 2, 5)
+        np.testing.assert_allclose((value * 2).asnumpy(), value.asnumpy() * 2)
