@@ -715,8 +715,8 @@ class _Operator(mx.gluon.HybridBlock):
 
 
 _OPERATORS = {}     # operator name -> the DynBatchBlock of an _Operator, made at first use
-_NUMBERS = (numbers.Real, np.bool_)     # NDArray's numeric_types take np.bool_ too
 _OPERATORS_LOCK = threading.Lock()
+_NUMBERS = (numbers.Real, np.bool_)     # NDArray's numeric_types take np.bool_ too
 
 
 def lazy_operator(op_name, *operands):

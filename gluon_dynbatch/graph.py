@@ -10,6 +10,7 @@ row there; a lazy value reads its row from them.  Arithmetic on lazy values
 records calls too (``block.lazy_operator``); NDArray's operators are wrapped
 here so that ``ndarray + value`` reaches the value's ``__radd__``.
 """
+import functools
 import threading
 
 import mxnet as mx
@@ -260,13 +261,11 @@ def _deferring(ndarray_method, reflected):
     NDArray's operators raise for any operand that is no number or NDArray
     rather than return NotImplemented, so ``total + h``, with ``total``
     an NDArray, would never reach ``h.__radd__``."""
+    @functools.wraps(ndarray_method)
     def method(self, other):
         if type(other) is LazyValue:
             return getattr(other, reflected)(self)
         return ndarray_method(self, other)
-    method.__name__ = ndarray_method.__name__
-    method.__qualname__ = ndarray_method.__qualname__
-    method.__doc__ = ndarray_method.__doc__
     return method
 
 
@@ -274,15 +273,13 @@ def _not_in_place(ndarray_method):
     """``ndarray_method`` (NDArray's ``__iadd__``, say), refusing a lazy
     value with a message: the array cannot be written before the value is
     computed."""
+    @functools.wraps(ndarray_method)
     def method(self, other):
         if type(other) is LazyValue:
             raise TypeError('in-place arithmetic of an NDArray with a LazyValue (an output of '
                             'block %s) is not supported: write total = total + value.'
                             % other._node.sig.block.name)
         return ndarray_method(self, other)
-    method.__name__ = ndarray_method.__name__
-    method.__qualname__ = ndarray_method.__qualname__
-    method.__doc__ = ndarray_method.__doc__
     return method
 
 

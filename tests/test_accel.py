@@ -1058,6 +1058,22 @@ class Relu(gluon.HybridBlock):
         return F.relu(x)
 
 
+def _node_taking_the_cache_slot_of(sig, block_class, x, tries=2000):
+    """A node recorded by a new wrapper of ``block_class`` on ``x`` whose
+    signature falls in ``sig``'s slot of the C recorder's signature cache
+    (``_speedups.c``: ``SIG_CACHE`` slots by address), and the wrappers
+    made (kept alive, so that no address is reused)."""
+    slot = lambda s: (id(s) >> 4) % 64       # noqa: E731
+    blocks = []
+    for _ in range(tries):
+        blocks.append(dyb.DynBatchBlock(block_class()))
+        with dyb.batching('depth'):
+            value = blocks[-1](x)
+        if slot(value._node.sig) == slot(sig):
+            return value._node, blocks
+    raise AssertionError('no signature met the slot of %r in %d tries' % (sig, tries))
+
+
 @needs_extension
 def test_python_code_run_while_recording_a_call_leaves_its_signature_alone():
     """The C recorder builds nested results in Python, where another thread
@@ -1075,17 +1091,8 @@ def test_python_code_run_while_recording_a_call_leaves_its_signature_alone():
     with dyb.batching('depth'):
         nested(x)
     sig = next(iter(nested.signatures()))
-    slot = lambda s: (id(s) >> 4) % 64       # noqa: E731  (_speedups.c: SIG_CACHE)
-    blocks, other = [], None
-    for _ in range(1000):
-        relu = dyb.DynBatchBlock(Relu())
-        blocks.append(relu)
-        with dyb.batching('depth'):
-            value = relu(x)
-        if slot(value._node.sig) == slot(sig):
-            other = value._node
-            break
-    assert other is not None
+    other, blocks = _node_taking_the_cache_slot_of(sig, Relu, x)
+    relu = blocks[-1]
     with dyb.batching('cached'):            # the structure [nested(host), relu(host)]
         nested(y)
         relu(x)
@@ -1130,18 +1137,7 @@ def test_reading_a_lazy_arguments_gradient_leaves_its_producers_signature_alone(
         value = producer(x)
         value.data
         relu(value)
-    mine = value._node.sig
-    slot = lambda s: (id(s) >> 4) % 64       # noqa: E731  (_speedups.c: SIG_CACHE)
-    blocks, other = [], None
-    for _ in range(2000):
-        twice = dyb.DynBatchBlock(Twice())
-        blocks.append(twice)
-        with dyb.batching('depth'):
-            wide = twice(x)                 # shape (1, 6)
-        if slot(wide._node.sig) == slot(mine):
-            other = wide._node
-            break
-    assert other is not None
+    other, _blocks = _node_taking_the_cache_slot_of(value._node.sig, Twice, x)  # (1, 6)
     real = mx.nd.NDArray.grad
 
     def grad(self):
