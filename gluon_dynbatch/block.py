@@ -782,8 +782,11 @@ def lazy_operator(op_name, *operands):
 
 
 _SYMBOLS = {'broadcast_add': '+', 'broadcast_sub': '-', 'broadcast_mul': '*',
-            'broadcast_div': '/', 'broadcast_power': '**', 'negative': 'unary -',
-            'abs': 'abs()'}
+            'broadcast_div': '/', 'broadcast_power': '**', 'broadcast_mod': '%',
+            'negative': 'unary -', 'abs': 'abs()', 'broadcast_lesser': '<',
+            'broadcast_lesser_equal': '<=', 'broadcast_greater': '>',
+            'broadcast_greater_equal': '>=', 'broadcast_equal': '==',
+            'broadcast_not_equal': '!='}
 
 
 def _operand_text(x):

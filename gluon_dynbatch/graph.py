@@ -83,13 +83,15 @@ class LazyValue:
     """A block call's output that may not be computed yet.
 
     Its ``shape`` (per sample, leading axis 1), ``ndim``, ``size``, ``dtype``
-    and ``context`` are known at once (they are its signature's).  Reading ``.data`` or
-    ``.asnumpy()`` inside a scope runs the pending calls first (batched) and
-    recording then goes on.  Arithmetic (``+ - * / **``, unary ``-``,
-    ``abs()``) with numbers, NDArrays and other lazy values is recorded as
-    calls too, and batched (:func:`~gluon_dynbatch.block.lazy_operator`);
-    otherwise it is no NDArray: comparisons, ``bool()``, indexing and
-    NDArray methods raise a TypeError that says how to get one.
+    and ``context`` are known at once (they are its signature's).  Reading
+    ``.data`` or ``.asnumpy()`` inside a scope runs the pending calls first
+    (batched) and recording then goes on.  Arithmetic (``+ - * / ** %``,
+    unary ``-``, ``abs()``) and comparisons (``< <= > >= == !=``, giving
+    0/1 values as NDArray's do) with numbers, NDArrays and other lazy
+    values are recorded as calls too, and batched
+    (:func:`~gluon_dynbatch.block.lazy_operator`); otherwise it is no
+    NDArray: ``bool()``, indexing and NDArray methods raise a TypeError
+    that says how to get one.
     Only the node and the output index are stored: one is made per output
     of every recorded call.
     """
@@ -195,8 +197,9 @@ class LazyValue:
     # ``v[0]``, ``np.asarray(v)``) says how to get one instead of failing
     # obscurely or making an object array.
     _HINT = ('a LazyValue (an output of block %s recorded in a batching() scope) is not an '
-             'NDArray: arithmetic (+ - * / **, unary -, abs()) on it is batched, but for '
-             'anything else do it inside a wrapped block, or read value.data for one value '
+             'NDArray: arithmetic (+ - * / ** %%, unary -, abs()) and comparisons on it are '
+             'batched, but for anything else do it inside a wrapped block, or read value.data '
+             'for one value '
              'or gluon_dynbatch.concat_rows(values) for many (one gather), which runs the '
              'pending calls now')
 
@@ -236,18 +239,27 @@ class LazyValue:
     __rtruediv__ = _operator('__rtruediv__', 'broadcast_div', reflected=True)
     __pow__ = _operator('__pow__', 'broadcast_power')
     __rpow__ = _operator('__rpow__', 'broadcast_power', reflected=True)
+    __mod__ = _operator('__mod__', 'broadcast_mod')
+    __rmod__ = _operator('__rmod__', 'broadcast_mod', reflected=True)
     __neg__ = _operator('__neg__', 'negative', unary=True)
     __abs__ = _operator('__abs__', 'abs', unary=True)
+    # comparisons give 0/1 arrays, as NDArray's do (``3 < v`` is ``v > 3``:
+    # Python swaps a comparison, it has no reflected one), so that a mask
+    # ``(v > 0) * v`` batches; ``if v > 0:`` still needs ``.data``, below
+    __lt__ = _operator('__lt__', 'broadcast_lesser')
+    __le__ = _operator('__le__', 'broadcast_lesser_equal')
+    __gt__ = _operator('__gt__', 'broadcast_greater')
+    __ge__ = _operator('__ge__', 'broadcast_greater_equal')
+    __eq__ = _operator('__eq__', 'broadcast_equal')
+    __ne__ = _operator('__ne__', 'broadcast_not_equal')
+    __hash__ = object.__hash__      # (values are dict keys and set members by identity)
     __array_ufunc__ = None      # numpy's operators defer to ours (which refuse numpy arrays)
     # (``v += x`` rebinds ``v``: an NDArray's in-place add would also change
     # the array under its other names; quickstart.rst says so)
-    __matmul__ = __rmatmul__ = __getitem__ = __lt__ = __le__ = __gt__ = __ge__ = \
-        _not_an_ndarray
-    # per-sample code reads the NDArray's value here (``if gate(x):``,
-    # ``h == 0``), which a lazy value would answer by identity instead
-    __bool__ = __len__ = __float__ = __int__ = __index__ = __eq__ = __ne__ = \
-        _not_an_ndarray
-    __hash__ = object.__hash__      # (values are dict keys and set members by identity)
+    __matmul__ = __rmatmul__ = __getitem__ = _not_an_ndarray
+    # per-sample code reads the NDArray's value here (``if gate(x) > 0:``),
+    # which a lazy value would answer by identity instead
+    __bool__ = __len__ = __float__ = __int__ = __index__ = _not_an_ndarray
 
     def __repr__(self):
         state = 'failed' if self._node.scope.failure is not None else \
@@ -283,14 +295,25 @@ def _not_in_place(ndarray_method):
     return method
 
 
-for _name, _reflected in (('add', 'radd'), ('sub', 'rsub'), ('mul', 'rmul'),
-                          ('truediv', 'rtruediv'), ('pow', 'rpow')):
-    for _own, _other in (('__%s__' % _name, '__%s__' % _reflected),
-                         ('__%s__' % _reflected, '__%s__' % _name)):
-        setattr(mx.nd.NDArray, _own, _deferring(getattr(mx.nd.NDArray, _own), _other))
-    if hasattr(mx.nd.NDArray, '__i%s__' % _name):
-        setattr(mx.nd.NDArray, '__i%s__' % _name,
-                _not_in_place(getattr(mx.nd.NDArray, '__i%s__' % _name)))
+def _wrap_operators(cls):
+    """Wrap the operators ``cls`` defines itself (the sparse arrays
+    define some of their own, so ``csr * v`` needs its own wrapper) with
+    :func:`_deferring` and :func:`_not_in_place`."""
+    pairs = [('__add__', '__radd__'), ('__sub__', '__rsub__'), ('__mul__', '__rmul__'),
+             ('__truediv__', '__rtruediv__'), ('__pow__', '__rpow__'), ('__mod__', '__rmod__'),
+             ('__lt__', '__gt__'), ('__le__', '__ge__'), ('__eq__', '__eq__'),
+             ('__ne__', '__ne__')]
+    for own, other in dict(pairs + [(b, a) for a, b in pairs]).items():
+        if own in vars(cls):
+            setattr(cls, own, _deferring(vars(cls)[own], other))
+    for name in ('__iadd__', '__isub__', '__imul__', '__itruediv__', '__ipow__', '__imod__'):
+        if name in vars(cls):
+            setattr(cls, name, _not_in_place(vars(cls)[name]))
+
+
+for _cls in (mx.nd.NDArray, mx.nd.sparse.BaseSparseNDArray, mx.nd.sparse.CSRNDArray,
+             mx.nd.sparse.RowSparseNDArray):
+    _wrap_operators(_cls)
 
 
 _RUN_FAILED = (

@@ -35,6 +35,9 @@ def every_operator(first, second, xs, bias, shift):
         out = out + shift[i:i + 1] * np.float32(i)
         out = out + (x - h) * (x / (g * g + 1)) + x ** h + bias * g   # NDArray first
         out = out + np.float32(0.25) * h - np.int64(3)
+        out = out + h % 0.75 + 1.5 % (abs(g) + 0.5) + bias % (abs(h) + 1)   # '%', either side
+        out = out + (g > 0) * g + (0 < h) - (h <= g) + (x >= h) * x + (shift[i:i + 1] < g)
+        out = out + (h == h) * 2 + (h != 1) - (bias == bias) + (x != h)     # comparisons: 0/1
         total = 0
         for term in (h, g, out):
             total = total + term           # from a number (int.__add__ defers)
@@ -139,23 +142,30 @@ def test_other_operands_and_operators_are_refused():
         with pytest.raises(TypeError, match=r'in-place.*tanhdense\d+.*total = total \+ value'):
             total += value
         assert (total.asnumpy() == 0).all()
-        with pytest.raises(TypeError, match=r'arithmetic.*is batched.*value\.data'):
-            value < 1           # pylint: disable=pointless-statement
+        for attempt in (lambda: bool(value > 1), lambda: value[0], lambda: value @ value):
+            with pytest.raises(TypeError, match=r'arithmetic.*comparisons.*are batched.*value\.data'):
+                attempt()
         with pytest.raises(dyb.InputError, match=r'\+ of .*\(3, 4\).*leading axis of 3'):
             value + mx.nd.ones((3, 4))      # pylint: disable=expression-not-assigned
 
 
 def _apply(op, a, b, k):
-    """One step of a random program: arithmetic that stays finite."""
+    """One step of a random program: arithmetic that stays finite.  Each
+    operand of a comparison feeds a differentiable op too: MXNet 1.9.1
+    crashes in backward, per sample, where the output of ``tanh`` or
+    ``relu`` of a ``FullyConnected`` is read by zero-gradient ops alone."""
     return {'add': lambda: a + b, 'sub': lambda: b - a, 'mul': lambda: a * b,
             'div': lambda: a / (b * b + 1), 'rdiv': lambda: k / (a * a + 1),
             'neg': lambda: -a, 'abs': lambda: abs(a), 'scale': lambda: k * a - k,
-            'pow': lambda: (abs(a) + 0.5) ** k, 'rpow': lambda: 1.5 ** b}[op]()
+            'pow': lambda: (abs(a) + 0.5) ** k, 'rpow': lambda: 1.5 ** b,
+            'mod': lambda: a % 0.75 - k % (abs(b) + 0.5),
+            'mask': lambda: (a > b) * (a + b) + (k <= b) * b - (a != a) * a}[op]()
 
 
 @settings(max_examples=25, deadline=None)
 @given(program=st.lists(st.tuples(st.sampled_from(['add', 'sub', 'mul', 'div', 'rdiv', 'neg',
-                                                   'abs', 'scale', 'pow', 'rpow', 'call']),
+                                                   'abs', 'scale', 'pow', 'rpow', 'mod', 'mask',
+                                                   'call']),
                                    st.integers(0, 10 ** 6), st.integers(0, 10 ** 6),
                                    st.sampled_from([-2, 0.5, 1, 3.0])),
                          min_size=1, max_size=12),
@@ -228,3 +238,24 @@ def test_refused_arithmetic_says_what_was_written_and_what_to_do():
         with pytest.raises(TypeError, match=r'LazyValue.__pow__\(\) takes 2 positional'):
             pow(value, 2, 5)
         np.testing.assert_allclose((value * 2).asnumpy(), value.asnumpy() * 2)
+
+
+def test_sparse_ndarrays_on_either_side():
+    """A CSR or row-sparse NDArray defines its own ``+ - *``, which raised
+    MXNet's error for a lazy value on the right (``csr * v``) instead of
+    deferring to the value's reflected operator, as a dense NDArray does."""
+    first, _ = dense_pair()
+    rng = np.random.RandomState(1)
+    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 4))) for _ in range(3)]
+    dense = mx.nd.array([[0, 1.5, 0, -2]])
+    sparse = [dense.tostype('csr'), dense.tostype('row_sparse')]
+
+    def forward():
+        return [s * h + s - h + (h - s) * (s + h) for s in sparse for h in map(first, xs)]
+
+    assert_same(run_both(forward, [first], inputs=xs))
+    with dyb.batching():
+        value = first(xs[0])
+        for array in sparse:
+            with pytest.raises(TypeError, match=r'in-place.*total = total \+ value'):
+                array += value
