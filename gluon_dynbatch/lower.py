@@ -100,7 +100,15 @@ def make_cached_op(symbol, flags=()):
     MXNet plans a CachedOp's backward as it builds it, even for inference,
     and fails ('control dep not found in graph') on a value read by 8 ops
     or more through a chain of ``elemwise_add`` (a node update ``s = s +
-    xx * W h_k`` over 7 children); Gluon's ``hybridize()`` fails alike."""
+    xx * W h_k`` over 7 children); Gluon's ``hybridize()`` fails alike.
+
+    Never inlined into autograd's graph (``inline_limit`` 0; MXNet's
+    default inlines programs of 1 or 2 ops): backward of an inlined
+    ``tanh(FullyConnected(x))`` whose output only a zero-gradient op read
+    (a comparison, ``floor``, ``argmax``: their gradient is a
+    ``zeros_like`` of the input) crashed MXNet 1.9.1, as it does for such
+    a block hybridized per sample, while the ops run one by one do not."""
+    flags = list(flags) + [('inline_limit', 0)]
     try:
         return mx.nd.CachedOp(symbol, flags), symbol
     except mx.base.MXNetError as err:
@@ -130,7 +138,7 @@ class ThreadCachedOp:
         try:
             op = self._local.op
         except AttributeError:
-            op = self._local.op = mx.nd.CachedOp(self.symbol, self.flags)
+            op = self._local.op = make_cached_op(self.symbol, self.flags)[0]
             _count_build()
         return op(*args)
 

@@ -1088,3 +1088,46 @@ def test_an_operator_failing_at_run_time_fails_every_value_of_its_scope(strategy
     np.testing.assert_allclose(dyb.concat_rows(good).asnumpy(), want, rtol=1e-6)
     np.testing.assert_allclose(dyb.concat_rows(again).asnumpy(),
                                dense.block(mx.nd.array(want)).asnumpy(), rtol=1e-6)
+
+
+class ActivationDense(TanhDense):
+    """:class:`TanhDense` with ``tanh`` as ``Activation``, which MXNet
+    1.9.1 differentiates without the crash below."""
+
+    def hybrid_forward(self, F, x):
+        return F.Activation(self.dense(x), act_type='tanh')
+
+
+@pytest.mark.parametrize('samples', [1, 2, 5])
+@pytest.mark.parametrize('strategy', ['per-sample', 'depth', 'agenda', 'cached'])
+def test_output_read_only_by_zero_gradient_ops_trains(strategy, samples):
+    """A call's output read only by comparisons (or ``floor``, ``argmax``:
+    ops whose gradient is a ``zeros_like`` of their input) crashed MXNet
+    1.9.1 in backward where the step's program, ``tanh(FullyConnected)``,
+    was a CachedOp of two ops, which MXNet inlines into autograd's graph
+    and then differentiates op by op, as it crashes for the ops run per
+    sample (so the per-sample side here uses ``Activation``, which it
+    differentiates).  Programs are no longer inlined."""
+    block = dyb.DynBatchBlock(TanhDense(4))
+    block.initialize(mx.init.Xavier())
+    reference = ActivationDense(4, prefix=block.block.prefix,
+                                params=block.block.collect_params())
+    rng = np.random.RandomState(0)
+    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 4))) for _ in range(samples)]
+    weights = [mx.nd.array(rng.uniform(-1, 1, (1, 4))) for _ in xs]
+    results = []
+    for batched in (False, True):
+        for x in xs:
+            x.attach_grad()
+        with autograd.record():
+            with dyb.batching(strategy) if batched else contextlib.nullcontext():
+                outs = [(h > 0) * x + (h <= 0.25) for x, h in
+                        ((x, block(x) if batched else reference(x)) for x in xs)]
+            outs = [out.data if batched else out for out in outs]
+            loss = sum((out * weight).sum() for out, weight in zip(outs, weights))
+        loss.backward()
+        results.append(([out.asnumpy() for out in outs], [x.grad.asnumpy() for x in xs],
+                        block.block.dense.weight.grad().asnumpy().copy()))
+    for expected, got in zip(*results):
+        np.testing.assert_allclose(np.array(got), np.array(expected), rtol=1e-5, atol=1e-6)
+    assert not results[1][2].any()         # no gradient reaches the block through a comparison
