@@ -29,8 +29,8 @@ from mxnet.ndarray.ndarray import _DTYPE_NP_TO_MX
 from . import accel, debug
 from .errors import InputError, PerSampleWarning, ScopeError, user_stacklevel
 from .execute import collect, pad_leaves, rows_of, run_plan, threaded_engine, to_device
-from .graph import (_LAZY_OPERATOR, DONE, FAILED, PENDING, LazyValue, Node, data_marked,
-                    lazy_results, recorded, repeat_node, shared_results)
+from .graph import (_LAZY_OPERATOR, DONE, FAILED, OPERATOR_BLOCKS, PENDING, LazyValue, Node,
+                    data_marked, lazy_results, recorded, repeat_node, shared_results)
 from .lower import INDEXED_OPS, make_cached_op, programs_built, ragged_lists
 from .plan import SETUP, STRATEGIES, Strategy, check_plan, summarize
 from .rules import draws_random
@@ -714,7 +714,7 @@ class _Operator(mx.gluon.HybridBlock):
         return getattr(F, self.op_name)(*args)
 
 
-_OPERATORS = {}     # operator name -> the DynBatchBlock of an _Operator, made at first use
+_OPERATORS = OPERATOR_BLOCKS  # name -> the DynBatchBlock of an _Operator, made at first use
 _OPERATORS_LOCK = threading.Lock()
 _NUMBERS = (numbers.Real, np.bool_)     # NDArray's numeric_types take np.bool_ too
 
@@ -749,11 +749,7 @@ def lazy_operator(op_name, *operands):
             if x.ndim < lazy.ndim:
                 x = x.reshape((1,) * (lazy.ndim - x.ndim) + x.shape)
         elif type(x) is float or type(x) is int or isinstance(x, _NUMBERS):
-            row = np.empty((1,) * lazy.ndim, lazy.dtype)    # (np.full: 3x the time)
-            # as NDArray's scalar operators: a double, then DType(double),
-            # which for float16 rounds through float32 (mshadow's half_t)
-            row.fill(float(x) if row.dtype != np.float16 else np.float32(float(x)))
-            x = row
+            x = _number_row(x, lazy)
         elif isinstance(x, np.ndarray):
             raise TypeError('arithmetic on a LazyValue (an output of block %s) takes numbers, '
                             'NDArrays and lazy values, as NDArray\'s does; got a numpy array of '
@@ -779,6 +775,29 @@ def lazy_operator(op_name, *operands):
             raise
         raise InputError('%s of %s: %s' % (_SYMBOLS[op_name], ' and '.join(
             _operand_text(x) for x in operands), advice)) from error
+
+
+_NUMBER_ROWS = {}   # (number, its type, dtype, rank) -> its read-only host row
+_NUMBER_ROWS_MAX = 4096
+
+
+def _number_row(x, lazy):
+    """Number ``x`` as a host argument of ``lazy``'s dtype and rank, every
+    axis 1, cast as NDArray's scalar operators cast it: a double, then the
+    dtype, which for float16 rounds through float32 (mshadow's half_t).
+    Rows are shared, read-only, per number (a row cost ~0.8 us to make; a
+    flush reads its bytes), except zeros, whose sign a key would lose."""
+    key = (x, type(x), lazy.dtype, lazy.ndim)
+    row = _NUMBER_ROWS.get(key) if x else None
+    if row is None:
+        row = np.empty((1,) * key[3], key[2])    # (np.full: 3x the time)
+        row.fill(float(x) if row.dtype != np.float16 else np.float32(float(x)))
+        row.flags.writeable = False
+        if x:
+            if len(_NUMBER_ROWS) >= _NUMBER_ROWS_MAX:
+                _NUMBER_ROWS.clear()
+            _NUMBER_ROWS[key] = row
+    return row
 
 
 _SYMBOLS = {'broadcast_add': '+', 'broadcast_sub': '-', 'broadcast_mul': '*',
