@@ -709,6 +709,7 @@ class _Operator(mx.gluon.HybridBlock):
     def __init__(self, op_name):
         super().__init__(prefix='lazy_%s_' % op_name)
         self.op_name = op_name
+        self.dynbatch_symbol = 'the operator %s' % _SYMBOLS[op_name]   # (LazyValue's hints)
 
     def hybrid_forward(self, F, *args):  # pylint: disable=arguments-differ
         return getattr(F, self.op_name)(*args)

@@ -211,21 +211,28 @@ class LazyValue:
     # A lazy value is no NDArray: NDArray code meeting one (``v.sum()``,
     # ``v[0]``, ``np.asarray(v)``) says how to get one instead of failing
     # obscurely or making an object array.
-    _HINT = ('a LazyValue (an output of block %s recorded in a batching() scope) is not an '
+    _HINT = ('a LazyValue (an output of %s recorded in a batching() scope) is not an '
              'NDArray: arithmetic (+ - * / ** %%, unary -, abs()) and comparisons on it are '
              'batched, but for anything else do it inside a wrapped block, or read value.data '
-             'for one value '
-             'or gluon_dynbatch.concat_rows(values) for many (one gather), which runs the '
-             'pending calls now')
+             'for one value or gluon_dynbatch.concat_rows(values) for many (one gather), '
+             'which runs the pending calls now')
+
+    def _hint(self):
+        """:data:`_HINT` for this value, naming its maker: a block, or the
+        operator written (``if h == 0:`` reads the value of ``h == 0``)."""
+        block = self._node.sig.block
+        symbol = getattr(block, 'dynbatch_symbol', None)
+        return self._HINT % ('%s (block %s)' % (symbol, block.name) if symbol else
+                             'block %s' % block.name)
 
     def __getattr__(self, name):
         if name.startswith('__'):       # protocol probes (copy, pickle, numpy)
             raise AttributeError(name)
         raise AttributeError("'LazyValue' object has no attribute %r: %s"
-                             % (name, self._HINT % self._node.sig.block.name))
+                             % (name, self._hint()))
 
     def __array__(self, *args, **kwargs):
-        raise TypeError(self._HINT % self._node.sig.block.name)
+        raise TypeError(self._hint())
 
     def __copy__(self):
         return self     # (a read-only view, as immutable objects copy)
@@ -237,7 +244,7 @@ class LazyValue:
                         '(value.data.copy(), value.asnumpy()).' % self._node.sig.block.name)
 
     def _not_an_ndarray(self, *args):
-        raise TypeError(self._HINT % self._node.sig.block.name)
+        raise TypeError(self._hint())
 
     # NDArray's arithmetic, by the operators NDArray code runs per sample
     # (``a + b`` is ``broadcast_add``, ``-a`` ``_mul_scalar(a, -1)``), as
