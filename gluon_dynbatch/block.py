@@ -7,6 +7,7 @@ recorded, batched, when it exits or when a lazy value is read.  Outside any
 scope a wrapped block is just the block it wraps.
 """
 import ast
+import functools
 import gc
 import itertools
 import json
@@ -1992,3 +1993,23 @@ class DynBatchBlock(Block):
 
 
 accel.attach_call(DynBatchBlock, _LOCAL, BatchingScope)
+
+
+def _refusing_wrappers(register_child):
+    """``HybridBlock.register_child``, refusing a :class:`DynBatchBlock` child
+    with what to do instead.  Gluon refuses it too (a wrapper is no
+    ``HybridBlock``), but advises ``HybridSequential``, which a user trial
+    that nested wrappers in its model's ``HybridBlock`` could not act on."""
+    @functools.wraps(register_child)
+    def method(self, block, name=None):
+        if isinstance(block, DynBatchBlock):
+            raise ValueError(
+                '%s cannot be a child of HybridBlock %s: a wrapper records calls, which a '
+                'HybridBlock\'s symbolic trace cannot. Put the bare block in %s and wrap that '
+                '(DynBatchBlock(%s(...))), or hold the wrappers in a plain gluon.Block.'
+                % (block, self.name, self.name, type(self).__name__))
+        return register_child(self, block, name)
+    return method
+
+
+mx.gluon.HybridBlock.register_child = _refusing_wrappers(mx.gluon.HybridBlock.register_child)

@@ -19,7 +19,8 @@ from gluon_dynbatch.execute import threaded_engine
 from gluon_dynbatch.plan import summarize
 from gluon_dynbatch.models import ChildSumTreeLSTMCell
 
-from helpers import DenseAddLists, Gate, TanhDense, follow_engine, random_tree
+from helpers import (DenseAddLists, Gate, TanhDense, assert_same, follow_engine,
+                     random_tree, run_both)
 
 
 def dense(units=3, in_units=3):
@@ -270,6 +271,62 @@ def test_files_interchange_for_blocks_without_child_blocks(tmp_path, make):
     wrapped.load_parameters(str(tmp_path / 'p.params'))
     for got, want in zip(values(wrapped), values(plain)):
         np.testing.assert_array_equal(got, want)
+
+
+class Model(gluon.Block):
+    """A model's container as the refusal below advises: a plain Block holding
+    two wrappers, one around a HybridBlock that holds the bare cell."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.cell = dyb.DynBatchBlock(Residual())
+            self.out = dyb.DynBatchBlock(nn.Dense(2, in_units=3))
+
+    def forward(self, xs):
+        h = xs[0]
+        for x in xs[1:]:
+            h = self.cell(x, h)
+        return self.out(h)
+
+
+class Residual(gluon.HybridBlock):
+    """``x + dense(h)``: the bare block inside, wrapped from outside."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.dense = nn.Dense(3, in_units=3, activation='tanh')
+
+    def hybrid_forward(self, F, x, h):
+        return x + self.dense(h)
+
+
+def test_wrappers_nest_in_a_block_not_in_a_hybrid_block(tmp_path):
+    """A HybridBlock holding a wrapper is refused, saying what to do instead
+    (Gluon's own refusal advised HybridSequential, which a user trial could not
+    act on); the two ways it names give per-sample results, gradients and
+    parameter files."""
+    class Outer(gluon.HybridBlock):
+        def __init__(self):
+            super().__init__()
+            self.inner = dyb.DynBatchBlock(nn.Dense(3, in_units=3))
+
+    with pytest.raises(ValueError, match=r'cannot be a child of HybridBlock.*bare block.*'
+                                         r'DynBatchBlock\(Outer\(\.\.\.\)\).*gluon\.Block'):
+        Outer()
+    model = Model()
+    model.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(0)
+    seqs = [[mx.nd.array(rng.uniform(-1, 1, (1, 3))) for _ in range(n)] for n in (2, 5, 3)]
+    assert_same(run_both(lambda: [model(seq) for seq in seqs], [model.cell, model.out]))
+    model.save_parameters(str(tmp_path / 'm.params'))
+    again = Model()
+    again.load_parameters(str(tmp_path / 'm.params'))
+    with dyb.batching():
+        rows = dyb.concat_rows([again(seq) for seq in seqs]).asnumpy()
+    np.testing.assert_allclose(rows, dyb.concat_rows([model(seq) for seq in seqs]).asnumpy(),
+                               rtol=1e-5, atol=1e-7)
 
 
 def test_other_attributes_are_the_wrapped_blocks():
