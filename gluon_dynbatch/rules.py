@@ -470,8 +470,10 @@ BlockGrad stop_gradient zeros_like ones_like Cast cast clip LeakyReLU
 _plus_scalar _minus_scalar _rminus_scalar _mul_scalar _div_scalar _rdiv_scalar
 _power_scalar _rpower_scalar _maximum_scalar _minimum_scalar _mod_scalar _rmod_scalar
 _equal_scalar _not_equal_scalar _greater_scalar _greater_equal_scalar _lesser_scalar
-_lesser_equal_scalar _logical_and_scalar _logical_or_scalar _hypot_scalar
-Flatten flatten one_hot L2Normalization smooth_l1'''.split()
+_lesser_equal_scalar _logical_and_scalar _logical_or_scalar _logical_xor_scalar _hypot_scalar
+Flatten flatten one_hot L2Normalization smooth_l1 hard_sigmoid log2 log10 rcbrt degrees
+radians logical_not _contrib_gradientmultiplier _contrib_round_ste _contrib_sign_ste
+_contrib_quadratic'''.split()
 ELEMENTWISE = '''elemwise_add elemwise_sub elemwise_mul elemwise_div _plus _Plus _add
 _minus _Minus _sub _mul _Mul _div _Div _maximum _Maximum _minimum _Minimum _power _Power
 _hypot _mod add_n ElementWiseSum _grad_add where _equal _not_equal _greater
@@ -520,8 +522,10 @@ register_batching_rule('slice_axis', 'repeat', 'argmax', 'argmin')(_axis_rule('a
 # LSTMCell and GRUCell slice their gates so, and ran per sample while a
 # missing axis was taken for every axis
 register_batching_rule('SliceChannel', 'split')(_axis_rule('axis', 1))
-register_batching_rule('softmax', 'log_softmax')(_softmax)
+register_batching_rule('softmax', 'log_softmax', 'softmin')(_softmax)
 register_batching_rule('sum', 'mean', 'max', 'min', 'prod', 'nansum', 'nanprod')(_reduction)
+# (a mean and variance over ``axes``, as a LayerNorm written by hand computes them)
+register_batching_rule('moments')(_axis_rule('axes', None))
 register_batching_rule('norm', 'squeeze')(_axis_rule('axis', None))
 register_batching_rule('Dropout', '_npx_dropout')(_dropout)
 register_batching_rule('pick')(_axis_rule('axis', -1, need_all_batched=True))

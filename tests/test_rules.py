@@ -156,6 +156,22 @@ CASES = [
      None, (1, 3, 6), True),
     ('GroupNorm', lambda F, h: F.GroupNorm(h, F.ones((2,)) * 1.5, F.ones((2,)) * 0.2,
                                            num_groups=2), None, (1, 4, 6), True),
+    # ops a fourth user trial found without a rule: element-wise ones, softmin, and the
+    # mean and variance of a LayerNorm written by hand
+    ('hard_sigmoid and element-wise ops', lambda F, h: F.hard_sigmoid(h) + F.degrees(h)
+     + F.radians(h) + F.log2(h * h + 1) + F.log10(h * h + 1) + F.rcbrt(h * h + 1)
+     + F.logical_not(h > 0) + F._internal._logical_xor_scalar(h > 0, scalar=1), None,
+     (1, 3, 6), True),
+    ('contrib straight-through ops', lambda F, h: F.contrib.gradientmultiplier(h, scalar=-0.5)
+     + F.contrib.round_ste(h * 3) + F.contrib.sign_ste(h)
+     + F.contrib.quadratic(h, a=1, b=2, c=3), None, (1, 3, 6), True),
+    ('softmin along a row', lambda F, h: F.softmin(h, axis=-1), None, (1, 3, 6), True),
+    ('softmin over the batch axis', lambda F, h: F.softmin(h, axis=0), None, (1, 3, 6), False),
+    ('moments over axes 1 and 2', lambda F, h: F.broadcast_add(
+        F.moments(h, axes=(1,), keepdims=True)[0], F.moments(h, axes=(2,), keepdims=True)[1]),
+     None, (1, 3, 6), True),
+    ('moments over the batch axis', lambda F, h: F.broadcast_mul(
+        F.moments(h, axes=(0, 1), keepdims=True)[1], h), None, (1, 3, 6), False),
 ]
 WHY = {'reshape into rows and back': 'gives it more than one row'}
 """The reason an unsafe case must give, where another check would refuse
@@ -1711,6 +1727,7 @@ def test_error_a_rule_returning_neither_none_nor_a_reason(verdict, monkeypatch):
     from gluon_dynbatch import rules
     monkeypatch.setattr(rules, 'RULES', dict(rules.RULES))
     monkeypatch.setattr('gluon_dynbatch.trace.batching_rule', rules.RULES.get)
+    del rules.RULES['hard_sigmoid']         # (builtin now: registering it again would warn)
     dyb.register_batching_rule('hard_sigmoid')(lambda op: verdict)
     block = dyb.DynBatchBlock(HardSigmoid())
     with pytest.raises(dyb.InputError, match=r'the batching rule <lambda> for op hard_sigmoid '
