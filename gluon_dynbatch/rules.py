@@ -14,7 +14,8 @@ per input, whether it is batched and its per-sample shape.
 import ast
 import warnings
 
-__all__ = ['register_batching_rule', 'batching_rule', 'draws_random', 'OpView', 'RULES']
+__all__ = ['register_batching_rule', 'batching_rule', 'draws_random', 'OpView', 'RULES',
+           'UNBATCHABLE']
 
 RULES = {}
 """Operator name -> its batching rule (see :func:`~gluon_dynbatch.register_batching_rule`)."""
@@ -93,6 +94,26 @@ def _check_operator_names(op_names):
 def batching_rule(op_name):
     """The rule for ``op_name``, or None."""
     return RULES.get(op_name)
+
+
+UNBATCHABLE = {
+    'softmax_cross_entropy': 'sums the loss over the batch axis, so one sample\'s loss would '
+                             'be the whole step\'s: compute each sample\'s loss as '
+                             '-F.pick(F.log_softmax(x), label, axis=-1, keepdims=True), as '
+                             'gluon.loss.SoftmaxCrossEntropyLoss does',
+    'gather_nd': 'indexes the batch axis with the first axis of its indices, so batched a '
+                 'sample would read other samples\' rows: pick along a sample\'s own axes '
+                 'with F.pick, or F.take(x, indices, axis=1)',
+    'SequenceReverse': 'reverses axis 0, MXNet 1.9.1\'s only time axis, which is the batch '
+                       'axis here (per sample it leaves a sample of one row as it is): '
+                       'reverse a batch-major sequence\'s steps with F.reverse(x, axis=1)',
+    '_contrib_arange_like': 'counts positions across the batch axis (axis unset or 0), or '
+                            'gives a result without it (another axis): count a sample\'s '
+                            'positions as F.cumsum(F.ones_like(x), axis=1) - 1',
+}
+"""Operators without a rule that no rule could batch, and why (with what
+to write instead): the tracer gives the reason where it would say that the
+op has no rule, whose advice to register one would mislead."""
 
 
 RANDOM_PREFIXES = ('_random_', 'random_', '_sample_', 'sample_', '_npi_random_',

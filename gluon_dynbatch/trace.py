@@ -16,7 +16,8 @@ import numpy as np
 from mxnet.ndarray.ndarray import _DTYPE_NP_TO_MX
 
 from .errors import InputError
-from .rules import NOT_FUNCTIONS, RANDOM_LIKE, OpView, batching_rule, draws_random
+from .rules import (NOT_FUNCTIONS, RANDOM_LIKE, UNBATCHABLE, OpView, batching_rule,
+                    draws_random)
 
 __all__ = ['symbol_json', 'flatten', 'regroup', 'leaf_count', 'TracedSignature', 'trace_signature',
            'prelu_by_ops', 'fast_forms', 'own_forms', 'load_graph', 'inputs_below', 'moved_entry',
@@ -886,7 +887,8 @@ def check_batch_safe(symbol, data_names, known):
             continue
         rule = batching_rule(node['op'])
         if rule is None:
-            return False, 'op %s (%s) has no batching rule' % (node['op'], node['name'])
+            return False, 'op %s (%s) %s' % (node['op'], node['name'], UNBATCHABLE.get(
+                node['op'], 'has no batching rule'))
         shapes = [_entry_shape(nodes, e, by_name) for e in inputs]
         for flag, shape in zip(flags, shapes):
             if flag and (shape is None or not shape or shape[0] != 1):

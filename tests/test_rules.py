@@ -1131,6 +1131,68 @@ def test_softmax_with_a_shared_length_runs_per_sample(per_sample):
         assert 'softmax' in reason, reason
 
 
+class TwoInputs(gluon.HybridBlock):
+    """``op(F, dense(x), y)``: ``y`` a per-sample label or index."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+        with self.name_scope():
+            self.dense = gluon.nn.Dense(4, in_units=4, flatten=False)
+
+    def hybrid_forward(self, F, x, y):
+        return self.op(F, self.dense(x), y)
+
+
+# (op, refused form, the form its reason advises or None): a user trial met
+# them with 'has no batching rule' and the advice to register a rule, wrong
+# for each
+UNBATCHABLE_CASES = [
+    ('softmax_cross_entropy', lambda F, h, y: F.softmax_cross_entropy(h, y),
+     lambda F, h, y: -F.pick(F.log_softmax(h), y, axis=-1, keepdims=True)),
+    ('gather_nd', lambda F, h, y: F.broadcast_add(F.gather_nd(h, F.zeros((1, 1))),
+                                                  F.expand_dims(y, axis=1)), None),
+    ('SequenceReverse', lambda F, h, y: F.broadcast_add(F.SequenceReverse(
+        h.reshape((0, 2, 2))).reshape((0, 4)), F.expand_dims(y, axis=1)), None),
+    ('_contrib_arange_like', lambda F, h, y: F.broadcast_mul(
+        h, F.contrib.arange_like(h, axis=1).reshape((1, 4))),
+     lambda F, h, y: h * (F.cumsum(F.ones_like(h), axis=1) - 1)),
+]
+
+
+@pytest.mark.parametrize('op_name,refused,advised', UNBATCHABLE_CASES,
+                         ids=[c[0] for c in UNBATCHABLE_CASES])
+def test_unbatchable_ops_say_why_and_what_to_write(op_name, refused, advised):
+    """Each runs per sample with its own reason (which names what to write
+    instead) and no advice to register a rule; the advised form batches
+    and gives the refused form's per-sample values."""
+    from gluon_dynbatch.rules import UNBATCHABLE
+    rng = np.random.RandomState(2)
+    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 4))) for _ in range(4)]
+    ys = [mx.nd.array([k % 4]) for k in range(4)]
+    block = dyb.DynBatchBlock(TwoInputs(refused))
+    block.initialize(mx.init.Uniform(0.5))
+    with pytest.warns(dyb.PerSampleWarning) as caught:
+        assert_same(run_both(lambda: [block(x, y) for x, y in zip(xs, ys)], [block], xs))
+    batch_safe, reason = _verdict(block)
+    assert not batch_safe and reason.startswith('op %s (' % op_name), reason
+    assert UNBATCHABLE[op_name] in reason, reason
+    assert 'register a rule' not in str(caught[0].message)
+    if advised is not None:
+        want = [block(x, y).asnumpy().ravel() for x, y in zip(xs, ys)]
+        other = dyb.DynBatchBlock(TwoInputs(advised))
+        other.initialize()
+        for mine, theirs in zip(other.block.dense.params.values(),
+                                block.block.dense.params.values()):
+            mine.set_data(theirs.data())
+        dyb.reset_stats()
+        with dyb.batching('depth'):
+            outs = [other(x, y) for x, y in zip(xs, ys)]
+        assert dyb.stats()['last']['batch_sizes'] == [4]
+        for out, row in zip(outs, want):
+            np.testing.assert_allclose(out.asnumpy().ravel(), row, rtol=1e-5, atol=1e-6)
+
+
 def _last_outputs(cell, seqs):
     """The plain loop of a wrapped Gluon RNN cell over sequences: each
     sequence's last output."""
