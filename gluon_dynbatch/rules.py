@@ -524,6 +524,24 @@ def _layer_norm(op):
     return _axis_rule('axis', -1)(op) or _batched_data_shared_rest(op)
 
 
+@register_batching_rule('BatchNorm')
+def _batch_norm(op):
+    """Only with ``use_global_stats``, which normalises each row by the
+    running statistics (shared inputs): otherwise, in training, a step's
+    mean and variance would be taken over every sample's rows.  (A
+    signature serves calls made in and out of training alike.)"""
+    if not op.flag('use_global_stats'):
+        return ('BatchNorm normalises over the batch axis in training, so a sample\'s '
+                'statistics would be the whole step\'s: give it use_global_stats=True, or '
+                'normalise each sample on its own (nn.LayerNorm, nn.InstanceNorm)')
+    return _batched_data_shared_rest(op)
+
+
+# (a text CNN over a sentence, NCW and the like: every layout MXNet takes
+# has the batch axis first; MXNet refuses Pad on axes 0 and 1)
+register_batching_rule('Convolution')(_batched_data_shared_rest)
+register_batching_rule('Pooling', 'LRN', 'Pad', 'depth_to_space', 'space_to_depth', 'im2col',
+                       '_contrib_AdaptiveAvgPooling2D')(_rowwise)
 # (normalise each sample's channels, or groups of them, over its own
 # axes: nn.InstanceNorm, nn.GroupNorm; found without rules by a user trial)
 register_batching_rule('InstanceNorm', 'GroupNorm')(_batched_data_shared_rest)

@@ -1201,13 +1201,22 @@ class _WithBatchNorm(gluon.HybridBlock):
         return self.norm(x)
 
 
+class _WithUpSampling(gluon.HybridBlock):
+    def hybrid_forward(self, F, x):  # pylint: disable=arguments-differ
+        return F.UpSampling(x.reshape((0, 1, 2, 2)), scale=2,
+                            sample_type='nearest').reshape((0, -1))
+
+
 @pytest.mark.parametrize('block_type, advice, not_advice', [
     (_ConstantOutput, 'compute it outside the block', 'register a rule'),
-    (_WithBatchNorm, 'register a rule.*not for an op that mixes rows, as BatchNorm', None)])
+    (_WithUpSampling, 'register a rule.*not for an op that mixes rows, as BatchNorm', None),
+    (_WithBatchNorm, 'BatchNorm normalises over the batch axis in training.*'
+                     'use_global_stats=True', 'register a rule')])
 def test_per_sample_warning_advice_fits_the_reason(block_type, advice, not_advice):
     """The warning for a block that runs per sample gave the same 'register
     a rule' advice whatever the reason (found by a review): an output of
-    parameters alone needs none, and BatchNorm mixes rows in training."""
+    parameters alone needs none, and BatchNorm mixes rows in training (its
+    rule says so; an op without a rule gets the advice)."""
     block = dyb.DynBatchBlock(block_type())
     block.initialize()
     with pytest.warns(dyb.PerSampleWarning) as caught:

@@ -172,6 +172,18 @@ CASES = [
      None, (1, 3, 6), True),
     ('moments over the batch axis', lambda F, h: F.broadcast_mul(
         F.moments(h, axes=(0, 1), keepdims=True)[1], h), None, (1, 3, 6), False),
+    # a text CNN over a sentence (NCW) and image-like ops, each sample's own
+    ('Convolution and max pooling', lambda F, h: F.Pooling(F.Convolution(
+        h, F.sin(F.arange(18)).reshape((3, 3, 2)), F.ones((3,)), kernel=(2,), num_filter=3),
+        kernel=(2,), stride=(2,), pool_type='max'), None, (1, 3, 6), True),
+    ('global average pooling', lambda F, h: F.Pooling(h, kernel=(1,), global_pool=True,
+                                                      pool_type='avg'), None, (1, 3, 6), True),
+    ('image ops', lambda F, h: F.LRN(F.pad(h.reshape((0, 3, 2, 3)), mode='edge', pad_width=(
+        0, 0, 0, 0, 1, 1, 2, 2)), nsize=3) + F.contrib.AdaptiveAvgPooling2D(
+        h.reshape((0, 3, 2, 3)), output_size=(4, 7)), None, (1, 3, 6), True),
+    ('depth_to_space, space_to_depth, im2col', lambda F, h: F.space_to_depth(F.depth_to_space(
+        h.reshape((0, 4, 2, 3)), block_size=2), block_size=2).reshape((0, 4, 6))
+     + F.im2col(h.reshape((0, 4, 2, 3)), kernel=(1, 1)), None, (1, 4, 6), True),
 ]
 WHY = {'reshape into rows and back': 'gives it more than one row'}
 """The reason an unsafe case must give, where another check would refuse
@@ -1129,6 +1141,40 @@ def test_softmax_with_a_shared_length_runs_per_sample(per_sample):
     assert batch_safe == per_sample, reason
     if not per_sample:
         assert 'softmax' in reason, reason
+
+
+class Normed(gluon.HybridBlock):
+    """``nn.BatchNorm(**kwargs)`` of ``dense(x)``, its running statistics set."""
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        with self.name_scope():
+            self.dense = gluon.nn.Dense(6, in_units=6, flatten=False)
+            self.norm = gluon.nn.BatchNorm(in_channels=3, **kwargs)
+
+    def hybrid_forward(self, F, x):
+        return self.norm(self.dense(x))
+
+
+@pytest.mark.parametrize('global_stats', [True, False])
+def test_batch_norm_batches_with_global_statistics_only(global_stats):
+    """In training BatchNorm normalises by the batch's statistics: a step's
+    would mix every sample's rows, so it runs per sample, told to use
+    ``use_global_stats=True``; with it, a sample's rows are normalised by
+    the running statistics alone, and batch (a user trial found no rule)."""
+    net = Normed(use_global_stats=global_stats)
+    net.initialize(mx.init.Uniform(0.5))
+    net.norm.running_mean.set_data(mx.nd.array([0.1, -0.2, 0.3]))
+    net.norm.running_var.set_data(mx.nd.array([1.5, 2.0, 0.5]))
+    block = dyb.DynBatchBlock(net)
+    rng = np.random.RandomState(3)
+    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 3, 6))) for _ in range(4)]
+    assert_same(run_both(lambda: [block(x) for x in xs], [block], xs))
+    batch_safe, reason = _verdict(block)
+    assert batch_safe == global_stats, reason
+    if not global_stats:
+        assert 'BatchNorm normalises over the batch axis in training' in reason, reason
+        assert 'use_global_stats=True' in reason, reason
 
 
 class TwoInputs(gluon.HybridBlock):
