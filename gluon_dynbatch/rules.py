@@ -602,6 +602,70 @@ def _slice(op):
     return None
 
 
+@register_batching_rule('slice_like')
+def _slice_like(op):
+    """Batched data cut to the shape of ``shape_like`` on ``axes`` (every
+    axis when none are named): on the batch axis only to a batched one's
+    N rows, where a shared one's single row would cut the batch to it."""
+    ndim = op.batched_ndim()
+    if not op.batched[0] or ndim is None:
+        return 'slice_like of shared data or of unknown rank'
+    if (not op.attr('axes') or 0 in _axes(op, 'axes', ndim)) and not op.batched[1]:
+        return ('slice_like cuts the batch axis to a shared shape_like\'s one row: leave axis 0 '
+                'out of axes')
+    return None
+
+
+@register_batching_rule('diag')
+def _diag(op):
+    """The diagonal of ``axis1`` and ``axis2`` (0 and 1 by default): of
+    each sample's own matrices when neither is the batch axis."""
+    ndim = op.batched_ndim()
+    if ndim is None or ndim < 3 or 0 in _axes(op, 'axis1', ndim) + _axes(op, 'axis2', ndim):
+        return ('diag reads the batch axis as a matrix axis (axis1=%s, axis2=%s): give a sample '
+                'of rank 3 or more, with axis1 and axis2 other than 0'
+                % (op.attr('axis1', 0), op.attr('axis2', 1)))
+    return None
+
+
+@register_batching_rule('_contrib_index_array')
+def _index_array(op):
+    """The indices of each element on ``axes``: on the batch axis (or on
+    every axis, unset) a sample's row would count as the step's."""
+    ndim = op.batched_ndim()
+    if not op.attr('axes') or ndim is None or 0 in _axes(op, 'axes', ndim):
+        return 'index_array counts the batch axis\'s rows: name axes other than 0'
+    return None
+
+
+LINALG_VECTORS = ('_linalg_makediag', '_linalg_maketrian')
+"""Linear algebra ops reading vectors on the last axis (the rest, matrices
+on the last two axes)."""
+
+
+def _matrices(op):
+    """MXNet's ``linalg`` ops act on each matrix of the last two axes (each
+    vector of the last, for :data:`LINALG_VECTORS`), the axes before them
+    axes of matrices; batched when axis 0 is one of these, and every
+    operand batched (a shared one would keep its one matrix while the
+    batched grow to N)."""
+    ndim, rows = op.batched_ndim(), op.attr('axis')      # (gemm's rows: -2 unless set)
+    if ndim is None or ndim < (2 if op.op in LINALG_VECTORS else 3) or \
+            (rows is not None and rows % ndim == 0):
+        return ('%s reads the batch axis as a matrix axis: give a sample its own matrices, '
+                'of shape (1, m, n)' % op.op)
+    if not all(op.batched):
+        return ('%s with a shared operand, which keeps one matrix while the batched grow: '
+                'batch every operand' % op.op)
+    return None
+
+
+# (the graph names them _linalg_*, whether written F.linalg.potrf or F.linalg_potrf)
+register_batching_rule(*['_linalg_' + name for name in '''potrf potri inverse det slogdet
+sumlogdiag extractdiag makediag extracttrian maketrian syrk trmm trsm gemm gelqf
+syevd'''.split()])(_matrices)
+
+
 @register_batching_rule('_contrib_div_sqrt_dim')
 def _div_sqrt_dim(op):
     """Divides by the square root of the last axis's size (gluonnlp's

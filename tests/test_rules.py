@@ -29,6 +29,11 @@ class Apply(gluon.HybridBlock):
         return self.back(F, y) if self.back else y
 
 
+def _spd(F, h):
+    """A positive definite (1, 3, 3) matrix made of ``h``'s rows."""
+    return F.broadcast_add(F.batch_dot(h, h, transpose_b=True), F.eye(3).reshape((1, 3, 3)) * 3)
+
+
 # (name, op, back, input shape, batch-safe?)
 CASES = [
     ('sum exclude, batch axis reduced', lambda F, h: F.sum(h, axis=1, exclude=True,
@@ -181,11 +186,38 @@ CASES = [
     ('image ops', lambda F, h: F.LRN(F.pad(h.reshape((0, 3, 2, 3)), mode='edge', pad_width=(
         0, 0, 0, 0, 1, 1, 2, 2)), nsize=3) + F.contrib.AdaptiveAvgPooling2D(
         h.reshape((0, 3, 2, 3)), output_size=(4, 7)), None, (1, 3, 6), True),
+    # indexing and linear algebra on each sample's own axes
+    ('slice_like on axis 2', lambda F, h: F.slice_like(h, F.zeros((1, 2, 4)), axes=(2,)),
+     None, (1, 3, 6), True),
+    ('slice_like a batched tensor', lambda F, h: F.slice_like(h, F.slice_axis(
+        h, axis=2, begin=0, end=3)), None, (1, 3, 6), True),
+    ('slice_like a shared tensor', lambda F, h: F.slice_like(h, F.zeros((1, 2, 4))),
+     None, (1, 3, 6), False),
+    ('diag of axes 1 and 2', lambda F, h: F.diag(F.slice_axis(h, axis=2, begin=0, end=3),
+                                                  axis1=1, axis2=-1), None, (1, 3, 6), True),
+    ('diag of a rank 2 sample', lambda F, h: F.diag(h), lambda F, y: F.expand_dims(y, axis=1),
+     (1, 6), False),
+    ('index_array of axes 1 and 2', lambda F, h: F.broadcast_mul(F.sum(F.cast(
+        F.contrib.index_array(h, axes=(1, -1)), 'float32'), axis=-1), h), None, (1, 3, 6), True),
+    ('index_array of every axis', lambda F, h: F.broadcast_mul(F.sum(F.cast(
+        F.contrib.index_array(h), 'float32'), axis=-1), h), None, (1, 3, 6), False),
+    ('linalg of matrices', lambda F, h: F.linalg.trsm(F.linalg.potrf(_spd(F, h)), h)
+     + F.linalg.gemm(F.linalg.inverse(_spd(F, h)), h, h, beta=2)
+     + F.broadcast_mul(F.linalg.slogdet(_spd(F, h))[1].reshape((0, 1, 1)), h), None,
+     (1, 3, 6), True),
+    ('linalg of vectors', lambda F, h: F.linalg.sumlogdiag(F.linalg.syrk(F.linalg.maketrian(
+        h)) + F.linalg.makediag(F.ones_like(F.slice_axis(h, axis=1, begin=0, end=3)))
+        ).reshape((0, 1)), None, (1, 6), True),
+    ('linalg with a shared matrix', lambda F, h: F.linalg.trmm(F.ones((1, 3, 3)), h),
+     None, (1, 3, 6), False),
+    ('linalg_syrk of a rank 2 sample', lambda F, h: F.linalg.syrk(h),
+     lambda F, y: F.sum(y, axis=0, keepdims=True), (1, 6), False),
     ('depth_to_space, space_to_depth, im2col', lambda F, h: F.space_to_depth(F.depth_to_space(
         h.reshape((0, 4, 2, 3)), block_size=2), block_size=2).reshape((0, 4, 6))
      + F.im2col(h.reshape((0, 4, 2, 3)), kernel=(1, 1)), None, (1, 4, 6), True),
 ]
-WHY = {'reshape into rows and back': 'gives it more than one row'}
+WHY = {'reshape into rows and back': 'gives it more than one row',
+       'linalg with a shared matrix': 'with a shared operand'}
 """The reason an unsafe case must give, where another check would refuse
 the block too (the tracer refuses batched inputs of leading size 2)."""
 
