@@ -1044,6 +1044,9 @@ static PyObject *repeat_node(PyObject *first)
     return Py_TYPE(first) == LazyValueType ? SLOT(first, lv_node) : NULL;
 }
 
+static int ndarray_fields(PyObject *leaf, PyObject **shape, PyObject **dtype, PyObject **ctx);
+static int contexts_differ(PyObject *a, PyObject *b);
+
 /* BatchingScope.record for the common case; None when the Python version
  * must run instead (nothing has been changed then). */
 static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const *args,
@@ -1059,6 +1062,7 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
     long depth = 0;
     int host_only = 1;          /* every leaf a numpy array */
     PyObject *repeat = NULL;
+    PyObject *ctx_array = NULL;     /* the NDArray whose Context (devices') ``ctx`` is */
     CallWords words;
     words.n_leaves = 0;
     PyObject *const *leaf_items;    /* the call's leaves (``leaves`` once a list is made) */
@@ -1100,7 +1104,8 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *leaf = PyList_GET_ITEM(leaves, i);
         PyTypeObject *kind = Py_TYPE(leaf);
-        PyObject *shape, *leaf_dtype, *leaf_ctx = NULL;
+        PyObject *shape = NULL, *leaf_dtype = NULL, *leaf_ctx = NULL;
+        int fields = 0;         /* 1: an NDArray read by ndarray_fields */
         if (kind != NumpyType)
             host_only = 0;
         if (kind == LazyValueType) {
@@ -1144,6 +1149,9 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
             Py_DECREF(descr);
             if (leaf_dtype == NULL) { Py_DECREF(shape); BAIL(error); }
             Py_DECREF(leaf_dtype);          /* numpy keeps its scalar types alive */
+        } else if ((fields = ndarray_fields(leaf, &shape, &leaf_dtype, &leaf_ctx)) != 0) {
+            if (fields < 0) BAIL(error);
+            /* dtype and context live in mx_dtypes and devices: no ``keep`` */
         } else if (PyObject_TypeCheck(leaf, NDArrayType)) {
             /* properties that call into MXNet; Context objects are made anew */
             if (keep == NULL && (keep = PyList_New(0)) == NULL) BAIL(error);
@@ -1162,10 +1170,11 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
             BAIL(fallback);                 /* the Python version raises the error */
         }
         if (leaf_ctx != ctx && leaf_ctx != NULL) {
-            if (ctx == NULL)
+            if (ctx == NULL) {
                 ctx = Py_NewRef(leaf_ctx);  /* owned: done: drops it on every exit */
-            else {
-                int differ = PyObject_RichCompareBool(leaf_ctx, ctx, Py_NE);
+                if (fields > 0) ctx_array = leaf;   /* (``leaves`` holds it) */
+            } else {
+                int differ = contexts_differ(leaf_ctx, ctx);
                 if (differ) { Py_DECREF(shape); BAIL(fallback); }
             }
         }
@@ -1196,6 +1205,13 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
         Py_INCREF(sig);
     } else {
         if (PyErr_Occurred()) BAIL(error);
+        if (ctx_array != NULL) {
+            /* devices' Context is never handed on: the signature (and its
+             * values' ``.context``) gets the array's own, as in Python */
+            PyObject *own = PyObject_GetAttr(ctx_array, s_context);
+            if (own == NULL) BAIL(fallback);
+            Py_SETREF(ctx, own);
+        }
         sig = PyObject_CallMethodObjArgs(dblock, s_trace, key, fmt, ctx, NULL);
         if (sig == NULL) BAIL(error);
     }
@@ -1584,6 +1600,213 @@ static Py_ssize_t leading_rows(PyObject *array)
     Py_XDECREF(shape);
     Py_XDECREF(first);
     return rows;
+}
+
+/* ------------------------------------------------------ NDArray leaves */
+
+/* A call given an NDArray read its shape, dtype and context through
+ * NDArray's properties: three ctypes calls, and a new Context object each
+ * time, ~3.5 us of a recorded call that otherwise takes ~0.3.  For a plain
+ * NDArray (or one of this package's subclasses that inherit the three
+ * properties, set_ndarray_readers' ``types``) the recorder asks MXNet's C
+ * API directly, as the properties do: MXNDArrayGetDType and
+ * MXNDArrayGetContext, whose addresses set_ndarray_readers() is given, and
+ * the shape reader above.  Without them, or for anything they do not
+ * answer, the properties are read as before. */
+typedef int (*GetDType)(void *, int *);
+typedef int (*GetContext)(void *, int *, int *);
+static GetDType get_dtype_fn = NULL;
+static GetContext get_context_fn = NULL;
+static PyTypeObject *ContextType;
+static PyObject *ndarray_types;     /* a tuple of the subclasses read so too */
+
+/* _DTYPE_MX_TO_NP by MXNet's dtype id: what ``NDArray.dtype`` returns
+ * (NULL: ask the property) */
+#define MX_DTYPES 16
+static PyObject *mx_dtypes[MX_DTYPES];
+
+/* One Context per device met, as ``NDArray.context`` made it the first
+ * time, to compare contexts by identity and key signatures by.  Never
+ * replaced once set, so a reference borrowed from here stays valid; and
+ * never handed on: a signature traced for a call gets the leaf's own
+ * Context (see record_args), since ``with ctx:`` keeps state on the
+ * object, which must not be shared with other signatures' values. */
+#define DEVICES 16
+static struct { int type, id; PyObject *ctx; } devices[DEVICES];
+
+static PyObject *set_ndarray_readers(PyObject *self, PyObject *args)
+{
+    PyObject *dtype_address, *context_address, *table, *context_type, *types;
+    if (!PyArg_ParseTuple(args, "OOO!O!O!", &dtype_address, &context_address, &PyDict_Type,
+                          &table, &PyType_Type, &context_type, &PyTuple_Type, &types))
+        return NULL;
+    void *dtype_fn = dtype_address == Py_None ? NULL : PyLong_AsVoidPtr(dtype_address);
+    void *context_fn = context_address == Py_None ? NULL : PyLong_AsVoidPtr(context_address);
+    if (PyErr_Occurred()) return NULL;
+    for (int i = 0; i < MX_DTYPES; i++) {
+        PyObject *key = PyLong_FromLong(i);
+        PyObject *value = key ? PyDict_GetItemWithError(table, key) : NULL;   /* borrowed */
+        Py_XDECREF(key);
+        if (value == NULL && PyErr_Occurred()) return NULL;
+        /* (the old one is left alive: a recording thread may hold it borrowed) */
+        mx_dtypes[i] = value == Py_None ? NULL : Py_XNewRef(value);
+    }
+    Py_INCREF(context_type);
+    Py_INCREF(types);
+    ContextType = (PyTypeObject *)context_type;
+    Py_XSETREF(ndarray_types, types);
+    /* either missing: neither is used */
+    get_dtype_fn = dtype_fn && context_fn ? (GetDType)dtype_fn : NULL;
+    get_context_fn = dtype_fn && context_fn ? (GetContext)context_fn : NULL;
+    Py_RETURN_NONE;
+}
+
+/* Whether arrays of type ``kind`` (an NDArray subclass or NDArray) are read
+ * through the C API. */
+static int read_directly(PyTypeObject *kind)
+{
+    if (get_dtype_fn == NULL || shape_reader == NULL)
+        return 0;
+    if (kind == NDArrayType)
+        return 1;
+    for (Py_ssize_t i = 0; ndarray_types && i < PyTuple_GET_SIZE(ndarray_types); i++)
+        if ((PyObject *)kind == PyTuple_GET_ITEM(ndarray_types, i))
+            return 1;
+    return 0;
+}
+
+/* An exception met on a fast path, which then gives up: 0 (cleared: the
+ * properties meet it again and raise it) for an ordinary one, -1 (kept)
+ * for an interrupt or MemoryError, which must reach the caller now. */
+static int give_up(void)
+{
+    if (PyErr_Occurred() && (PyErr_ExceptionMatches(PyExc_MemoryError)
+                             || !PyErr_ExceptionMatches(PyExc_Exception)))
+        return -1;
+    PyErr_Clear();
+    return 0;
+}
+
+/* devices' Context of MXNet device (type, id) (borrowed), made by reading
+ * ``array.context`` once; NULL (and 0 or -1 as give_up) where that fails,
+ * returns anything but a Context of this device, or the table is full. */
+static PyObject *device_context(PyObject *array, int type, int id, int *rc)
+{
+    int i;
+    for (i = 0; i < DEVICES && devices[i].ctx != NULL; i++)
+        if (devices[i].type == type && devices[i].id == id)
+            return devices[i].ctx;
+    *rc = 0;
+    if (i == DEVICES)
+        return NULL;
+    PyObject *ctx = PyObject_GetAttr(array, s_context);     /* Python code */
+    PyObject *key = ctx && Py_TYPE(ctx) == ContextType ? context_key(ctx) : NULL;
+    int ok = key != NULL
+        && PyLong_AsLong(PyTuple_GET_ITEM(key, 0)) == type
+        && PyLong_AsLong(PyTuple_GET_ITEM(key, 1)) == id && !PyErr_Occurred();
+    Py_XDECREF(key);
+    if (!ok) {
+        Py_XDECREF(ctx);
+        *rc = give_up();
+        return NULL;
+    }
+    /* another thread may have added entries while the property ran */
+    for (i = 0; i < DEVICES && devices[i].ctx != NULL; i++)
+        if (devices[i].type == type && devices[i].id == id) {
+            Py_DECREF(ctx);
+            return devices[i].ctx;
+        }
+    if (i == DEVICES) {
+        Py_DECREF(ctx);
+        return NULL;
+    }
+    devices[i].type = type;
+    devices[i].id = id;
+    devices[i].ctx = ctx;       /* (the table's reference) */
+    return ctx;
+}
+
+/* NDArray ``leaf``'s shape (a new tuple), dtype and context (both borrowed,
+ * from mx_dtypes and devices), read through MXNet's C API as its
+ * properties read them: 1 if read, else 0 (the properties must be read:
+ * another type, a null handle, an error return, an unknown dtype or
+ * device, a shape of unknown rank) or -1 (an interrupt, see give_up). */
+static int ndarray_fields(PyObject *leaf, PyObject **shape, PyObject **dtype, PyObject **ctx)
+{
+    if (!read_directly(Py_TYPE(leaf)))
+        return 0;
+    void *handle = array_handle(leaf);
+    int mx_dtype = -1, type = -1, id = -1, ndim = -1, rc = 0;
+    if (handle == NULL || get_dtype_fn(handle, &mx_dtype) != 0
+        || mx_dtype < 0 || mx_dtype >= MX_DTYPES || mx_dtypes[mx_dtype] == NULL
+        || get_context_fn(handle, &type, &id) != 0)
+        return 0;
+    PyObject *context = device_context(leaf, type, id, &rc);
+    if (context == NULL)
+        return rc;
+    /* the shape last: its dimensions are in MXNet's thread-local buffer,
+     * which the next API call may reuse */
+    PyObject *dims = NULL;
+    if (shape_reader_64) {
+        const int64_t *data;
+        if (((ShapeReader64)shape_reader)(handle, &ndim, &data) == 0 && ndim >= 0
+            && (dims = PyTuple_New(ndim)) != NULL)
+            for (int i = 0; i < ndim; i++) {
+                PyObject *dim = PyLong_FromLongLong(data[i]);
+                if (dim == NULL) { Py_CLEAR(dims); break; }
+                PyTuple_SET_ITEM(dims, i, dim);
+            }
+    } else {
+        const int *data;
+        if (((ShapeReader32)shape_reader)(handle, &ndim, &data) == 0 && ndim >= 0
+            && (dims = PyTuple_New(ndim)) != NULL)
+            for (int i = 0; i < ndim; i++) {
+                PyObject *dim = PyLong_FromLong(data[i]);
+                if (dim == NULL) { Py_CLEAR(dims); break; }
+                PyTuple_SET_ITEM(dims, i, dim);
+            }
+    }
+    if (dims == NULL)
+        return give_up();
+    *shape = dims;
+    *dtype = mx_dtypes[mx_dtype];
+    *ctx = context;
+    return 1;
+}
+
+/* MXNet's device (type, id) of Context ``ctx``; 0 where unknown (not a
+ * Context, or attributes other than ints) */
+static int context_ids(PyObject *ctx, long *type, long *id)
+{
+    for (int i = 0; i < DEVICES && devices[i].ctx != NULL; i++)
+        if (devices[i].ctx == ctx) {
+            *type = devices[i].type;
+            *id = devices[i].id;
+            return 1;
+        }
+    if (ContextType == NULL || Py_TYPE(ctx) != ContextType)
+        return 0;
+    PyObject *key = context_key(ctx);
+    PyObject *t = key ? PyTuple_GET_ITEM(key, 0) : NULL;
+    PyObject *i = key ? PyTuple_GET_ITEM(key, 1) : NULL;
+    int ok = key && PyLong_CheckExact(t) && PyLong_CheckExact(i);
+    *type = ok ? PyLong_AsLong(t) : -1;
+    *id = ok ? PyLong_AsLong(i) : -1;
+    ok = ok && !PyErr_Occurred();
+    Py_XDECREF(key);
+    PyErr_Clear();
+    return ok;
+}
+
+/* ``a != b`` for two contexts, as Context.__eq__ answers it (same device
+ * type and id, both Contexts) without its Python where both are Contexts:
+ * ~0.5 us a call that mixes lazy values and NDArrays; 1, 0 or -1. */
+static int contexts_differ(PyObject *a, PyObject *b)
+{
+    long a_type, a_id, b_type, b_id;
+    if (context_ids(a, &a_type, &a_id) && context_ids(b, &b_type, &b_id))
+        return a_type != b_type || a_id != b_id;
+    return PyObject_RichCompareBool(a, b, Py_NE);
 }
 
 /* Where rows live, collected leaf by leaf: the distinct source arrays in
@@ -2828,6 +3051,9 @@ static PyMethodDef methods[] = {
      "gather_index(leaves, ZeroRow): (distinct arrays, int32 row bytes or None) or None"},
     {"set_shape_reader", set_shape_reader, METH_VARARGS,
      "set_shape_reader(address of MXNDArrayGetShapeEx[64] or None, is_64)"},
+    {"set_ndarray_readers", set_ndarray_readers, METH_VARARGS,
+     "set_ndarray_readers(address of MXNDArrayGetDType or None, of MXNDArrayGetContext or None, "
+     "_DTYPE_MX_TO_NP, Context, NDArray subclasses read as NDArray)"},
     {"gather_item", gather_item, METH_VARARGS,
      "gather_item(nodes, span_of, width, zero or None, ZeroRow, compact=False): "
      "(parts, index, lengths) "

@@ -94,8 +94,9 @@ FUNCTIONS = ('record', 'count_groups', 'depth_groups', 'agenda_groups', 'structu
 record = count_groups = depth_groups = agenda_groups = structure_key = Tape = None
 gather_index = gather_item = host_rows = host_item = finish_nodes = wrap_host = None
 push_marker = marker_done = memo_clear = None
-SETUP = ('configure', 'set_shape_reader', 'set_from_dlpack', 'set_engine_push',
-         'set_autograd_state', 'set_autograd_flags', 'call_method', 'ScopeSlot')
+SETUP = ('configure', 'set_shape_reader', 'set_ndarray_readers', 'set_from_dlpack',
+         'set_engine_push', 'set_autograd_state', 'set_autograd_flags', 'call_method',
+         'ScopeSlot')
 """What the extension must have beyond :data:`FUNCTIONS`: how it is set up,
 its ``__call__`` and its scope holder."""
 
@@ -123,6 +124,7 @@ def _load():
             mx.context.Context._default_ctx, lazy_results, _ZEROS,
             np.empty((2, 3, 5), np.float32))
         _speedups.set_shape_reader(*_shape_reader())
+        _speedups.set_ndarray_readers(*_ndarray_readers())
         _speedups.set_from_dlpack(_from_dlpack())
         _speedups.set_engine_push(_c_function('MXEnginePushSyncND'))
         _speedups.set_autograd_state(_c_function('MXAutogradIsRecording'),
@@ -147,6 +149,21 @@ def _shape_reader():
     wide = bool(_int64_enabled())
     function = _LIB.MXNDArrayGetShapeEx64 if wide else _LIB.MXNDArrayGetShapeEx
     return ctypes.cast(function, ctypes.c_void_p).value, wide
+
+
+def _ndarray_readers():
+    """``_speedups.set_ndarray_readers``' arguments: the addresses of the C
+    functions ``NDArray.dtype`` and ``.context`` call, the table that maps
+    MXNet's dtype ids to what ``.dtype`` returns, the ``Context`` class, and
+    this package's ``NDArray`` subclasses, which inherit those properties
+    and ``.shape`` (the recorder reads them for such arrays as for an
+    ``NDArray``)."""
+    # pylint: disable=import-outside-toplevel
+    from mxnet.ndarray.ndarray import _DTYPE_MX_TO_NP
+    from .execute import FreedRows, GradFree, OutputRows, RecordedOutput
+    return (_c_function('MXNDArrayGetDType'), _c_function('MXNDArrayGetContext'),
+            _DTYPE_MX_TO_NP, mx.context.Context,
+            (GradFree, RecordedOutput, OutputRows, FreedRows))
 
 
 def _from_dlpack():
