@@ -534,8 +534,9 @@ static PyTypeObject TapeType = {
  * recorded call.  The memo finds it from words read straight off the
  * arguments instead: per list argument its length, per lazy leaf its
  * producer's signature id and output index (ids are never reused), per
- * numpy leaf its shape and dtype object, and the default context when no
- * leaf names one.  Equal words give an equal key, so the memo maps them to
+ * numpy leaf its shape and dtype object, per NDArray leaf read through
+ * MXNet's C API (ndarray_words) its dtype id, device and shape, and the
+ * default context when no leaf names one.  Equal words give an equal key, so the memo maps them to
  * the signature the key found.  Entries hold the block and the signature
  * by weak references (the memo keeps no model alive; a dead one's entry
  * reads None and misses) and the dtype objects they name by strong ones,
@@ -545,6 +546,7 @@ static PyTypeObject TapeType = {
 #define NUMPY_WORD (-1)
 #define CONTEXT_WORD (-2)
 #define LIST_WORD (-3)          /* minus the list's length */
+#define NDARRAY_WORD (-1000)    /* below any LIST_WORD (a list takes at most MEMO_WORDS) */
 
 /* A numpy array's fields as numpy's own C macros read them (the start of
  * PyArrayObject_fields, fixed because compiled extensions read it); read
@@ -578,7 +580,10 @@ typedef struct {
                                          * during it could free an argument's leaves) */
     Py_ssize_t n, n_dtypes, n_leaves;
     int lazy;
+    int arrays;                         /* an NDArray leaf: its words hold the context */
 } CallWords;
+
+static int ndarray_words(CallWords *cw, PyObject *leaf);
 
 static inline int push_call_word(CallWords *cw, int64_t value)
 {
@@ -638,7 +643,7 @@ static int leaf_words(CallWords *cw, PyObject *leaf, long *depth, PyObject **mar
         }
         return 1;
     }
-    if (Py_TYPE(leaf) != NumpyType) return 0;
+    if (Py_TYPE(leaf) != NumpyType) return ndarray_words(cw, leaf);
     if (numpy_fields_read) {
         const NumpyFields *array = (const NumpyFields *)leaf;
         int ok = push_call_word(cw, NUMPY_WORD) && push_call_word(cw, array->nd);
@@ -674,7 +679,7 @@ static int call_words(CallWords *cw, PyObject *const *args, Py_ssize_t nargs,
             PySequence_Fast_GET_SIZE(args[i]) : 1;
     cw->n = cw->n_dtypes = cw->n_leaves = 0;
     if (count > MEMO_WORDS) return 0;       /* (each leaf takes two words or more) */
-    cw->lazy = 0;
+    cw->lazy = cw->arrays = 0;
     if (!push_call_word(cw, nargs)) return 0;
     for (Py_ssize_t i = 0; i < nargs; i++) {
         PyObject *arg = args[i];
@@ -694,7 +699,7 @@ static int call_words(CallWords *cw, PyObject *const *args, Py_ssize_t nargs,
             return rc;
         }
     }
-    if (!cw->lazy) {
+    if (!cw->lazy && !cw->arrays) {     /* host arrays only: the default context */
         PyObject *ctx = default_context();
         PyObject *ctx_key = ctx ? context_key(ctx) : NULL;
         Py_XDECREF(ctx);
@@ -1079,7 +1084,7 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
         sig = memo_get(dblock, &words, hash);
         if (sig != NULL) {
             Py_INCREF(sig);
-            host_only = !words.lazy;        /* the words take lazy and numpy leaves only */
+            host_only = !words.lazy && !words.arrays;   /* else numpy leaves only */
             leaf_items = words.leaves;
             leaf_count = words.n_leaves;
             goto have_signature;
@@ -1731,15 +1736,24 @@ static PyObject *device_context(PyObject *array, int type, int id, int *rc)
  * properties read them: 1 if read, else 0 (the properties must be read:
  * another type, a null handle, an error return, an unknown dtype or
  * device, a shape of unknown rank) or -1 (an interrupt, see give_up). */
-static int ndarray_fields(PyObject *leaf, PyObject **shape, PyObject **dtype, PyObject **ctx)
+/* NDArray ``leaf``'s handle, dtype id and device (type, id), asked
+ * through MXNet's C API; 0 (no error set) where its properties must be
+ * read instead (see ndarray_fields). */
+static int ndarray_ids(PyObject *leaf, void **handle, int *mx_dtype, int *type, int *id)
 {
     if (!read_directly(Py_TYPE(leaf)))
         return 0;
-    void *handle = array_handle(leaf);
+    *handle = array_handle(leaf);
+    return *handle != NULL && get_dtype_fn(*handle, mx_dtype) == 0
+        && *mx_dtype >= 0 && *mx_dtype < MX_DTYPES && mx_dtypes[*mx_dtype] != NULL
+        && get_context_fn(*handle, type, id) == 0;
+}
+
+static int ndarray_fields(PyObject *leaf, PyObject **shape, PyObject **dtype, PyObject **ctx)
+{
+    void *handle;
     int mx_dtype = -1, type = -1, id = -1, ndim = -1, rc = 0;
-    if (handle == NULL || get_dtype_fn(handle, &mx_dtype) != 0
-        || mx_dtype < 0 || mx_dtype >= MX_DTYPES || mx_dtypes[mx_dtype] == NULL
-        || get_context_fn(handle, &type, &id) != 0)
+    if (!ndarray_ids(leaf, &handle, &mx_dtype, &type, &id))
         return 0;
     PyObject *context = device_context(leaf, type, id, &rc);
     if (context == NULL)
@@ -1772,6 +1786,35 @@ static int ndarray_fields(PyObject *leaf, PyObject **shape, PyObject **dtype, Py
     *dtype = mx_dtypes[mx_dtype];
     *ctx = context;
     return 1;
+}
+
+/* NDArray ``leaf``'s words for the memo (see leaf_words): ARRAY_WORD, its
+ * dtype id, device type and id, rank and dimensions, what its signature
+ * key holds (ndarray_fields); 1 if written, 0 where its properties must be
+ * read (or the words are full). */
+static int ndarray_words(CallWords *cw, PyObject *leaf)
+{
+    void *handle;
+    int mx_dtype = -1, type = -1, id = -1, ndim = -1;
+    if (!ndarray_ids(leaf, &handle, &mx_dtype, &type, &id))
+        return 0;
+    int ok = push_call_word(cw, NDARRAY_WORD) && push_call_word(cw, mx_dtype)
+        && push_call_word(cw, type) && push_call_word(cw, id);
+    if (ok && shape_reader_64) {
+        const int64_t *dims;
+        ok = ((ShapeReader64)shape_reader)(handle, &ndim, &dims) == 0 && ndim >= 0
+            && push_call_word(cw, ndim);
+        for (int i = 0; ok && i < ndim; i++)
+            ok = push_call_word(cw, dims[i]);
+    } else if (ok) {
+        const int *dims;
+        ok = ((ShapeReader32)shape_reader)(handle, &ndim, &dims) == 0 && ndim >= 0
+            && push_call_word(cw, ndim);
+        for (int i = 0; ok && i < ndim; i++)
+            ok = push_call_word(cw, dims[i]);
+    }
+    if (ok) cw->arrays = 1;
+    return ok;
 }
 
 /* MXNet's device (type, id) of Context ``ctx``; 0 where unknown (not a

@@ -580,6 +580,40 @@ def test_each_call_gets_the_signature_its_key_names():
 NDARRAY_DTYPES = ('float16', 'float32', 'float64', 'int32', 'int64', 'uint8')
 
 
+@needs_extension
+def test_each_call_given_ndarrays_gets_the_signature_its_key_names():
+    """As above for NDArray leaves, which the memo knows by their dtype id,
+    device and shape read through MXNet's C API: every node's signature is
+    the one its key names across dtypes, shapes, ranks, list lengths and
+    devices (under another default context too), alone and with lazy
+    values, for first and repeated calls and two blocks."""
+    blocks = [dyb.DynBatchBlock(AddItems()) for _ in range(2)]
+    calls = []
+    with private_scope('depth') as scope:
+        for repeat in range(2):
+            for ctx in (mx.cpu(0), mx.cpu(1), mx.cpu(2)):
+                for dtype in NDARRAY_DTYPES:
+                    for shape in ((1, 3), (1, 4), (1, 3, 1), (1, 1, 3)):
+                        for block in blocks:
+                            x = mx.nd.ones(shape, ctx=ctx, dtype=dtype)
+                            made = []
+                            for width in (0, 1, 2, 1):
+                                args = (x, made[-width:] + [x] if width else [])
+                                with mx.cpu(7) if repeat else contextlib.nullcontext():
+                                    made.append(block(*args))
+                                calls.append((block, args))
+        nodes, _ = scope.take()
+    assert len(nodes) == len(calls)
+    sigs = set()
+    for node, (block, args) in zip(nodes, calls):
+        leaves = []
+        fmt = flatten(args, leaves)
+        key = _signature_key(block, fmt, leaves, scope)[0]
+        assert node.sig is block._signatures[key]
+        sigs.add(node.sig)
+    assert len(sigs) == 2 * 3 * 6 * 4 * 3   # blocks, contexts, dtypes, shapes, widths
+
+
 def ndarray_calls(add, items, rng):
     """Calls of ``add`` (AddTwo) and ``items`` (AddItems) given NDArrays of
     every dtype on cpu(0) and cpu(1), alone, mixed with lazy values (either
