@@ -12,7 +12,7 @@
  *   agenda_groups(nodes)         -> plan.agenda_groups_py
  *   Tape, structure_key(nodes)   -> plan.structure_key_py, as int32 words
  *                                   (a Tape writes them while recording)
- *   gather_index(leaves, ZeroRow)-> the lazy-value case of execute.collect
+ *   gather_index(leaves, ZeroRow)-> execute.collect for lazy values and NDArrays
  *   host_rows(leaves)            -> numpy leaves' bytes, concatenated
  *   host_item(nodes, span_of)    -> the same for one argument of every node
  *   finish_nodes(nodes, arrays)  -> execute.finish_nodes_py
@@ -1666,18 +1666,21 @@ static PyObject *set_ndarray_readers(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* Whether arrays of type ``kind`` (an NDArray subclass or NDArray) are read
- * through the C API. */
-static int read_directly(PyTypeObject *kind)
+/* Whether ``kind`` is NDArray or one of set_ndarray_readers' ``types``. */
+static int plain_ndarray(PyTypeObject *kind)
 {
-    if (get_dtype_fn == NULL || shape_reader == NULL)
-        return 0;
     if (kind == NDArrayType)
         return 1;
     for (Py_ssize_t i = 0; ndarray_types && i < PyTuple_GET_SIZE(ndarray_types); i++)
         if ((PyObject *)kind == PyTuple_GET_ITEM(ndarray_types, i))
             return 1;
     return 0;
+}
+
+/* Whether arrays of type ``kind`` are read through the C API. */
+static int read_directly(PyTypeObject *kind)
+{
+    return get_dtype_fn != NULL && shape_reader != NULL && plain_ndarray(kind);
 }
 
 /* An exception met on a fast path, which then gives up: 0 (cleared: the
@@ -1961,13 +1964,21 @@ static PyObject *gather_result(Gather *g, Py_ssize_t n)
     return out;
 }
 
-/* Record leaf ``i``: 0 done, 1 not a computed lazy value or padding row
- * (the caller falls back to Python), -1 error. */
+/* Record leaf ``i``: 0 done, 1 not a computed lazy value, padding row or
+ * NDArray (the caller falls back to Python), -1 error. */
 static int gather_leaf(Gather *g, Py_ssize_t i, PyObject *leaf)
 {
     PyObject *arrays, *array;
     Py_ssize_t index;
     long row;
+    if (plain_ndarray(Py_TYPE(leaf))) {
+        /* a user's array: its row 0, as execute.collect reads it (there
+         * ~1.3 us a leaf, mostly ``.shape`` of each distinct array); other
+         * subclasses (sparse, mxnet.numpy) are left to it */
+        array = leaf;
+        row = 0;
+        goto found;
+    }
     if (Py_TYPE(leaf) == LazyValueType) {
         PyObject *producer = SLOT(leaf, lv_node);
         arrays = SLOT(producer, n_arrays);
@@ -1988,6 +1999,7 @@ static int gather_leaf(Gather *g, Py_ssize_t i, PyObject *leaf)
         return 1;
     }
     array = PySequence_Fast_ITEMS(arrays)[index];
+found:
     if (array != g->last_array) {
         int number = gather_number(g, array);
         if (number < 0) return -1;
@@ -2000,8 +2012,8 @@ static int gather_leaf(Gather *g, Py_ssize_t i, PyObject *leaf)
 }
 
 /* For computed lazy values (or padding rows: anything with the same two
- * slots whose producer has ``arrays`` and ``row``): see gather_result.
- * None when a leaf is anything else. */
+ * slots whose producer has ``arrays`` and ``row``) and NDArrays (see
+ * gather_leaf): see gather_result.  None when a leaf is anything else. */
 static PyObject *gather_index(PyObject *self, PyObject *args)
 {
     PyObject *leaves, *zero_type;
@@ -2032,7 +2044,7 @@ error:
  * With ``compact`` a node contributes its list's elements only, list after
  * list (the index of a ragged step: execute._gather_item), ``zero`` is not
  * read, and lengths are always given.
- * None when a leaf is not a computed lazy value, a node is not a Node, a
+ * None when a leaf is not one gather_index takes, a node is not a Node, a
  * list is longer than ``width`` or short with no ``zero`` (unless
  * ``compact``), or ``compact`` finds no element at all. */
 #define SPAN_CACHE 8

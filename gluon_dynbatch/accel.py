@@ -10,9 +10,10 @@ functions in C:
   the open scope in a C ``ScopeSlot``, see :func:`scope_holder`, reads
   the scope's slots directly, and reads MXNet's thread-local autograd
   flags in place where it can check that it reads them right, see
-  :func:`_autograd_setters`), which leaves counting the calls per group
-  to :func:`count_groups` (:func:`~.plan.count_groups_py`), one pass at
-  the flush;
+  :func:`_autograd_setters`, and an ``NDArray`` argument's shape, dtype
+  and context through MXNet's C API, see :func:`_ndarray_readers`), which
+  leaves counting the calls per group to :func:`count_groups`
+  (:func:`~.plan.count_groups_py`), one pass at the flush;
 * :func:`depth_groups` - :func:`~.plan.depth_groups_py` (depth grouping),
   and :func:`agenda_groups` - :func:`~.plan.agenda_groups_py` (the agenda's
   order);
@@ -21,7 +22,8 @@ functions in C:
   holds to write those words as calls are recorded (and to sum the time
   recording takes), so that a flush has its structure key without a pass;
 * :func:`gather_index` - where each row of a step's argument lives (the
-  lazy-value case of :func:`~.execute.collect`: the source arrays and each
+  case of :func:`~.execute.collect` where every row is a lazy value's or
+  an ``NDArray``'s (see :func:`_ndarray_readers`): the source arrays and each
   row's position in their concatenation, with the sources' rows counted
   through MXNet's C API), and :func:`gather_item` the same for a list
   argument read straight from the step's nodes (the common case of

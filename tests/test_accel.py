@@ -18,7 +18,7 @@ from mxnet import gluon
 import gluon_dynbatch as dyb
 from gluon_dynbatch import accel
 from gluon_dynbatch.block import _signature_key, private_scope
-from gluon_dynbatch.execute import ZeroRow, collect, host_array, run_plan
+from gluon_dynbatch.execute import GradFree, ZeroRow, collect, host_array, run_plan
 from gluon_dynbatch.graph import LazyValue
 from gluon_dynbatch.models import ChildSumTreeLSTMCell
 from gluon_dynbatch.plan import (ByDepth, agenda_groups_py, count_groups_py, depth_groups_py,
@@ -259,15 +259,22 @@ def test_gathers_match_python(ops):
     if not values:
         return
     zero = ZeroRow((1, 3), np.float32, mx.cpu())
-    leaves = values[::-1] + [zero] + values
-    found = []
-    for parts, index, distinct in collected_both_ways(leaves):
-        source = np.concatenate([part.asnumpy() for part in parts])
-        rows = source if index is None else source[np.asarray(index)]
-        found.append((rows, None if index is None else list(index), [id(a) for a in distinct]))
-    np.testing.assert_array_equal(found[0][0], found[1][0])
-    assert found[0][1:] == found[1][1:]
-    assert accel.gather_index(values + [mx.nd.ones((1, 3))], ZeroRow) is None   # Python's case
+    # with users' NDArrays (one given twice; this package's subclass of one)
+    user = [mx.nd.array(np.full((1, 3), i, np.float32)) for i in range(3)]
+    user[2].__class__ = GradFree
+    for leaves in (values[::-1] + [zero] + values,
+                   user[:1] + values + [user[0], zero] + user[1:] + values[:1]):
+        found = []
+        for parts, index, distinct in collected_both_ways(leaves):
+            source = np.concatenate([part.asnumpy() for part in parts])
+            rows = source if index is None else source[np.asarray(index)]
+            found.append((rows, None if index is None else list(index),
+                          [id(a) for a in distinct]))
+        np.testing.assert_array_equal(found[0][0], found[1][0])
+        assert found[0][1:] == found[1][1:]
+    assert accel.gather_index(values + user, ZeroRow) is not None
+    assert accel.gather_index(values + [np.ones((1, 3), np.float32)], ZeroRow) is None
+    assert accel.gather_index(values + [user[0].tostype('csr')], ZeroRow) is None  # Python's
 
 
 def collected_both_ways(leaves):
@@ -619,7 +626,7 @@ def ndarray_calls(add, items, rng):
     every dtype on cpu(0) and cpu(1), alone, mixed with lazy values (either
     first), in lists, and as this package's NDArray subclasses and a user's;
     returns the results."""
-    from gluon_dynbatch.execute import FreedRows, GradFree, OutputRows, RecordedOutput
+    from gluon_dynbatch.execute import FreedRows, OutputRows, RecordedOutput
     results = []
     for ctx in (mx.cpu(0), mx.cpu(1)):
         for dtype in NDARRAY_DTYPES:
@@ -693,7 +700,7 @@ def test_plain_ndarray_leaves_are_read_without_their_properties(monkeypatch):
     reads no property of theirs (~3.5 us a call; ~0.3 without) once it
     has met their device; a user's subclass is read through them, as
     before."""
-    from gluon_dynbatch.execute import GradFree, RecordedOutput
+    from gluon_dynbatch.execute import RecordedOutput
     add = dyb.DynBatchBlock(AddTwo())
     reads = []
     for name in ('shape', 'dtype', 'context'):
