@@ -536,8 +536,8 @@ static PyTypeObject TapeType = {
  * producer's signature id and output index (ids are never reused), per
  * numpy leaf its shape and dtype object, per NDArray leaf read through
  * MXNet's C API (ndarray_words) its dtype id, device and shape, and the
- * default context when no leaf names one.  Equal words give an equal key, so the memo maps them to
- * the signature the key found.  Entries hold the block and the signature
+ * default context when no leaf names one.  Equal words give an equal key,
+ * so the memo maps them to the signature the key found.  Entries hold the block and the signature
  * by weak references (the memo keeps no model alive; a dead one's entry
  * reads None and misses) and the dtype objects they name by strong ones,
  * so no address in an entry's words is reused while the entry lives. */

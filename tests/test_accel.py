@@ -65,7 +65,8 @@ def test_an_extension_built_for_another_interface_is_not_used():
 
 
 @needs_extension
-@pytest.mark.parametrize('name', ['set_engine_push', 'set_autograd_flags', 'record'])
+@pytest.mark.parametrize('name', ['set_engine_push', 'set_autograd_flags', 'set_ndarray_readers',
+                                  'record'])
 def test_an_extension_lacking_a_function_is_not_used(name):
     """An extension built before a function (or a setter called at import)
     was added leaves everything to Python: checked before anything of it is
