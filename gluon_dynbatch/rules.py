@@ -350,10 +350,11 @@ def _take(op):
     return 'take with batched data and batched indices'
 
 
-def _axes(op, key, ndim):
-    """The axis attribute ``key`` (an int or a tuple) as a tuple of axes in
-    ``range(ndim)`` (negative ones counted from the end)."""
-    axes = op.attr(key, ())
+def _axes(op, key, ndim, default=()):
+    """The axis attribute ``key`` (an int or a tuple; ``default``, MXNet's,
+    where unset) as a tuple of axes in ``range(ndim)`` (negative ones
+    counted from the end)."""
+    axes = op.attr(key, default)
     axes = axes if isinstance(axes, (tuple, list)) else (axes,)
     return tuple(a % ndim for a in axes)
 
@@ -621,7 +622,9 @@ def _diag(op):
     """The diagonal of ``axis1`` and ``axis2`` (0 and 1 by default): of
     each sample's own matrices when neither is the batch axis."""
     ndim = op.batched_ndim()
-    if ndim is None or ndim < 3 or 0 in _axes(op, 'axis1', ndim) + _axes(op, 'axis2', ndim):
+    # (unset, they are MXNet's defaults, not absent: F.diag(x) reads axes 0 and 1)
+    if ndim is None or ndim < 3 or \
+            0 in _axes(op, 'axis1', ndim, 0) + _axes(op, 'axis2', ndim, 1):
         return ('diag reads the batch axis as a matrix axis (axis1=%s, axis2=%s): give a sample '
                 'of rank 3 or more, with axis1 and axis2 other than 0'
                 % (op.attr('axis1', 0), op.attr('axis2', 1)))

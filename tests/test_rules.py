@@ -197,6 +197,9 @@ CASES = [
                                                   axis1=1, axis2=-1), None, (1, 3, 6), True),
     ('diag of a rank 2 sample', lambda F, h: F.diag(h), lambda F, y: F.expand_dims(y, axis=1),
      (1, 6), False),
+    # (axis1 left at its default 0: a (1, 3, 1) sample's diagonal is (1, 1), batched (1, N))
+    ('diag of the default axes of a rank 3 sample', lambda F, h: F.diag(F.slice_axis(
+        h, axis=2, begin=0, end=1)), None, (1, 3, 6), False),
     ('index_array of axes 1 and 2', lambda F, h: F.broadcast_mul(F.sum(F.cast(
         F.contrib.index_array(h, axes=(1, -1)), 'float32'), axis=-1), h), None, (1, 3, 6), True),
     ('index_array of every axis', lambda F, h: F.broadcast_mul(F.sum(F.cast(
