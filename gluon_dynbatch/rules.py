@@ -530,11 +530,17 @@ def _batch_norm(op):
     """Only with ``use_global_stats``, which normalises each row by the
     running statistics (shared inputs): otherwise, in training, a step's
     mean and variance would be taken over every sample's rows.  (A
-    signature serves calls made in and out of training alike.)"""
+    signature serves calls made in and out of training alike.)  Not over
+    channels of axis 0, the batch axis."""
     if not op.flag('use_global_stats'):
         return ('BatchNorm normalises over the batch axis in training, so a sample\'s '
                 'statistics would be the whole step\'s: give it use_global_stats=True, or '
                 'normalise each sample on its own (nn.LayerNorm, nn.InstanceNorm)')
+    if op.axis_is_batch('axis', 1):
+        # (batched, the channels would be the N samples where the statistics
+        # hold one: MXNet 1.9.1 read past them, silently)
+        return ('BatchNorm with its channel axis the batch axis (axis=%s): give a sample its '
+                'channels on another axis' % op.attr('axis', 1))
     return _batched_data_shared_rest(op)
 
 
