@@ -772,11 +772,22 @@ def lazy_operator(op_name, *operands):
     try:
         return block(*args)
     except InputError as error:
-        advice = _operator_advice(operands, lazy)
-        if advice is None:
-            raise
-        raise InputError('%s of %s: %s' % (_SYMBOLS[op_name], ' and '.join(
-            _operand_text(x) for x in operands), advice)) from error
+        raise operator_error(op_name, operands, error)  # pylint: disable=raise-missing-from
+
+
+def operator_error(op_name, operands, error):
+    """The error to raise for InputError ``error`` of the call that
+    arithmetic ``op_name`` of ``operands`` recorded: worded by what the
+    user wrote where :func:`_operator_advice` knows what to do, else
+    ``error`` itself (one raised by a flush that the call started)."""
+    lazy = operands[0] if type(operands[0]) is LazyValue else operands[-1]
+    advice = _operator_advice(operands, lazy)
+    if advice is None:
+        return error
+    worded = InputError('%s of %s: %s' % (_SYMBOLS[op_name], ' and '.join(
+        _operand_text(x) for x in operands), advice))
+    worded.__cause__ = error
+    return worded
 
 
 _NUMBER_ROWS = {}   # (number, its type, dtype, rank) -> its read-only host row
@@ -842,7 +853,7 @@ def _operator_advice(operands, lazy):
     return None
 
 
-_LAZY_OPERATOR[0] = lazy_operator
+_LAZY_OPERATOR[0], _LAZY_OPERATOR[1] = lazy_operator, operator_error
 
 
 def repeat_key(sig, leaves):

@@ -58,7 +58,8 @@ def recorded():
     return mx.autograd._RecordingStateScope(True, None)
 
 
-_LAZY_OPERATOR = [None]     # block.lazy_operator, set there (block.py imports this module)
+# block.lazy_operator and block.operator_error, set there (block.py imports this module)
+_LAZY_OPERATOR = [None, None]
 OPERATOR_BLOCKS = {}    # operator name -> its block, made by block.lazy_operator at first use
 
 
@@ -69,15 +70,17 @@ def _operator(name, op_name, reflected=False, unary=False):
     (``pow(v, 2, 5)`` raised an error of the operator's trace).  One or
     two lazy values go straight to the operator's block once it exists
     (half the time of :func:`~gluon_dynbatch.block.lazy_operator`, ~0.4 us
-    against ~0.9); what that refuses goes there too, which words the
-    error."""
+    against ~0.9); what that refuses is worded as there.  (Not by calling
+    it again: an InputError may come from a flush the call started, once
+    it was recorded, and a second call would record it twice and hide the
+    error.)"""
     if unary:
         def method(self):
             if op_name in OPERATOR_BLOCKS:
                 try:
                     return OPERATOR_BLOCKS[op_name](self)
-                except InputError:
-                    pass
+                except InputError as error:    # pylint: disable=raise-missing-from
+                    raise _LAZY_OPERATOR[1](op_name, (self,), error)
             return _LAZY_OPERATOR[0](op_name, self)
     elif reflected:
         def method(self, other):
@@ -87,8 +90,8 @@ def _operator(name, op_name, reflected=False, unary=False):
             if type(other) is LazyValue and op_name in OPERATOR_BLOCKS:
                 try:
                     return OPERATOR_BLOCKS[op_name](self, other)
-                except InputError:
-                    pass
+                except InputError as error:    # pylint: disable=raise-missing-from
+                    raise _LAZY_OPERATOR[1](op_name, (self, other), error)
             return _LAZY_OPERATOR[0](op_name, self, other)
     method.__name__, method.__qualname__ = name, 'LazyValue.' + name
     return method

@@ -248,6 +248,30 @@ def test_refused_arithmetic_says_what_was_written_and_what_to_do():
         np.testing.assert_allclose((value * 2).asnumpy(), value.asnumpy() * 2)
 
 
+@pytest.mark.parametrize('made', [False, True])
+def test_an_error_of_the_flush_an_operator_starts_is_raised_there(made):
+    """Found by a review: once the operator's block existed, an InputError
+    of the pipelined flush that ``h + g`` started (a block cast under a
+    pending call) was taken for a refusal of the operands: the call was
+    recorded again and returned a value, the error lost.  It is raised by
+    ``h + g``, as the first time, and the call is recorded once."""
+    first, second = dense_pair()
+    x = mx.nd.ones((1, 4))
+    if made:
+        with dyb.batching():
+            first(x) + first(x)     # pylint: disable=expression-not-assigned
+    with dyb.batching('depth', flush_every=2):
+        h, g = first(x), first(x)
+        h.data      # pylint: disable=pointless-statement
+        pending = second(x)
+        second.block.cast('float64')
+        with pytest.raises(dyb.InputError, match='parameters changed after they were traced'):
+            h + g       # pylint: disable=pointless-statement
+        assert not dyb.current_scope().pending
+        with pytest.raises(dyb.LazyValueError):
+            pending.data    # pylint: disable=pointless-statement
+
+
 def test_sparse_ndarrays_on_either_side():
     """A CSR or row-sparse NDArray defines its own ``+ - *``, which raised
     MXNet's error for a lazy value on the right (``csr * v``) instead of
