@@ -1835,8 +1835,9 @@ def test_a_lazy_value_in_ndarray_code_says_how_to_get_an_ndarray():
     bare TypeErrors / AttributeErrors or made a 0-d object array, and
     ``bool(v)`` and ``v == 0`` answered for the object; they now point to
     ``.data`` and ``concat_rows``.  (Arithmetic and comparisons are batched,
-    ``v == 0`` a 0/1 value as NDArray's: tests/test_arithmetic.py.)  Protocol probes (copy, pickle, numpy's)
-    still see plain missing attributes."""
+    ``v == 0`` a 0/1 value as NDArray's: tests/test_arithmetic.py.)
+    Protocol probes (copy, pickle, numpy's) still see plain missing
+    attributes."""
     import copy
     block = dyb.DynBatchBlock(nn.Dense(4, in_units=3))
     block.initialize()

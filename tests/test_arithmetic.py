@@ -145,7 +145,8 @@ def test_other_operands_and_operators_are_refused():
             total += value
         assert (total.asnumpy() == 0).all()
         for attempt in (lambda: bool(value > 1), lambda: value[0], lambda: value @ value):
-            with pytest.raises(TypeError, match=r'arithmetic.*comparisons.*are batched.*value\.data'):
+            with pytest.raises(TypeError,
+                               match=r'arithmetic.*comparisons.*are batched.*value\.data'):
                 attempt()
         with pytest.raises(dyb.InputError, match=r'\+ of .*\(3, 4\).*leading axis of 3'):
             value + mx.nd.ones((3, 4))      # pylint: disable=expression-not-assigned
