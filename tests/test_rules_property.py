@@ -1,6 +1,7 @@
 """Property test of the batching rules of slice, broadcast_axis/axes,
 broadcast_to, broadcast_like, tile, topk, sort, argsort, reverse/flip,
-SwapAxis/swapaxes, linalg_gemm2 and smooth_l1: random ranks, shapes,
+SwapAxis/swapaxes, linalg_gemm2, smooth_l1, diag, moments, softmin,
+Pooling and BatchNorm: random ranks, shapes,
 attributes and choices of batched and shared inputs.  Whatever the rules
 decide, the block's results and gradients under ``dyb.batching('depth')``
 must equal the per-sample ones: an accepted draw that moved or mixed the
@@ -22,8 +23,9 @@ from helpers import assert_same, run_both
 class Prop(gluon.HybridBlock):
     """``op(F, *args)``, where a batched argument ``k`` is ``dense_k(x_k)``
     (of a per-sample input ``x_k`` of the argument's shape) and a shared
-    one the parameter ``s_k`` of its shape, or for ``k`` in ``consts`` a
-    constant; then ``back``, when given."""
+    one the parameter ``s_k`` of its shape (initialised as ``op.inits[k]``
+    says, where it does), or for ``k`` in ``consts`` a constant; then
+    ``back``, when given."""
 
     def __init__(self, op, args, consts=()):
         super().__init__()
@@ -35,7 +37,8 @@ class Prop(gluon.HybridBlock):
                         shape[-1], in_units=shape[-1], flatten=False))
                 elif k not in consts:
                     setattr(self, 's%d' % k, self.params.get(
-                        's%d' % k, shape=shape, init=mx.init.Uniform(1.0)))
+                        's%d' % k, shape=shape,
+                        init=getattr(op, 'inits', {}).get(k, mx.init.Uniform(1.0))))
 
     def hybrid_forward(self, F, *xs, **params):
         xs, args = list(xs), []
@@ -234,10 +237,74 @@ def draw_smooth_l1(draw):
             [(True, _shape(draw))])
 
 
+def draw_diag(draw):
+    shape = _shape(draw)
+    kwargs = {'k': draw(st.sampled_from([-1, 0, 1]))}
+    if len(shape) > 2 and draw(st.booleans()):      # else MXNet's defaults, axes 0 and 1
+        first = _axis(draw, len(shape))
+        second = draw(st.sampled_from([a for a in range(-len(shape), len(shape))
+                                       if a % len(shape) != first % len(shape)]))
+        kwargs.update(axis1=first, axis2=second)
+    return _call(lambda F, h: F.diag(h, **kwargs), 'diag', kwargs), [(True, shape)]
+
+
+def draw_moments(draw):
+    shape = _shape(draw)
+    kwargs = {'axes': _axes_tuple(draw, len(shape), min_size=1),
+              'keepdims': draw(st.booleans())}
+
+    def op(F, h):
+        mean, var = F.moments(h, **kwargs)
+        return mean + var
+    return _call(op, 'moments', kwargs), [(True, shape)]
+
+
+def draw_softmin(draw):
+    shape = _shape(draw)
+    kwargs = {'axis': _axis(draw, len(shape)),
+              'temperature': draw(st.sampled_from([None, 0.5, 2.0]))}
+    return _call(lambda F, h: F.softmin(h, **kwargs), 'softmin', kwargs), [(True, shape)]
+
+
+def draw_pooling(draw):
+    """Always a sample's own rows (accepted whatever the attributes)."""
+    shape = _shape(draw, rank=draw(st.sampled_from([3, 4])), dims=st.integers(1, 4))
+    spatial = len(shape) - 2
+    kwargs = {'kernel': tuple(draw(st.integers(1, 2)) for _ in range(spatial)),
+              'pool_type': draw(st.sampled_from(['max', 'avg', 'sum'])),
+              'global_pool': draw(st.booleans()),
+              'pooling_convention': draw(st.sampled_from(['valid', 'full']))}
+    if draw(st.booleans()):
+        kwargs['stride'] = tuple(draw(st.integers(1, 2)) for _ in range(spatial))
+    return _call(lambda F, h: F.Pooling(h, **kwargs), 'Pooling', kwargs), [(True, shape)]
+
+
+def draw_batch_norm(draw):
+    """Batched only with global statistics over a channel axis other
+    than the batch axis; its gamma and beta are parameters or constants."""
+    shape = _shape(draw, rank=draw(st.sampled_from([2, 3, 4])))
+    axis = _axis(draw, len(shape))
+    channels = (shape[axis],)
+    kwargs = {'axis': axis, 'use_global_stats': draw(st.booleans()),
+              'fix_gamma': draw(st.booleans()), 'eps': 1e-3}
+
+    def op(F, h, gamma, beta, mean, var):
+        return F.BatchNorm(h, gamma, beta, mean, var, **kwargs)
+    op = _call(op, 'BatchNorm', kwargs)
+    # (the running statistics are parameters, never constants: BatchNorm
+    # writes them in training, and MXNet's trace refuses any other input)
+    op.inits = {3: mx.init.Uniform(1.0), 4: mx.init.Constant(0.7)}
+    return op, [(True, shape)] + [(False, channels)] * 4
+
+
 OPS = {'slice': draw_slice, 'broadcast_axis': draw_broadcast_axis,
        'broadcast_to': draw_broadcast_to, 'broadcast_like': draw_broadcast_like,
        'tile': draw_tile, 'topk': draw_topk, 'sort': draw_sort, 'reverse': draw_reverse,
-       'swapaxes': draw_swapaxes, 'linalg_gemm2': draw_gemm2, 'smooth_l1': draw_smooth_l1}
+       'swapaxes': draw_swapaxes, 'linalg_gemm2': draw_gemm2, 'smooth_l1': draw_smooth_l1,
+       'diag': draw_diag, 'moments': draw_moments, 'softmin': draw_softmin,
+       'Pooling': draw_pooling, 'BatchNorm': draw_batch_norm}
+ALWAYS_BATCHED = {'smooth_l1', 'Pooling'}
+"""Row-wise ops, accepted on every draw."""
 
 
 def _inputs(args, seed):
@@ -273,7 +340,7 @@ EXAMPLES = int(os.environ.get('RULES_PROPERTY_EXAMPLES', '40'))
 def test_rules_agree_with_per_sample_execution(name):
     """Batched under 'depth' or refused (then run per sample), four calls
     give the per-sample results and gradients; each op is both accepted
-    and refused among the draws (smooth_l1, row-wise, is always accepted)."""
+    and refused among the draws (:data:`ALWAYS_BATCHED`'s always accepted)."""
     verdicts = {True: 0, False: 0}
 
     @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
@@ -282,7 +349,8 @@ def test_rules_agree_with_per_sample_execution(name):
     def check(data):
         op, args = data.draw(st.composite(lambda draw: OPS[name](draw))())
         consts = {k for k, (batched, _) in enumerate(args)
-                  if not batched and data.draw(st.booleans())}
+                  if not batched and k not in getattr(op, 'inits', {}) and
+                  data.draw(st.booleans())}
         note('%s of %s' % (op.text, ', '.join(
             '%s %s' % ('batched' if b else 'constant' if k in consts else 'parameter', s)
             for k, (b, s) in enumerate(args))))
@@ -302,4 +370,4 @@ def test_rules_agree_with_per_sample_execution(name):
         verdicts[sigs[0].batch_safe] += 1
 
     check()
-    assert verdicts[True] and (verdicts[False] or name == 'smooth_l1'), verdicts
+    assert verdicts[True] and (verdicts[False] or name in ALWAYS_BATCHED), verdicts
