@@ -799,14 +799,16 @@ def _number_row(x, lazy):
     axis 1, cast as NDArray's scalar operators cast it: a double, then the
     dtype, which for float16 rounds through float32 (mshadow's half_t).
     Rows are shared, read-only, per number (a row cost ~0.8 us to make; a
-    flush reads its bytes), except zeros, whose sign a key would lose."""
+    flush reads its bytes), except zeros, whose sign a key would lose, and
+    NaNs, which no key finds again."""
     key = (x, type(x), lazy.dtype, lazy.ndim)
-    row = _NUMBER_ROWS.get(key) if x else None
+    cached = x and x == x
+    row = _NUMBER_ROWS.get(key) if cached else None
     if row is None:
         row = np.empty((1,) * key[3], key[2])    # (np.full: 3x the time)
         row.fill(float(x) if row.dtype != np.float16 else np.float32(float(x)))
         row.flags.writeable = False
-        if x:
+        if cached:
             if len(_NUMBER_ROWS) >= _NUMBER_ROWS_MAX:
                 _NUMBER_ROWS.clear()
             _NUMBER_ROWS[key] = row

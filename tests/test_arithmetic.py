@@ -292,3 +292,25 @@ def test_sparse_ndarrays_on_either_side():
         for array in sparse:
             with pytest.raises(TypeError, match=r'in-place.*total = total \+ value'):
                 array += value
+
+
+def test_number_rows_are_shared_read_only_but_not_for_nan_or_zero():
+    """A number's host row is made once per number, dtype and rank and
+    shared (read-only); a NaN, which no key finds again, grew the cache by
+    a row a use, and a zero's key would lose its sign (-0.0 == 0.0)."""
+    from gluon_dynbatch import block as block_module
+    first, _ = dense_pair()
+    x = mx.nd.ones((1, 4))
+    with dyb.batching():
+        value = first(x)
+        rows = block_module._NUMBER_ROWS
+        [value * 2.5 for _ in range(3)]     # pylint: disable=expression-not-assigned
+        size = len(rows)
+        shared = [row for key, row in rows.items() if key[0] == 2.5]
+        assert len(shared) == 1 and not shared[0].flags.writeable
+        outs = [value * float('nan') for _ in range(5)] + [value * -0.0, value * 0.0]
+        assert len(rows) == size
+        got = dyb.concat_rows(outs).asnumpy()
+    assert np.isnan(got[:5]).all()
+    expected = np.concatenate([(first(x) * -0.0).asnumpy(), (first(x) * 0.0).asnumpy()])
+    np.testing.assert_array_equal(np.signbit(got[5:]), np.signbit(expected))
