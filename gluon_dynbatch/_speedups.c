@@ -1583,21 +1583,39 @@ static void *array_handle(PyObject *array)
     return ptr;
 }
 
+/* The dimensions of the array behind ``handle`` through the shape reader
+ * (either width), copied into ``dims`` (MAX_RANK of them at most: MXNet
+ * keeps them in a thread-local buffer that its next API call may reuse);
+ * the rank, or -1 where the reader fails or the rank is larger. */
+#define MAX_RANK 32
+static int read_dims(void *handle, int64_t *dims)
+{
+    int ndim = -1;
+    if (shape_reader_64) {
+        const int64_t *data;
+        if (((ShapeReader64)shape_reader)(handle, &ndim, &data) != 0 || ndim < 0
+            || ndim > MAX_RANK)
+            return -1;
+        memcpy(dims, data, ndim * sizeof(int64_t));
+    } else {
+        const int *data;
+        if (((ShapeReader32)shape_reader)(handle, &ndim, &data) != 0 || ndim < 0
+            || ndim > MAX_RANK)
+            return -1;
+        for (int i = 0; i < ndim; i++)
+            dims[i] = data[i];
+    }
+    return ndim;
+}
+
 /* Rows of ``array`` (its leading dimension); -1 with an exception set. */
 static Py_ssize_t leading_rows(PyObject *array)
 {
     if (shape_reader != NULL && PyObject_TypeCheck(array, NDArrayType)) {
         void *handle = array_handle(array);
-        int ndim = -1;
-        if (handle != NULL && shape_reader_64) {
-            const int64_t *dims;
-            if (((ShapeReader64)shape_reader)(handle, &ndim, &dims) == 0 && ndim > 0)
-                return (Py_ssize_t)dims[0];
-        } else if (handle != NULL) {
-            const int *dims;
-            if (((ShapeReader32)shape_reader)(handle, &ndim, &dims) == 0 && ndim > 0)
-                return (Py_ssize_t)dims[0];
-        }
+        int64_t dims[MAX_RANK];
+        if (handle != NULL && read_dims(handle, dims) > 0)
+            return (Py_ssize_t)dims[0];
     }
     PyObject *shape = PyObject_GetAttr(array, s_shape);
     PyObject *first = shape ? PySequence_GetItem(shape, 0) : NULL;
@@ -1761,28 +1779,14 @@ static int ndarray_fields(PyObject *leaf, PyObject **shape, PyObject **dtype, Py
     PyObject *context = device_context(leaf, type, id, &rc);
     if (context == NULL)
         return rc;
-    /* the shape last: its dimensions are in MXNet's thread-local buffer,
-     * which the next API call may reuse */
+    int64_t data[MAX_RANK];
     PyObject *dims = NULL;
-    if (shape_reader_64) {
-        const int64_t *data;
-        if (((ShapeReader64)shape_reader)(handle, &ndim, &data) == 0 && ndim >= 0
-            && (dims = PyTuple_New(ndim)) != NULL)
-            for (int i = 0; i < ndim; i++) {
-                PyObject *dim = PyLong_FromLongLong(data[i]);
-                if (dim == NULL) { Py_CLEAR(dims); break; }
-                PyTuple_SET_ITEM(dims, i, dim);
-            }
-    } else {
-        const int *data;
-        if (((ShapeReader32)shape_reader)(handle, &ndim, &data) == 0 && ndim >= 0
-            && (dims = PyTuple_New(ndim)) != NULL)
-            for (int i = 0; i < ndim; i++) {
-                PyObject *dim = PyLong_FromLong(data[i]);
-                if (dim == NULL) { Py_CLEAR(dims); break; }
-                PyTuple_SET_ITEM(dims, i, dim);
-            }
-    }
+    if ((ndim = read_dims(handle, data)) >= 0 && (dims = PyTuple_New(ndim)) != NULL)
+        for (int i = 0; i < ndim; i++) {
+            PyObject *dim = PyLong_FromLongLong(data[i]);
+            if (dim == NULL) { Py_CLEAR(dims); break; }
+            PyTuple_SET_ITEM(dims, i, dim);
+        }
     if (dims == NULL)
         return give_up();
     *shape = dims;
@@ -1801,21 +1805,12 @@ static int ndarray_words(CallWords *cw, PyObject *leaf)
     int mx_dtype = -1, type = -1, id = -1, ndim = -1;
     if (!ndarray_ids(leaf, &handle, &mx_dtype, &type, &id))
         return 0;
+    int64_t dims[MAX_RANK];
     int ok = push_call_word(cw, NDARRAY_WORD) && push_call_word(cw, mx_dtype)
-        && push_call_word(cw, type) && push_call_word(cw, id);
-    if (ok && shape_reader_64) {
-        const int64_t *dims;
-        ok = ((ShapeReader64)shape_reader)(handle, &ndim, &dims) == 0 && ndim >= 0
-            && push_call_word(cw, ndim);
-        for (int i = 0; ok && i < ndim; i++)
-            ok = push_call_word(cw, dims[i]);
-    } else if (ok) {
-        const int *dims;
-        ok = ((ShapeReader32)shape_reader)(handle, &ndim, &dims) == 0 && ndim >= 0
-            && push_call_word(cw, ndim);
-        for (int i = 0; ok && i < ndim; i++)
-            ok = push_call_word(cw, dims[i]);
-    }
+        && push_call_word(cw, type) && push_call_word(cw, id)
+        && (ndim = read_dims(handle, dims)) >= 0 && push_call_word(cw, ndim);
+    for (int i = 0; ok && i < ndim; i++)
+        ok = push_call_word(cw, dims[i]);
     if (ok) cw->arrays = 1;
     return ok;
 }
