@@ -716,8 +716,7 @@ class _Operator(mx.gluon.HybridBlock):
         return getattr(F, self.op_name)(*args)
 
 
-_OPERATORS = OPERATOR_BLOCKS  # name -> the DynBatchBlock of an _Operator, made at first use
-_OPERATORS_LOCK = threading.Lock()
+_OPERATORS_LOCK = threading.Lock()     # held to make a block of graph.OPERATOR_BLOCKS
 _NUMBERS = (numbers.Real, np.bool_)     # NDArray's numeric_types take np.bool_ too
 
 
@@ -763,12 +762,12 @@ def lazy_operator(op_name, *operands):
         args.append(x)
     if current_scope() is None:
         return getattr(mx.nd, op_name)(*_materialize(args))
-    block = _OPERATORS.get(op_name)
+    block = OPERATOR_BLOCKS.get(op_name)
     if block is None:
         with _OPERATORS_LOCK:
-            if op_name not in _OPERATORS:
-                _OPERATORS[op_name] = DynBatchBlock(_Operator(op_name))
-            block = _OPERATORS[op_name]
+            if op_name not in OPERATOR_BLOCKS:
+                OPERATOR_BLOCKS[op_name] = DynBatchBlock(_Operator(op_name))
+            block = OPERATOR_BLOCKS[op_name]
     try:
         return block(*args)
     except InputError as error:
