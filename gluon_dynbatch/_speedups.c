@@ -23,7 +23,7 @@
  *
  * Each is an exact copy of the Python function named for the common case
  * only.  Whenever a call is unusual (nested lists, a failed producer, mixed
- * contexts or dtypes, an unknown leaf type) record() returns None *before
+ * contexts, an unknown leaf type) record() returns None *before
  * changing anything*, and the caller runs the Python version, which also
  * raises the errors.  So errors and rare cases have one implementation.
  *
@@ -1063,6 +1063,10 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
              *depth_obj = NULL, *pending = NULL, *keep = NULL, *tape = NULL;
     PyObject *marks_inline[MAX_INLINE_MARKS];
     PyObject **marks = marks_inline;
+    /* every leaf's dtype (borrowed), for a key of leaves of several dtypes */
+    PyObject *dtypes_inline[MAX_INLINE_MARKS];
+    PyObject **leaf_dtypes = dtypes_inline;
+    int mixed = 0;
     Py_ssize_t n_marks = 0;
     long depth = 0;
     int host_only = 1;          /* every leaf a numpy array */
@@ -1100,7 +1104,8 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
     Py_ssize_t n = PyList_GET_SIZE(leaves);
     if (n > MAX_INLINE_MARKS) {
         marks = PyMem_Malloc(n * sizeof(PyObject *));
-        if (marks == NULL) { PyErr_NoMemory(); BAIL(error); }
+        leaf_dtypes = PyMem_Malloc(n * sizeof(PyObject *));
+        if (marks == NULL || leaf_dtypes == NULL) { PyErr_NoMemory(); BAIL(error); }
     }
     key = PyTuple_New(n + 3);
     if (key == NULL) BAIL(error);
@@ -1163,6 +1168,10 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
             shape = PyObject_GetAttr(leaf, s_shape);
             if (shape == NULL) BAIL(error);
             leaf_dtype = PyObject_GetAttr(leaf, s_dtype);
+            if (leaf_dtype != NULL && !PyType_Check(leaf_dtype)) {
+                /* an mxnet.numpy array's dtype object: Python refuses it */
+                Py_DECREF(shape); Py_DECREF(leaf_dtype); BAIL(fallback);
+            }
             leaf_ctx = leaf_dtype ? PyObject_GetAttr(leaf, s_context) : NULL;
             if (leaf_ctx == NULL || PyList_Append(keep, leaf_dtype)
                 || PyList_Append(keep, leaf_ctx)) {
@@ -1184,9 +1193,10 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
             }
         }
         if (leaf_dtype != dtype) {
-            if (dtype != NULL) { Py_DECREF(shape); BAIL(fallback); }
+            mixed |= dtype != NULL;
             dtype = leaf_dtype;
         }
+        leaf_dtypes[i] = leaf_dtype;
         PyTuple_SET_ITEM(key, i + 1, shape);
     }
     /* a borrowed reference so far: dtype (kept alive by signatures / numpy) */
@@ -1194,9 +1204,17 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
         ctx = default_context();
         if (ctx == NULL) BAIL(error);
     }
-    if (dtype == NULL) dtype = Py_None;
-    Py_INCREF(dtype);
-    PyTuple_SET_ITEM(key, n + 1, dtype);
+    if (mixed) {        /* as the Python version: every leaf's, in a tuple */
+        PyObject *all = PyTuple_New(n);
+        if (all == NULL) BAIL(error);
+        for (Py_ssize_t i = 0; i < n; i++)
+            PyTuple_SET_ITEM(all, i, Py_NewRef(leaf_dtypes[i]));
+        PyTuple_SET_ITEM(key, n + 1, all);
+    } else {
+        if (dtype == NULL) dtype = Py_None;
+        Py_INCREF(dtype);
+        PyTuple_SET_ITEM(key, n + 1, dtype);
+    }
     {
         PyObject *ctx_key = context_key(ctx);
         if (ctx_key == NULL) BAIL(error);
@@ -1342,6 +1360,7 @@ error:
     result = NULL;
 done:
     if (marks != marks_inline) PyMem_Free(marks);
+    if (leaf_dtypes != dtypes_inline) PyMem_Free(leaf_dtypes);
     Py_XDECREF(leaves); Py_XDECREF(fmt); Py_XDECREF(key); Py_XDECREF(ctx);
     Py_XDECREF(sig); Py_XDECREF(node); Py_XDECREF(signatures); Py_XDECREF(depth_obj);
     Py_XDECREF(pending); Py_XDECREF(keep); Py_XDECREF(tape);

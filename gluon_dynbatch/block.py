@@ -35,8 +35,8 @@ from .graph import (_LAZY_OPERATOR, DONE, FAILED, OPERATOR_BLOCKS, PENDING, Lazy
 from .lower import INDEXED_OPS, make_cached_op, programs_built, ragged_lists
 from .plan import SETUP, STRATEGIES, Strategy, check_plan, summarize
 from .rules import draws_random
-from .trace import (blocks_of, error_line, flatten, graph_readers, inputs_below, leaf_count,
-                    load_graph, regroup, symbol_json, trace_signature)
+from .trace import (blocks_of, common_dtype, error_line, flatten, graph_readers, inputs_below,
+                    leaf_count, load_graph, regroup, symbol_json, trace_signature)
 
 __all__ = ['DynBatchBlock', 'batching', 'concat_rows', 'current_scope', 'private_scope',
            'lazy_operator']
@@ -893,10 +893,12 @@ def _signature_key(dblock, fmt, leaves, scope):
     This runs once per recorded call, so it compares contexts and dtypes by
     identity first, reads a lazy value's (shape, dtype, context) as one
     tuple of its signature, and reads NDArray properties (C calls) only for
-    NDArrays.
+    NDArrays.  The key ends with the leaves' dtype and the context: one
+    dtype where all leaves share it, else the tuple of every leaf's (token
+    ids in int32 beside float32 states), which the C recorder writes alike.
     """
     key = [fmt]
-    ctx = dtype = None
+    ctx = dtype = dtypes = None     # dtypes: every leaf's, once two differ
     depth = 0
     for number, leaf in enumerate(leaves):
         kind = type(leaf)
@@ -926,6 +928,11 @@ def _signature_key(dblock, fmt, leaves, scope):
             shape, leaf_dtype, leaf_ctx = leaf.shape, leaf.dtype.type, None
         elif isinstance(leaf, NDArray):
             shape, leaf_dtype, leaf_ctx = leaf.shape, leaf.dtype, leaf.context
+            if type(leaf_dtype) is not type:    # (an mxnet.numpy array's: a dtype object)
+                raise InputError('block %s, argument %s is an mxnet.numpy array; a wrapped '
+                                 'block records NDArray calls: make it an NDArray with '
+                                 'x.as_nd_ndarray().'
+                                 % (dblock.block.name, _leaf_path(fmt, _position(leaves, leaf))))
         else:
             raise InputError('block %s, argument %s: got %s, expected an NDArray, a lazy '
                              'value or a numpy array (per-sample, leading axis of 1).%s'
@@ -942,17 +949,13 @@ def _signature_key(dblock, fmt, leaves, scope):
                                  % (dblock.block.name, _leaf_path(fmt, _position(leaves, leaf)),
                                     leaf_ctx, ctx))
         if leaf_dtype is not dtype:
-            if dtype is not None:
-                raise InputError('block %s, argument %s has dtype %s but earlier arguments have '
-                                 '%s; pass every argument of a call in one dtype (token ids as '
-                                 'float32, as MXNet\'s Embedding expects) and cast inside the '
-                                 'block where an op needs another (F.cast(length, \'int32\') '
-                                 'for softmax\'s length).'
-                                 % (dblock.block.name, _leaf_path(fmt, _position(leaves, leaf)),
-                                    np.dtype(leaf_dtype).name, np.dtype(dtype).name))
+            if dtype is not None and dtypes is None:
+                dtypes = [dtype] * (len(key) - 1)
             dtype = leaf_dtype
+        if dtypes is not None:
+            dtypes.append(leaf_dtype)
         key.append(shape)
-    key.append(dtype)
+    key.append(dtype if dtypes is None else tuple(dtypes))
     if ctx is None:
         ctx = mx.current_context()
     key.append((ctx.device_typeid, ctx.device_id))   # hashed in C, unlike a Context
@@ -1095,15 +1098,18 @@ def check_padding_is_neutral(dblock, sig, padded):
 def _check_padding_is_neutral(dblock, sig, padded):
     """The checks of :func:`check_padding_is_neutral`."""
     rng = np.random.RandomState(0)
-    dtype = sig.key[-2]
+    dtype = sig.dtype
     short_symbol, long_symbol = _small_tables(sig.symbol), _small_tables(padded.symbol)
     # the symbols run in float64 where MXNet can: rounding then cannot hide
-    # a real difference behind the largest value of an output (see _close)
+    # a real difference behind the largest value of an output (see _close);
+    # not those of leaves of several dtypes (ids and floats), which run as
+    # they are
     symbols, kinds = {dtype: (short_symbol, long_symbol)}, [dtype]
-    wide = (_widened(short_symbol, dtype), _widened(long_symbol, dtype))
-    if _runs_wide(wide, dtype):
-        symbols[np.float64] = wide
-        kinds.insert(0, np.float64)
+    if type(sig.key[-2]) is not tuple:
+        wide = (_widened(short_symbol, dtype), _widened(long_symbol, dtype))
+        if _runs_wide(wide, dtype):
+            symbols[np.float64] = wide
+            kinds.insert(0, np.float64)
     made = {}
     own_runs = _runs_with_own_parameters(dblock, sig, padded)
 
@@ -1131,8 +1137,8 @@ def _check_padding_is_neutral(dblock, sig, padded):
     length_rng = np.random.RandomState(2)
     zero = {}
     for low, high in PADDING_CHECK_RANGES:
-        leaves = [mx.nd.array(rng.uniform(low, high, shape), ctx=sig.ctx, dtype=dtype)
-                  for shape in sig.in_shapes]
+        leaves = [mx.nd.array(rng.uniform(low, high, shape), ctx=sig.ctx, dtype=leaf_dtype)
+                  for shape, leaf_dtype in zip(sig.in_shapes, sig.in_dtypes)]
         if lengths:
             leaves = _valid_lengths(dblock, sig, padded, lengths, leaves, length_rng, zero,
                                     lambda: runs_in(kinds[0]).params)
@@ -1287,7 +1293,7 @@ def _valid_lengths(dblock, sig, padded, lengths, leaves, rng, zero, random_param
     leaves = [mx.nd.array(rng.randint(min(limit, 1), limit + 1, leaf.shape), ctx=leaf.context,
                           dtype=leaf.dtype) if name in names else leaf
               for name, leaf in zip(sig.data_names, leaves)]
-    longer = _pad_with_zeros(sig, padded, leaves, leaves[0].dtype, zero)
+    longer = _pad_with_zeros(sig, padded, leaves, sig.dtype, zero)
     for node, length, size, _, one in lengths:
         given = dict(zip(one.data_names, leaves if one is sig else longer))
         needed = length.list_inputs()
@@ -1295,7 +1301,7 @@ def _valid_lengths(dblock, sig, padded, lengths, leaves, rng, zero, random_param
             tries = [('', given)]
         else:
             own = _own_parameters(one)
-            drawn = {name: value.astype(leaves[0].dtype, copy=False)
+            drawn = {name: value.astype(sig.dtype or value.dtype, copy=False)
                      for name, value in random_parameters().items() if name in needed}
             tries = [(' with its parameters', dict(own, **given)),
                      (' with random parameters', dict(drawn, **given))]
@@ -1451,16 +1457,18 @@ def _random_parameters(signatures, dtype, rng, ctx):
     """Values drawn from [-0.5, 0.5] for every input of the symbols of
     ``signatures`` (pairs of a signature and its symbol for the check)
     that is not a data input (parameters and auxiliary states, named alike
-    in both), by name."""
+    in both), by name, in ``dtype`` (None: each parameter's own)."""
     values = {}
     for one, symbol in signatures:
+        own = {param.name: param.dtype for _, param in one.param_slots}
         known = {name: shape for name, shape in zip(one.data_names, one.in_shapes)
                  if name in one.input_names}
         arg_shapes, _, aux_shapes = symbol.infer_shape(**known)
         names = symbol.list_arguments() + symbol.list_auxiliary_states()
         for name, shape in zip(names, arg_shapes + aux_shapes):
             if name not in one.data_names and name not in values:
-                values[name] = mx.nd.array(rng.uniform(-0.5, 0.5, shape), ctx=ctx, dtype=dtype)
+                values[name] = mx.nd.array(rng.uniform(-0.5, 0.5, shape), ctx=ctx,
+                                           dtype=dtype or own.get(name, np.float32))
     return values
 
 
@@ -1538,14 +1546,24 @@ def _symbol_gradients(op, sig, leaves, real, params, rng):
     return grads
 
 
-def _pad_with_zeros(sig, padded, leaves, dtype, made):
+def _pad_with_zeros(sig, padded, leaves, kind, made):
     """``leaves`` (``sig``'s) padded to the lists of ``padded`` with zero
-    rows of ``dtype``, one per list element position, kept in ``made``."""
+    rows, one per list element position, kept in ``made``: of the float
+    type ``kind`` for a list of floats, of the list's own dtype otherwise
+    (see :func:`_in_kind`)."""
     def zeros(item):
         if item not in made:
-            made[item] = mx.nd.zeros(padded.item_shape(item), ctx=sig.ctx, dtype=dtype)
+            made[item] = mx.nd.zeros(padded.item_shape(item), ctx=sig.ctx,
+                                     dtype=_in_kind(padded.item_dtype(item), kind))
         return made[item]
     return pad_leaves(sig.fmt, leaves, padded.fmt, zeros)
+
+
+def _in_kind(dtype, kind):
+    """The dtype in which the padding check gives a value of ``dtype`` to
+    a run in ``kind``: ``kind`` for a float, ``dtype`` itself for another
+    (token ids stay integers in a float64 run) or without a ``kind``."""
+    return kind if kind is not None and np.issubdtype(dtype, np.floating) else dtype
 
 
 class _SymbolRuns:
@@ -1582,14 +1600,14 @@ class _SymbolRuns:
     def outputs(self, leaves):
         """``(short outputs, padded outputs)`` on ``leaves`` (cast to this
         kind), or None where MXNet cannot run them in it."""
-        leaves = [leaf.astype(self.kind, copy=False) for leaf in leaves]
+        leaves = [leaf.astype(_in_kind(leaf.dtype, self.kind), copy=False) for leaf in leaves]
         try:
             runs = (_run_symbol(self.short_op, self.sig, leaves, self.params),
                     _run_symbol(self.long_op, self.padded, self.pad(leaves), self.params))
             for out in runs[0] + runs[1]:
                 out.wait_to_read()
         except mx.base.MXNetError:
-            if self.kind == self.sig.key[-2]:
+            if self.kind == self.sig.dtype:
                 raise
             return None
         return runs
@@ -1602,7 +1620,7 @@ class _SymbolRuns:
         as ids (``ids``) are zero: a gradient lookup checks them (a
         row-sparse one refuses a negative id; the values were clipped);
         where MXNet still refuses, all of them are zero."""
-        leaves = [leaf.astype(self.kind, copy=False) for leaf in leaves]
+        leaves = [leaf.astype(_in_kind(leaf.dtype, self.kind), copy=False) for leaf in leaves]
         elements = _list_elements(self.sig.fmt, leaves)
         others = {name for name, leaf in zip(self.sig.data_names, leaves)
                   if not any(leaf is e for e in elements)}
@@ -1816,14 +1834,15 @@ class DynBatchBlock(Block):
 
     def _trace(self, key, fmt, ctx):
         shapes = key[1:-2]
-        dtypes = [key[-2]] * len(shapes)
-        if np.dtype(key[-2]).type not in _DTYPE_NP_TO_MX:
-            # (the trace's type inference failed with a bare TypeError)
-            raise InputError(
-                'block %s: its arguments have dtype %s, which MXNet arrays cannot hold (they '
-                'take float16/32/64, uint8, int8/32/64 and bool). Convert them, e.g. '
-                'x.astype(np.float32), or keep such values out of the block\'s arguments.'
-                % (self.block.name, np.dtype(key[-2]).name))
+        dtypes = list(key[-2]) if type(key[-2]) is tuple else [key[-2]] * len(shapes)
+        for pos, dtype in enumerate(dtypes):
+            if np.dtype(dtype).type not in _DTYPE_NP_TO_MX:
+                # (the trace's type inference failed with a bare TypeError)
+                raise InputError(
+                    'block %s, argument %s has dtype %s, which MXNet arrays cannot hold (they '
+                    'take float16/32/64, uint8, int8/32/64 and bool). Convert it, e.g. '
+                    'x.astype(np.float32), or keep such values out of the block\'s arguments.'
+                    % (self.block.name, _leaf_path(fmt, pos), np.dtype(dtype).name))
         for pos, shape in enumerate(shapes):
             if not shape or shape[0] != 1:
                 raise InputError(
@@ -1842,6 +1861,13 @@ class DynBatchBlock(Block):
                     'gluon.contrib.rnn.LSTMPCell, wrap a HybridBlock whose hybrid_forward(F, '
                     'x, r, c) calls it with [r, c] (see the quickstart).'
                     % (self.block.name, item, sorted(set(shapes[pos:pos + width]))))
+            if nesting != 0 and len(set(dtypes[pos:pos + width])) > 1:
+                raise InputError(
+                    'block %s, argument #%d is a list of arrays of different dtypes (%s); the '
+                    'arrays of one list argument must share a dtype (a list is gathered as one '
+                    '(N, K, ...) array). Cast them alike (x.astype(...)).'
+                    % (self.block.name, item, ', '.join(
+                        sorted({np.dtype(d).name for d in dtypes[pos:pos + width]}))))
             pos += width
         # One trace at a time: Gluon's name scopes and ``with ctx`` keep their
         # state on the (shared) block and Context objects, so two threads
@@ -1856,6 +1882,7 @@ class DynBatchBlock(Block):
             with mx.Context(ctx):
                 sig = trace_signature(next(_SIG_IDS), self.block, fmt, shapes, dtypes)
             sig.ctx, sig.fmt, sig.dblock, sig.in_shapes, sig.key = ctx, fmt, self, shapes, key
+            sig.in_dtypes, sig.dtype = dtypes, common_dtype(dtypes)
             widths = [leaf_count(nesting) for nesting in fmt]
             sig.spans = tuple((sum(widths[:item]), width) for item, width in enumerate(widths))
             sig.out_info = [(shape, dtype, ctx)
@@ -1894,8 +1921,13 @@ class DynBatchBlock(Block):
                     break
                 parts.append(shapes[pos - 1] if item == 0 else ('list', min(elems, default=None)))
             if parts is not None:
+                dtype = key[-2]
+                if type(dtype) is tuple:    # each argument's (lists' lengths forgotten)
+                    ends = itertools.accumulate(1 if item == 0 else len(item) for item in fmt)
+                    dtype = tuple(dtype[end - 1] if item == 0 or item else None
+                                  for item, end in zip(fmt, ends))
                 family = (tuple(0 if item == 0 else 'list' for item in fmt),) + tuple(parts) \
-                    + key[-2:]
+                    + (dtype, key[-1])
         family_id = self._families.get(family)
         if family_id is None:   # ids unique across blocks: one counter for all
             family_id = self._families[family] = next(_SIG_IDS)
@@ -1918,17 +1950,22 @@ class DynBatchBlock(Block):
         first = sigs[0]
         lengths = [max(len(s.fmt[i]) for s in sigs) if item != 0 else 0
                    for i, item in enumerate(first.fmt)]
-        fmt, shapes = [], []
+        fmt, shapes, dtypes = [], [], []
         for i, item in enumerate(first.fmt):
             if item == 0:
                 fmt.append(0)
                 shapes.append(first.item_shape(i))
+                dtypes.append(first.item_dtype(i))
             else:
                 fmt.append((0,) * lengths[i])
-                shape = next(s.item_shape(i) for s in sigs if len(s.fmt[i]))
-                shapes += [shape] * lengths[i]
+                one = next((s for s in sigs if len(s.fmt[i])), None)
+                if one is not None:
+                    shapes += [one.item_shape(i)] * lengths[i]
+                    dtypes += [one.item_dtype(i)] * lengths[i]
         fmt = tuple(fmt)
-        key = (fmt,) + tuple(shapes) + first.key[-2:]
+        # (a key names one dtype where all leaves share it)
+        dtype = tuple(dtypes) if len(set(dtypes)) > 1 else dtypes[0] if dtypes else None
+        key = (fmt,) + tuple(shapes) + (dtype, first.key[-1])
         sig = self._signatures.get(key)
         if sig is None:
             sig = self._trace(key, fmt, first.ctx)

@@ -30,9 +30,9 @@ class LazyValueError(DynBatchError):
 
 class InputError(DynBatchError):
     """A recorded call got arguments its block cannot take (a non-array,
-    keyword arguments, mixed contexts or dtypes, a missing batch axis, a
-    list of arrays of different shapes, shapes that contradict the block's
-    parameters), or the block cannot be batched as written (it does not
+    keyword arguments, mixed contexts, dtypes its ops cannot take together,
+    a missing batch axis, a list of arrays of different shapes or dtypes,
+    shapes that contradict the block's parameters), or the block cannot be batched as written (it does not
     trace, an output lacks the batch axis, a ``pad_lists`` claim fails its
     check); ``concat_rows`` misused."""
 

@@ -949,7 +949,7 @@ def _zero_row(sig, item, ctx):
     key = (item, ctx, threading.get_ident())
     zero = sig.zero_rows.get(key)
     if zero is None:
-        zero = sig.zero_rows[key] = ZeroRow(sig.item_shape(item), sig.key[-2], ctx)
+        zero = sig.zero_rows[key] = ZeroRow(sig.item_shape(item), sig.item_dtype(item), ctx)
     return zero
 
 

@@ -81,10 +81,10 @@ def vectorize_lists(symbol, lane_ndims, dtype, training=False, ragged=False):
     vectorized sets alone, and the rank of every summed lane be known,
     or None is returned.
 
-    Lanes of other dtypes than float32 and float64 are left as they are
-    (``symbol``, or None when ``ragged``): MXNet's ``dot`` has no CPU
-    kernel for them."""
-    if dtype is not None and np.dtype(dtype) not in (np.float32, np.float64):
+    Lanes of other dtypes than float32 and float64 (or of no one dtype,
+    ``dtype`` None) are left as they are (``symbol``, or None when
+    ``ragged``): MXNet's ``dot`` has no CPU kernel for them."""
+    if dtype is None or np.dtype(dtype) not in (np.float32, np.float64):
         return None if ragged else symbol
     graph = json.loads(symbol_json(symbol))
     nodes = graph['nodes']

@@ -264,8 +264,16 @@ def ragged_lists(sig):
                             for item, fmt in enumerate(sig.fmt))
             symbol, lane_ndims = _gathered(sig, pattern)
             sig.ragged = len(lane_ndims) == len(lists) and vectorize_lists(
-                symbol, lane_ndims, sig.key[-2], ragged=True) is not None
+                symbol, lane_ndims, _lanes_dtype(sig), ragged=True) is not None
     return sig.ragged
+
+
+def _lanes_dtype(sig):
+    """The dtype of the list arguments of ``sig``, whose lanes
+    :func:`~.lanes.vectorize_lists` runs at once; None (run each lane
+    apart) where two lists differ in dtype."""
+    dtypes = {sig.item_dtype(item) for item, fmt in enumerate(sig.fmt) if fmt != 0 and fmt}
+    return dtypes.pop() if len(dtypes) == 1 else None
 
 
 def _gathered(sig, pattern):
@@ -322,7 +330,7 @@ def _build(sig, pattern, training):
         symbol = hoisted_rest(symbol, host_split(sig, hoisted).boundary)
     if lane_ndims:
         ragged = any(way is not None and way[0] == 'ragged' for way in pattern)
-        vectorized = vectorize_lists(symbol, lane_ndims, sig.key[-2], training, ragged)
+        vectorized = vectorize_lists(symbol, lane_ndims, _lanes_dtype(sig), training, ragged)
         if vectorized is None:
             raise RuntimeError('gluon_dynbatch: %s cannot run its lists ragged '
                                '(please report this)' % sig.describe())
@@ -346,7 +354,7 @@ def _build(sig, pattern, training):
         else:
             feeds.append(('idx', int(name[3:])))
     return StepProgram(symbol, feeds, training,
-                       rewrite_tanh=np.dtype(sig.key[-2]) == np.float32 and
+                       rewrite_tanh=sig.dtype is not None and np.dtype(sig.dtype) == np.float32 and
                        sig.ctx.device_type != 'gpu')
 
 
@@ -1043,7 +1051,7 @@ def _item_inputs(steps, number, item, how, outputs, inputs):
     for step_number, out in parts:
         if step_number < 0:   # padding: a zero row
             sources.append(inputs.var('zero_' + name, ('const', mx.nd.zeros(
-                sig.item_shape(item), ctx=inputs.ctx, dtype=sig.key[-2]))))
+                sig.item_shape(item), ctx=inputs.ctx, dtype=sig.item_dtype(item)))))
             sizes.append(1)
         else:
             sources.append(outputs[step_number][out])

@@ -123,6 +123,9 @@ class TracedSignature:
         # symbols accept any batch size, so one program serves every N
         self.programs = {}              # under autograd.record()
         self.inference_programs = {}    # the same, not recording (see lower.step_program)
+        # set by the DynBatchBlock that traced it: shapes, dtypes and
+        # nesting of its leaves, its common_dtype(), context and key
+        self.in_shapes = self.in_dtypes = self.dtype = self.fmt = self.ctx = self.key = None
         self.zero_rows = {}     # padding rows of its list arguments (see execute.py)
         self.host_parts = {}    # host items -> whether ops depend on them alone (execute.py)
         self.table_reads = {}   # host items -> embeddings they index (execute.FlushTables)
@@ -142,6 +145,11 @@ class TracedSignature:
         """Per-sample shape of top-level argument ``item`` (element ``elem``
         of it, for a list)."""
         return self.in_shapes[self.item_pos(item) + elem]
+
+    def item_dtype(self, item):
+        """The dtype (a numpy type) of top-level argument ``item``, whose
+        leaves share one (a list's elements are gathered as one array)."""
+        return self.in_dtypes[self.item_pos(item)]
 
     def grad_free_outputs(self, free_items):
         """The flat outputs that carry no gradient when the top-level
@@ -259,6 +267,19 @@ def _shapes_text(args):
     return '(%s)' % ', '.join(one(a) for a in args)
 
 
+def common_dtype(dtypes):
+    """The dtype of a signature whose leaves have ``dtypes`` (numpy types):
+    the one they share, else the one floating type among them (the
+    ``float32`` of states beside ``int32`` token ids), in which values that
+    the library makes for the block (padding rows, rows of ones, random
+    inputs of the padding check) and its float rewrites are made; None
+    when there is no leaf or two floating types differ."""
+    distinct = set(dtypes)
+    if len(distinct) > 1:
+        distinct = {dtype for dtype in distinct if np.issubdtype(dtype, np.floating)}
+    return next(iter(distinct)) if len(distinct) == 1 else None
+
+
 def trace_signature(sig_id, block, fmt, shapes, dtypes):
     """Trace ``block`` for arguments of nesting ``fmt`` and per-sample leaf
     ``shapes``/``dtypes``; see :class:`TracedSignature`."""
@@ -327,7 +348,7 @@ def trace_signature(sig_id, block, fmt, shapes, dtypes):
         raise InputError(
             'block %s cannot take per-sample inputs of dtype %s (its parameters are %s): %s. '
             'Cast the inputs (x.astype(...)) or the block (block.cast(...)) so that they agree.'
-            % (_block_name(block), np.dtype(dtypes[0]).name if dtypes else None,
+            % (_block_name(block), _dtypes_text(dtypes),
                ', '.join(param_types) or 'none', error_line(err))) from None
     out_dtypes = [np.dtype(t).type for t in out_types]
     written = symbol
@@ -339,6 +360,15 @@ def trace_signature(sig_id, block, fmt, shapes, dtypes):
     return TracedSignature(sig_id, block, symbol, data_names, out_fmt, out_shapes,
                            out_dtypes, batch_safe, reason,
                            batch_safe and is_function_of_inputs(symbol), passthrough)
+
+
+def _dtypes_text(dtypes):
+    """``float32``, or for leaves of several dtypes each one's in order
+    (``(int32, float32, float32)``), for error messages."""
+    names = [np.dtype(dtype).name for dtype in dtypes]
+    if len(set(names)) <= 1:
+        return names[0] if names else None
+    return '(%s)' % ', '.join(names)
 
 
 def is_function_of_inputs(symbol):

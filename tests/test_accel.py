@@ -537,6 +537,14 @@ def test_groups_of_long_chains_and_many_families_match_python():
     assert fast_alone == alone and len(groups) > 1500
 
 
+class Pick(mx.gluon.HybridBlock):
+    """The entry of each row ``x`` at its id ``ids``, of any dtype (the
+    leaves of a call of two dtypes)."""
+
+    def hybrid_forward(self, F, x, ids):
+        return F.pick(x, ids, axis=1, keepdims=True, mode='clip')
+
+
 class AddItems(mx.gluon.HybridBlock):
     """``relu(x)`` plus every item of a list: any shape, any dtype."""
 
@@ -622,11 +630,12 @@ def test_each_call_given_ndarrays_gets_the_signature_its_key_names():
     assert len(sigs) == 2 * 3 * 6 * 4 * 3   # blocks, contexts, dtypes, shapes, widths
 
 
-def ndarray_calls(add, items, rng):
+def ndarray_calls(add, items, rng, pick=None):
     """Calls of ``add`` (AddTwo) and ``items`` (AddItems) given NDArrays of
     every dtype on cpu(0) and cpu(1), alone, mixed with lazy values (either
-    first), in lists, and as this package's NDArray subclasses and a user's;
-    returns the results."""
+    first), in lists, and as this package's NDArray subclasses and a user's,
+    and of ``pick`` (Pick) given float32 rows and ids of every dtype (lazy
+    values, NDArrays and numpy arrays); returns the results."""
     from gluon_dynbatch.execute import FreedRows, OutputRows, RecordedOutput
     results = []
     for ctx in (mx.cpu(0), mx.cpu(1)):
@@ -635,6 +644,10 @@ def ndarray_calls(add, items, rng):
                     for _ in range(2))
             v = add(x, y)
             results += [v, add(v, x), add(x, v), add(x, x), items(x, [v, y]), items(v, [x])]
+            if pick is not None:
+                rows, ids = mx.nd.array(rng.uniform(size=(1, 3)), ctx=ctx), x[:, 0]
+                results += [pick(rows, ids), pick(add(rows, rows), add(ids, ids)),
+                            pick(add(rows, rows), ids.asnumpy())]
             for kind in (GradFree, RecordedOutput, OutputRows, FreedRows, OtherArray):
                 z = x.copy()
                 z.__class__ = kind
@@ -652,12 +665,13 @@ def test_ndarray_leaves_record_as_in_python(c_first):
     if not accel.record:
         pytest.skip('no C extension')
     add, items = dyb.DynBatchBlock(AddTwo()), dyb.DynBatchBlock(AddItems())
+    pick = dyb.DynBatchBlock(Pick())
     seen = []
     for on in (c_first, not c_first):
         accel.enable(on)
         try:
             with private_scope('depth') as scope:
-                results = ndarray_calls(add, items, np.random.RandomState(0))
+                results = ndarray_calls(add, items, np.random.RandomState(0), pick)
                 nodes, depth = snapshot(scope, [[r] for r in results])
                 # an input's name is its id: made anew each run
                 seen.append(([node[:5] for node in nodes], depth,
@@ -668,13 +682,19 @@ def test_ndarray_leaves_record_as_in_python(c_first):
     assert seen[0] == seen[1]
     sigs = {node[0] for node in seen[0][0]}
     assert {str(sig.ctx) for sig in sigs} == {'cpu(0)', 'cpu(1)'}
-    assert {np.dtype(sig.key[-2]).name for sig in sigs} == set(NDARRAY_DTYPES)
+    assert {np.dtype(sig.key[-2]).name for sig in sigs
+            if type(sig.key[-2]) is not tuple} == set(NDARRAY_DTYPES)
+    # Pick's calls of two dtypes name each leaf's
+    assert {sig.key[-2] for sig in sigs if type(sig.key[-2]) is tuple} == {
+        (np.float32, np.dtype(dtype).type) for dtype in NDARRAY_DTYPES if dtype != 'float32'}
 
 
 def test_ndarray_leaves_on_other_contexts_or_dtypes_are_refused_as_before():
     """Arguments on two contexts (NDArrays, or an NDArray and a lazy
-    value, either first) or of two dtypes are refused with the Python
-    version's error, with the C recorder on or off."""
+    value, either first) are refused with the Python version's error, and
+    arguments of two dtypes that the block's ops cannot take together (as
+    per sample) by its trace, naming each one's, with the C recorder on or
+    off."""
     add = dyb.DynBatchBlock(AddTwo())
     on_0, on_1 = mx.nd.ones((1, 3), ctx=mx.cpu(0)), mx.nd.ones((1, 3), ctx=mx.cpu(1))
     was_on = accel.record is not None
@@ -687,12 +707,37 @@ def test_ndarray_leaves_on_other_contexts_or_dtypes_are_refused_as_before():
                     with dyb.batching('depth'):
                         v = add(on_0, on_0)
                         add(*(v if isinstance(leaf, str) else leaf for leaf in (first, second)))
-            with pytest.raises(dyb.InputError, match='dtype int32 but earlier arguments have '
-                               'float32'):
+            with pytest.raises(dyb.InputError, match=r'addtwo\d+ \(AddTwo\) cannot take '
+                               r'per-sample inputs of dtype \(float32, int32\)'):
                 with dyb.batching('depth'):
                     add(add(on_0, on_0), on_0.astype('int32'))
     finally:
         accel.enable(was_on)
+
+
+@needs_extension
+def test_calls_of_two_dtypes_are_recorded_in_c(monkeypatch):
+    """A call whose leaves differ in dtype (float32 rows, int32 ids) is
+    recorded by the C recorder once its signature is traced, as a call of
+    one dtype is, not handed to the Python version."""
+    from gluon_dynbatch import block
+    pick = dyb.DynBatchBlock(Pick())
+    rows, ids = mx.nd.array([[1, 2, 3]]), mx.nd.array([2], dtype='int32')
+    in_python = []
+    real = block._signature_key      # (the Python recorder's; the C one has its own)
+    monkeypatch.setattr(block, '_signature_key',
+                        lambda *args: in_python.append(args) or real(*args))
+    with dyb.batching('depth'):
+        v = pick(rows, ids)         # traced (by Python: the scope's first call)
+        pick(rows.astype('float64'), ids.asnumpy())
+        del in_python[:]
+        got = [pick(rows, ids), pick(rows.astype('float64'), ids.asnumpy()), pick(v, ids),
+               pick(rows, ids.asnumpy())]
+        assert in_python == []          # (the C recorder traces new signatures itself)
+        assert {sig.key[-2] for sig in pick.signatures()} == {
+            (np.float32, np.int32), (np.float64, np.int32)}
+    for value, expected in zip(got, [3, 3, 3, 3]):
+        assert value.asnumpy().tolist() == [[expected]]
 
 
 @needs_extension
@@ -959,7 +1004,8 @@ def test_errors_come_from_the_python_version():
     block = dyb.DynBatchBlock(TwoOutputs())
     block.initialize()
     x = mx.nd.ones((1, 4))
-    with pytest.raises(dyb.InputError, match='dtype float64 but earlier arguments have'):
+    with pytest.raises(dyb.InputError, match=r'cannot take per-sample inputs of dtype '
+                       r'\(float32, float64\) \(its parameters are float32\)'):
         with dyb.batching():
             block(x, x.astype('float64'))
     with pytest.raises(dyb.InputError, match='got float, expected an NDArray.*make such a '

@@ -1020,17 +1020,74 @@ def test_error_keyword_arguments_name_the_block(accelerated, inside):
         accel.enable(True)
 
 
-def test_error_mixed_dtypes():
-    """Arguments of one call share a dtype; the error says how to give an op
-    the integers it needs (softmax's length), which casting the argument
-    to float32, as it once advised alone, does not (found by a review)."""
+def test_error_arguments_of_dtypes_the_block_cannot_take_together():
+    """Arguments of one call may differ in dtype where the block's ops take
+    them so (as per sample); where they cannot, the trace's error names
+    each argument's dtype and the parameters'."""
     block = dyb.DynBatchBlock(ChildSumTreeLSTMCell(4, 3))
     block.initialize()
     with dyb.batching():
-        with pytest.raises(dyb.InputError, match=r'float64 but earlier arguments have float32'
-                           r'.*F\.cast\(length, .int32.\)'):
+        with pytest.raises(dyb.InputError, match=r'cannot take per-sample inputs of dtype '
+                           r'\(float32, float64, float32\) \(its parameters are float32\)'
+                           r'.*Cast the inputs'):
             block(mx.nd.ones((1, 3)), [mx.nd.ones((1, 4), dtype='float64')],
                   [mx.nd.ones((1, 4))])
+
+
+@pytest.mark.parametrize('accelerated', [True, False])
+def test_error_an_mxnet_numpy_argument(accelerated):
+    """An mxnet.numpy array is refused, naming the fix, by either recorder
+    (its dtype is a numpy dtype object, not NDArray's type: once arguments
+    could differ in dtype, it was recorded as a dtype of its own)."""
+    from gluon_dynbatch import accel
+    if accelerated and accel.STATUS != 'C extension':
+        pytest.skip(accel.STATUS)
+    was_on = accel.record is not None
+    accel.enable(accelerated)
+    block = dyb.DynBatchBlock(nn.Dense(3, in_units=4))
+    block.initialize()
+    try:
+        with pytest.raises(dyb.InputError, match=r'dense\d+, argument #1 is an mxnet.numpy '
+                           r'array.*x\.as_nd_ndarray\(\)'):
+            with dyb.batching():
+                block(mx.nd.ones((1, 4)))
+                block(mx.nd.ones((1, 4)))       # (recorded in C where it is on)
+                block(mx.nd.ones((1, 4)), mx.np.ones((1, 4)))
+    finally:
+        accel.enable(was_on)
+
+
+class _PlusZero(gluon.HybridBlock):
+    def hybrid_forward(self, F, x):  # pylint: disable=arguments-differ
+        return x + 0
+
+
+class MaskedSoftmax(gluon.HybridBlock):
+    """A softmax over the first ``length`` entries of a row: its lengths
+    are int32, its scores float32 (MXNet's softmax takes them so)."""
+
+    def hybrid_forward(self, F, scores, length):
+        return F.softmax(scores, length, axis=-1, use_length=True)
+
+
+@pytest.mark.parametrize('strategy', ['depth', 'agenda', 'auto'])
+def test_arguments_of_two_dtypes_batch_like_per_sample(strategy):
+    """Float32 scores with int32 lengths (NDArrays, numpy arrays, lazy
+    values) batch; values and gradients equal per-sample ones."""
+    block, same = dyb.DynBatchBlock(MaskedSoftmax()), dyb.DynBatchBlock(_PlusZero())
+    rng = np.random.RandomState(0)
+    scores = [mx.nd.array(rng.uniform(-2, 2, (1, 5))) for _ in range(9)]
+    lengths = [np.array([n % 5 + 1], dtype=np.int32) for n in range(9)]
+
+    def forward():
+        outs = []
+        for i, (x, n) in enumerate(zip(scores, lengths)):
+            ways = (n, mx.nd.array(n, dtype='int32'), same(mx.nd.array(n, dtype='int32')))
+            outs.append(block(x, ways[i % 3]))
+        return outs
+    assert_same(run_both(forward, [block], inputs=scores, strategy=strategy))
+    assert {sig.key[-2] for sig in block.signatures()} == {(np.float32, np.int32)}
+    assert any(sig.programs for sig in block.signatures())
 
 
 class _SumOverBatch(gluon.HybridBlock):
@@ -1303,7 +1360,7 @@ def test_error_an_argument_dtype_mxnet_lacks_is_named(dtype):
     """Found by a review: the trace failed with a bare TypeError."""
     block = dyb.DynBatchBlock(TanhDense(3))
     block.initialize()
-    with pytest.raises(dyb.InputError, match=r'block tanhdense\d+: its arguments have dtype '
+    with pytest.raises(dyb.InputError, match=r'block tanhdense\d+, argument #0 has dtype '
                        r'\w+, which MXNet arrays cannot hold'):
         with dyb.batching():
             block(np.zeros((1, 3), dtype=dtype))

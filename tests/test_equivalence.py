@@ -36,11 +36,11 @@ def pair_forward(node, head, pairs):
     return forward
 
 
-def random_pairs(rng, n, max_size=15, max_arity=8, vocab=40):
+def random_pairs(rng, n, max_size=15, max_arity=8, vocab=40, id_dtype='float32'):
     pairs = []
     for _ in range(n):
         sizes = rng.randint(1, max_size + 1, size=2)
-        ids = [rng.randint(vocab, size=(s,)).astype('float32') for s in sizes]
+        ids = [rng.randint(vocab, size=(s,)).astype(id_dtype) for s in sizes]
         pairs.append((random_tree(rng, sizes[0], max_arity), ids[0],
                       random_tree(rng, sizes[1], max_arity), ids[1]))
     return pairs
@@ -63,6 +63,31 @@ def test_tree_lstm_random_pairs(strategy, pad_lists, hoist, monkeypatch):
     parts = {way[1] for sig in node.signatures() for p in sig.programs for way in p
              if way and way[0] in ('take', 'ragged')}
     assert all(n & (n - 1) == 0 for n in parts)
+
+
+@pytest.mark.parametrize('strategy', STRATEGIES)
+@pytest.mark.parametrize('pad_lists', [True, False])
+@pytest.mark.parametrize('id_dtype', ['int32', 'int64', 'float64'])
+@pytest.mark.parametrize('accelerated', [True, False])
+def test_tree_lstm_with_token_ids_of_another_dtype(strategy, pad_lists, id_dtype, accelerated):
+    """Token ids in another dtype than the float32 states (int32 as a
+    vocabulary gives them) batch like per sample, recorded in C or Python:
+    a call's leaves may differ in dtype where its block takes them so."""
+    from gluon_dynbatch import accel
+    if accelerated and accel.STATUS != 'C extension':
+        pytest.skip(accel.STATUS)
+    was_on = accel.record is not None
+    accel.enable(accelerated)
+    try:
+        node, head = make_tree_model(pad_lists=pad_lists)
+        pairs = random_pairs(np.random.RandomState(3), 8, id_dtype=id_dtype)
+        assert_same(run_both(pair_forward(node, head, pairs), [node, head], strategy=strategy))
+    finally:
+        accel.enable(was_on)
+    kinds = {sig.key[-2] for sig in node.signatures()}
+    assert (np.dtype(id_dtype).type, np.float32, np.float32) in kinds
+    if strategy != 'per-sample':
+        assert any(sig.programs for sig in node.signatures())
 
 
 @pytest.mark.parametrize('strategy', ['depth', 'cached', 'auto'])
@@ -230,6 +255,22 @@ def test_tree_lstm_hypothesis_trees(tree_list, flush_every):
     def forward():
         return [out for tree, _ in tree_list for out in enc(tree)]
     assert_same(run_both(forward, [cell], inputs=[emb], flush_every=flush_every))
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(trees(), min_size=1, max_size=4), st.sampled_from(['int32', 'uint8', 'float16']),
+       st.sampled_from(['depth', 'agenda', 'auto']), st.booleans())
+def test_tree_lstm_hypothesis_trees_with_ids_of_any_dtype(tree_list, id_dtype, strategy,
+                                                           pad_lists):
+    """TreeLSTMNode's token ids in a dtype of their own beside its float32
+    states, on random trees: batched equals per sample."""
+    node = dyb.DynBatchBlock(TreeLSTMNode(40, 5, 4), pad_lists=pad_lists)
+    node.initialize(mx.init.Uniform(0.5))
+    ids = np.random.RandomState(len(tree_list)).randint(40, size=(60,)).astype(id_dtype)
+
+    def forward():
+        return [out for tree, _ in tree_list for out in encode(node, tree, ids)]
+    assert_same(run_both(forward, [node], strategy=strategy))
 
 
 @pytest.mark.parametrize('strategy', STRATEGIES)
