@@ -568,6 +568,8 @@ register_batching_rule('slice_axis', 'repeat', 'argmax', 'argmin')(_axis_rule('a
 # LSTMCell and GRUCell slice their gates so, and ran per sample while a
 # missing axis was taken for every axis
 register_batching_rule('SliceChannel', 'split')(_axis_rule('axis', 1))
+# (split_v2 cuts along axis 0 unless told otherwise)
+register_batching_rule('_split_v2')(_axis_rule('axis', 0))
 register_batching_rule('softmax', 'log_softmax', 'softmin')(_softmax)
 register_batching_rule('sum', 'mean', 'max', 'min', 'prod', 'nansum', 'nanprod')(_reduction)
 # (a mean and variance over ``axes``, as a LayerNorm written by hand computes them)
@@ -700,6 +702,20 @@ def _sequence(op):
     if not op.batched[0]:
         return '%s of shared data with batched lengths' % op.op
     return None
+
+
+@register_batching_rule('UpSampling')
+def _upsampling(op):
+    """Scales each image's own spatial axes (NCHW).  ``nearest`` takes
+    images and resizes them to the first's size (or adds them): every one
+    must be batched, as a shared one would keep its per-sample shape.
+    ``bilinear`` takes one image and a shared weight (a grouped
+    deconvolution of each image on its own)."""
+    if op.attr('sample_type', 'nearest') == 'bilinear':
+        if not op.batched[0] or any(op.batched[1:]):
+            return 'bilinear UpSampling of a shared image or with a per-sample weight'
+        return None
+    return _all_batched(op)
 
 
 RANDOM_LIKE = '''_random_uniform_like _random_normal_like _random_gamma_like

@@ -1258,15 +1258,15 @@ class _WithBatchNorm(gluon.HybridBlock):
         return self.norm(x)
 
 
-class _WithUpSampling(gluon.HybridBlock):
+class _WithResize(gluon.HybridBlock):
     def hybrid_forward(self, F, x):  # pylint: disable=arguments-differ
-        return F.UpSampling(x.reshape((0, 1, 2, 2)), scale=2,
-                            sample_type='nearest').reshape((0, -1))
+        return F.contrib.BilinearResize2D(x.reshape((0, 1, 2, 2)), height=4,
+                                          width=4).reshape((0, -1))
 
 
 @pytest.mark.parametrize('block_type, advice, not_advice', [
     (_ConstantOutput, 'compute it outside the block', 'register a rule'),
-    (_WithUpSampling, 'register a rule.*not for an op that mixes rows, as BatchNorm', None),
+    (_WithResize, 'register a rule.*not for an op that mixes rows, as BatchNorm', None),
     (_WithBatchNorm, 'BatchNorm normalises over the batch axis in training.*'
                      'use_global_stats=True', 'register a rule')])
 def test_per_sample_warning_advice_fits_the_reason(block_type, advice, not_advice):

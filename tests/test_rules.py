@@ -215,12 +215,31 @@ CASES = [
      None, (1, 3, 6), False),
     ('linalg_syrk of a rank 2 sample', lambda F, h: F.linalg.syrk(h),
      lambda F, y: F.sum(y, axis=0, keepdims=True), (1, 6), False),
+    # split_v2 (axis 0 by default) and UpSampling of each sample's own image
+    ('split_v2 along axis 2', lambda F, h: F.concat(*[F.split_v2(h, (2, 5), axis=2)[i]
+                                                      for i in (2, 0, 1)], dim=2),
+     None, (1, 3, 6), True),
+    ('split_v2 into sections along -2, squeezed', lambda F, h: F.split_v2(
+        h, 3, axis=-2, squeeze_axis=True)[1], None, (1, 3, 6), True),
+    ('split_v2 along the batch axis', lambda F, h: F.split_v2(
+        F.concat(h, h, dim=0), 2)[1], None, (1, 3, 6), False),
+    ('UpSampling nearest of two images', lambda F, h: F.UpSampling(
+        h.reshape((0, 3, 2, 3)), F.sin(h).reshape((0, 3, 2, 3)), scale=2,
+        sample_type='nearest', num_args=2, multi_input_mode='sum').reshape((0, 3, -1)),
+     None, (1, 3, 6), True),
+    ('UpSampling nearest with a shared image', lambda F, h: F.UpSampling(
+        h.reshape((0, 3, 2, 3)), F.ones((1, 3, 2, 3)), scale=2, sample_type='nearest',
+        num_args=2).reshape((0, 3, -1)), None, (1, 3, 6), False),
+    ('UpSampling bilinear', lambda F, h: F.UpSampling(
+        h.reshape((0, 3, 2, 3)), F.sin(F.arange(48)).reshape((3, 1, 4, 4)), scale=2,
+        sample_type='bilinear', num_filter=3).reshape((0, 3, -1)), None, (1, 3, 6), True),
     ('depth_to_space, space_to_depth, im2col', lambda F, h: F.space_to_depth(F.depth_to_space(
         h.reshape((0, 4, 2, 3)), block_size=2), block_size=2).reshape((0, 4, 6))
      + F.im2col(h.reshape((0, 4, 2, 3)), kernel=(1, 1)), None, (1, 4, 6), True),
 ]
 WHY = {'reshape into rows and back': 'gives it more than one row',
-       'linalg with a shared matrix': 'with a shared operand'}
+       'linalg with a shared matrix': 'with a shared operand',
+       'UpSampling nearest with a shared image': 'mixes batched and shared inputs'}
 """The reason an unsafe case must give, where another check would refuse
 the block too (the tracer refuses batched inputs of leading size 2)."""
 
