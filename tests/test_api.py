@@ -1034,6 +1034,18 @@ def test_error_arguments_of_dtypes_the_block_cannot_take_together():
                   [mx.nd.ones((1, 4))])
 
 
+def test_error_a_list_of_arrays_of_two_dtypes():
+    """The arrays of one list argument are gathered as one array: they must
+    share a dtype, as they share a shape (the arguments of a call need not)."""
+    block = dyb.DynBatchBlock(ChildSumTreeLSTMCell(4, 3))
+    block.initialize()
+    with dyb.batching():
+        with pytest.raises(dyb.InputError, match=r'argument #1 is a list of arrays of different '
+                           r'dtypes \(float32, float64\).*Cast them alike'):
+            block(mx.nd.ones((1, 3)), [mx.nd.ones((1, 4)), mx.nd.ones((1, 4), dtype='float64')],
+                  [mx.nd.ones((1, 4))] * 2)
+
+
 @pytest.mark.parametrize('accelerated', [True, False])
 def test_error_an_mxnet_numpy_argument(accelerated):
     """An mxnet.numpy array is refused, naming the fix, by either recorder
