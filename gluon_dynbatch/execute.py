@@ -778,7 +778,10 @@ class FlushTables:
         return array
 
     def _read_ahead(self, steps):
-        """Every id that one of ``steps`` reads through a table, sorted."""
+        """Every id that one of ``steps`` reads through a table, sorted, in
+        a dtype MXNet holds: ids of two signatures may differ in dtype, and
+        numpy gives int8 with uint8 ids int16, which MXNet lacks (int32
+        holds them)."""
         ids = []
         for step in steps:
             host = _host_items(step)
@@ -786,7 +789,10 @@ class FlushTables:
                 rows = host_item_rows(step.nodes, item)
                 if rows is not None:
                     ids.append(rows.ravel())
-        return np.unique(np.concatenate(ids)) if ids else np.zeros(0, np.float32)
+        if not ids:
+            return np.zeros(0, np.float32)
+        tokens = np.unique(np.concatenate(ids))
+        return tokens if tokens.dtype.type in _DTYPE_NP_TO_MX else tokens.astype(np.int32)
 
 
 def finish_nodes_py(nodes, arrays, rows=None):

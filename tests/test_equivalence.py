@@ -703,6 +703,26 @@ def test_training_reads_embeddings_through_flush_tables(strategy):
     assert not any(p[1][2:] for p in patterns)
 
 
+@pytest.mark.parametrize('strategy', ['depth', 'cached'])
+def test_flush_tables_take_ids_of_two_dtypes_that_numpy_widens_beyond_mxnet(strategy):
+    """Int8 ids in some calls and uint8 ids in others, beside float32
+    rows: one flush's table reads them all, and numpy's unique of both was
+    int16, which MXNet cannot hold (a KeyError uploading the table's ids;
+    found by a review)."""
+    block = dyb.DynBatchBlock(Lookups())
+    block.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(5)
+    calls = [(np.array([rng.randint(6)], 'int8' if n % 2 else 'uint8'),
+              np.array([rng.randint(6)], 'float32')) for n in range(30)]
+    hs = [mx.nd.array(rng.uniform(-1, 1, (1, 3))) for _ in range(30)]
+
+    def forward():
+        return [block(ids, other, h) for (ids, other), h in zip(calls, hs)]
+    for _ in range(3 if strategy == 'cached' else 1):   # miss, replay, compile
+        assert_same(run_both(forward, [block], inputs=hs, strategy=strategy))
+    assert any(p[0][2:] == ('table',) for sig in block.signatures() for p in sig.programs)
+
+
 class Project(gluon.HybridBlock):
     """No host data: its steps read no table."""
 
