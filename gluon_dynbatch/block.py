@@ -1562,7 +1562,8 @@ def _pad_with_zeros(sig, padded, leaves, kind, made):
 def _in_kind(dtype, kind):
     """The dtype in which the padding check gives a value of ``dtype`` to
     a run in ``kind``: ``kind`` for a float, ``dtype`` itself for another
-    (token ids stay integers in a float64 run) or without a ``kind``."""
+    (token ids stay integers beside the states' float type; a call of
+    several dtypes has no float64 run) or without a ``kind``."""
     return kind if kind is not None and np.issubdtype(dtype, np.floating) else dtype
 
 
