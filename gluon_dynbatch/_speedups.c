@@ -1050,6 +1050,7 @@ static PyObject *repeat_node(PyObject *first)
 }
 
 static int ndarray_fields(PyObject *leaf, PyObject **shape, PyObject **dtype, PyObject **ctx);
+static PyObject *bool_type;     /* numpy's bool (see set_ndarray_readers) */
 static int contexts_differ(PyObject *a, PyObject *b);
 
 /* BatchingScope.record for the common case; None when the Python version
@@ -1162,14 +1163,15 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
         } else if ((fields = ndarray_fields(leaf, &shape, &leaf_dtype, &leaf_ctx)) != 0) {
             if (fields < 0) BAIL(error);
             /* dtype and context live in mx_dtypes and devices: no ``keep`` */
+            if (leaf_dtype == bool_type) { Py_DECREF(shape); BAIL(fallback); }
         } else if (PyObject_TypeCheck(leaf, NDArrayType)) {
             /* properties that call into MXNet; Context objects are made anew */
             if (keep == NULL && (keep = PyList_New(0)) == NULL) BAIL(error);
             shape = PyObject_GetAttr(leaf, s_shape);
             if (shape == NULL) BAIL(error);
             leaf_dtype = PyObject_GetAttr(leaf, s_dtype);
-            if (leaf_dtype != NULL && !PyType_Check(leaf_dtype)) {
-                /* an mxnet.numpy array's dtype object: Python refuses it */
+            if (leaf_dtype != NULL && (!PyType_Check(leaf_dtype) || leaf_dtype == bool_type)) {
+                /* an mxnet.numpy array's dtype object, or bool: Python refuses it */
                 Py_DECREF(shape); Py_DECREF(leaf_dtype); BAIL(fallback);
             }
             leaf_ctx = leaf_dtype ? PyObject_GetAttr(leaf, s_context) : NULL;
@@ -1666,6 +1668,11 @@ static PyObject *ndarray_types;     /* a tuple of the subclasses read so too */
  * (NULL: ask the property) */
 #define MX_DTYPES 16
 static PyObject *mx_dtypes[MX_DTYPES];
+/* numpy's bool, MXNet's dtype 7 (mshadow's kBool): an NDArray leaf of it
+ * is left to the Python version, which refuses it (MXNet 1.9.1 cannot
+ * concatenate or slice bool arrays); a numpy one is host data */
+#define MX_BOOL 7
+static PyObject *bool_type;
 
 /* One Context per device met, as ``NDArray.context`` made it the first
  * time, to compare contexts by identity and key signatures by.  Never
@@ -1693,6 +1700,7 @@ static PyObject *set_ndarray_readers(PyObject *self, PyObject *args)
         /* (the old one is left alive: a recording thread may hold it borrowed) */
         mx_dtypes[i] = value == Py_None ? NULL : Py_XNewRef(value);
     }
+    if (mx_dtypes[MX_BOOL] != NULL) bool_type = mx_dtypes[MX_BOOL];    /* (kept alive there) */
     Py_INCREF(context_type);
     Py_INCREF(types);
     ContextType = (PyTypeObject *)context_type;

@@ -884,6 +884,9 @@ flush (a token id is 4 bytes; 256 images of 3 x 224 x 224 floats held
 154 MB), and large inputs rarely repeat."""
 
 
+_MXNET_DTYPE_NAMES = {np.dtype(dtype).name for dtype in _DTYPE_NP_TO_MX}
+
+
 def _signature_key(dblock, fmt, leaves, scope):
     """(signature key, context, depth) of a call recorded in ``scope``;
     checks the leaves and marks the pending nodes they come from as used.
@@ -932,6 +935,12 @@ def _signature_key(dblock, fmt, leaves, scope):
                 raise InputError('block %s, argument %s is an mxnet.numpy array; a wrapped '
                                  'block records NDArray calls: make it an NDArray with '
                                  'x.as_nd_ndarray().'
+                                 % (dblock.block.name, _leaf_path(fmt, _position(leaves, leaf))))
+            if leaf_dtype is np.bool_:
+                raise InputError('block %s, argument %s is a bool NDArray, which MXNet 1.9.1 '
+                                 'cannot gather into a batched step (its concat and slices '
+                                 'take no bool): pass it as uint8 or float32 '
+                                 '(x.astype(\'uint8\')), or as a numpy bool array.'
                                  % (dblock.block.name, _leaf_path(fmt, _position(leaves, leaf))))
         else:
             raise InputError('block %s, argument %s: got %s, expected an NDArray, a lazy '
@@ -1839,11 +1848,16 @@ class DynBatchBlock(Block):
         for pos, dtype in enumerate(dtypes):
             if np.dtype(dtype).type not in _DTYPE_NP_TO_MX:
                 # (the trace's type inference failed with a bare TypeError)
+                name = np.dtype(dtype).name
                 raise InputError(
-                    'block %s, argument %s has dtype %s, which MXNet arrays cannot hold (they '
+                    'block %s, argument %s has dtype %s%s, which MXNet arrays cannot hold (they '
                     'take float16/32/64, uint8, int8/32/64 and bool). Convert it, e.g. '
-                    'x.astype(np.float32), or keep such values out of the block\'s arguments.'
-                    % (self.block.name, _leaf_path(fmt, pos), np.dtype(dtype).name))
+                    'x.astype(np.%s), or keep such values out of the block\'s arguments.'
+                    % (self.block.name, _leaf_path(fmt, pos), name,
+                       # (numpy's longlong is int64 by name, not MXNet's np.int64)
+                       ' (numpy\'s %s)' % np.dtype(dtype).type.__name__
+                       if name in _MXNET_DTYPE_NAMES else '',
+                       name if name in _MXNET_DTYPE_NAMES else 'float32'))
         for pos, shape in enumerate(shapes):
             if not shape or shape[0] != 1:
                 raise InputError(

@@ -351,6 +351,11 @@ def trace_signature(sig_id, block, fmt, shapes, dtypes):
             % (_block_name(block), _dtypes_text(dtypes),
                ', '.join(param_types) or 'none', error_line(err))) from None
     out_dtypes = [np.dtype(t).type for t in out_types]
+    if np.bool_ in out_dtypes:
+        raise InputError(
+            'block %s: output %d is bool, which MXNet 1.9.1 cannot cut out of a batched step '
+            '(its slices take no bool): cast it inside the block, e.g. F.cast(x, \'uint8\').'
+            % (_block_name(block), out_dtypes.index(np.bool_)))
     written = symbol
     symbol = prelu_by_ops(symbol, known)
     batch_safe, reason = check_batch_safe(symbol, set(data_names), known)
