@@ -1111,14 +1111,12 @@ def _check_padding_is_neutral(dblock, sig, padded):
     short_symbol, long_symbol = _small_tables(sig.symbol), _small_tables(padded.symbol)
     # the symbols run in float64 where MXNet can: rounding then cannot hide
     # a real difference behind the largest value of an output (see _close);
-    # not those of leaves of several dtypes (ids and floats), which run as
-    # they are
+    # integer arguments (token ids beside float states) keep their dtype
     symbols, kinds = {dtype: (short_symbol, long_symbol)}, [dtype]
-    if type(sig.key[-2]) is not tuple:
-        wide = (_widened(short_symbol, dtype), _widened(long_symbol, dtype))
-        if _runs_wide(wide, dtype):
-            symbols[np.float64] = wide
-            kinds.insert(0, np.float64)
+    wide = (_widened(short_symbol, dtype), _widened(long_symbol, dtype))
+    if _runs_wide(wide, dtype, [_integer_inputs(sig), _integer_inputs(padded)]):
+        symbols[np.float64] = wide
+        kinds.insert(0, np.float64)
     made = {}
     own_runs = _runs_with_own_parameters(dblock, sig, padded)
 
@@ -1398,23 +1396,32 @@ def _widened(symbol, dtype):
     return mx.sym.load_json(json.dumps(graph)) if changed else symbol
 
 
-def _runs_wide(symbols, dtype):
+def _runs_wide(symbols, dtype, integers):
     """Whether the padding check runs ``symbols`` (for a block of
     ``dtype``) in float64: ``dtype`` is a narrower float, and every value
-    of each symbol is float64 when its inputs are (see :func:`_widened`).
-    MXNet's ``infer_type`` prints its arguments when it fails; the method
-    behind it does not."""
-    if np.dtype(dtype) not in (np.float32, np.float16):
+    of each symbol is float64 when its inputs are (see :func:`_widened`),
+    but for the integer data inputs that ``integers`` gives per symbol
+    (name -> dtype) and the integer values computed from them.  MXNet's
+    ``infer_type`` prints its arguments when it fails; the method behind
+    it does not."""
+    if dtype is None or np.dtype(dtype) not in (np.float32, np.float16):
         return False
-    for symbol in symbols:
+    for symbol, fixed in zip(symbols, integers):
         try:
             _, types, _ = symbol.get_internals()._infer_type_impl(
-                False, **{name: np.float64 for name in symbol.list_arguments()})
+                False, **{name: fixed.get(name, np.float64) for name in symbol.list_arguments()})
         except mx.base.MXNetError:
             return False
-        if types is None or any(t is None or np.dtype(t) != np.float64 for t in types):
+        if types is None or any(t is None or np.dtype(t) != np.float64 and not (
+                fixed and np.issubdtype(t, np.integer)) for t in types):
             return False
     return True
+
+
+def _integer_inputs(sig):
+    """The data inputs of ``sig`` of an integer dtype, by name, with it."""
+    return {name: dtype for name, dtype in zip(sig.data_names, sig.in_dtypes)
+            if not np.issubdtype(dtype, np.floating)}
 
 
 def _padding_text(short, long):
@@ -1571,8 +1578,7 @@ def _pad_with_zeros(sig, padded, leaves, kind, made):
 def _in_kind(dtype, kind):
     """The dtype in which the padding check gives a value of ``dtype`` to
     a run in ``kind``: ``kind`` for a float, ``dtype`` itself for another
-    (token ids stay integers beside the states' float type; a call of
-    several dtypes has no float64 run) or without a ``kind``."""
+    (token ids stay integers in a float64 run) or without a ``kind``."""
     return kind if kind is not None and np.issubdtype(dtype, np.floating) else dtype
 
 

@@ -1820,11 +1820,14 @@ def test_padding_check_sees_small_values_beside_large_ones(mean, cast, capsys):
     assert 'infer_type' not in capsys.readouterr().out
 
 
-def test_padding_check_compares_gradients_in_float64(monkeypatch):
+@pytest.mark.parametrize('id_dtype', [np.float32, np.int32])
+def test_padding_check_compares_gradients_in_float64(monkeypatch, id_dtype):
     """The check's gradients of a Tree-LSTM node (row-sparse embedding
     gradients too) come from float64 runs: MXNet 1.9.1's
     ``attach_grad(stype=...)`` made float32 gradient buffers, every float64
-    backward failed, and the gradients fell back to float32 unseen."""
+    backward failed, and the gradients fell back to float32 unseen.  With
+    int32 token ids beside the float32 states too: the ids stay integers,
+    the rest runs in float64 (calls of two dtypes ran in float32 alone)."""
     from gluon_dynbatch import block as block_module
     from gluon_dynbatch.models import TreeLSTMNode
     compared, close = [], block_module._close
@@ -1836,7 +1839,7 @@ def test_padding_check_compares_gradients_in_float64(monkeypatch):
     for sparse in (False, True):
         node = dyb.DynBatchBlock(TreeLSTMNode(20, 6, 5, sparse_grad=sparse))
         node.initialize()
-        ids = np.array([1.0], dtype=np.float32)
+        ids = np.array([1], dtype=id_dtype)
         del compared[:]
         with dyb.batching('depth'):
             leaf = node(ids, [], [])
