@@ -50,3 +50,15 @@ def sick_dir():
         return find_sick_dir()
     except FileNotFoundError as err:
         pytest.skip('SICK data not available: {}'.format(err))
+
+
+@pytest.fixture(params=[True, False], ids=['C', 'python'])
+def recorder(request):
+    """Record in C (where built) or in Python."""
+    from gluon_dynbatch import accel
+    if request.param and accel.STATUS != 'C extension':
+        pytest.skip(accel.STATUS)
+    was_on = accel.record is not None
+    accel.enable(request.param)
+    yield request.param
+    accel.enable(was_on)

@@ -1046,27 +1046,18 @@ def test_error_a_list_of_arrays_of_two_dtypes():
                   [mx.nd.ones((1, 4))] * 2)
 
 
-@pytest.mark.parametrize('accelerated', [True, False])
-def test_error_an_mxnet_numpy_argument(accelerated):
+def test_error_an_mxnet_numpy_argument(recorder):
     """An mxnet.numpy array is refused, naming the fix, by either recorder
     (its dtype is a numpy dtype object, not NDArray's type: once arguments
     could differ in dtype, it was recorded as a dtype of its own)."""
-    from gluon_dynbatch import accel
-    if accelerated and accel.STATUS != 'C extension':
-        pytest.skip(accel.STATUS)
-    was_on = accel.record is not None
-    accel.enable(accelerated)
     block = dyb.DynBatchBlock(nn.Dense(3, in_units=4))
     block.initialize()
-    try:
-        with pytest.raises(dyb.InputError, match=r'dense\d+, argument #1 is an mxnet.numpy '
-                           r'array.*x\.as_nd_ndarray\(\)'):
-            with dyb.batching():
-                block(mx.nd.ones((1, 4)))
-                block(mx.nd.ones((1, 4)))       # (recorded in C where it is on)
-                block(mx.nd.ones((1, 4)), mx.np.ones((1, 4)))
-    finally:
-        accel.enable(was_on)
+    with pytest.raises(dyb.InputError, match=r'dense\d+, argument #1 is an mxnet.numpy '
+                       r'array.*x\.as_nd_ndarray\(\)'):
+        with dyb.batching():
+            block(mx.nd.ones((1, 4)))
+            block(mx.nd.ones((1, 4)))       # (recorded in C where it is on)
+            block(mx.nd.ones((1, 4)), mx.np.ones((1, 4)))
 
 
 class _Masked(gluon.HybridBlock):
@@ -1079,34 +1070,25 @@ class _BoolOutput(gluon.HybridBlock):
         return F.cast(x, 'bool')
 
 
-@pytest.mark.parametrize('accelerated', [True, False])
-def test_bool_masks_batch_from_numpy_and_are_refused_as_ndarrays(accelerated):
+def test_bool_masks_batch_from_numpy_and_are_refused_as_ndarrays(recorder):
     """A numpy bool mask beside float32 rows is host data and batches; a
     bool NDArray is refused by name, by either recorder, also once a numpy
     call traced the signature (MXNet 1.9.1 cannot concatenate or slice bool
     arrays: the flush failed with 'Unknown type enum 7'), and so is a block
     that returns bool."""
-    from gluon_dynbatch import accel
-    if accelerated and accel.STATUS != 'C extension':
-        pytest.skip(accel.STATUS)
-    was_on = accel.record is not None
-    accel.enable(accelerated)
-    try:
-        block = dyb.DynBatchBlock(_Masked())
-        masks = [np.array([[True, False, i % 2 == 0]]) for i in range(4)]
-        rows = [mx.nd.array([[1, 2, 3]]) * i for i in range(4)]
+    block = dyb.DynBatchBlock(_Masked())
+    masks = [np.array([[True, False, i % 2 == 0]]) for i in range(4)]
+    rows = [mx.nd.array([[1, 2, 3]]) * i for i in range(4)]
+    with dyb.batching('depth'):
+        got = [block(x, m) for x, m in zip(rows, masks)]
+        with pytest.raises(dyb.InputError, match=r'argument #1 is a bool NDArray.*'
+                           r'x\.astype\(.uint8.\)'):
+            block(rows[0], mx.nd.array(masks[0], dtype='bool'))
+    for value, x, m in zip(got, rows, masks):
+        np.testing.assert_array_equal(value.asnumpy(), x.asnumpy() * m)
+    with pytest.raises(dyb.InputError, match=r'output 0 is bool.*F\.cast\(x, .uint8.\)'):
         with dyb.batching('depth'):
-            got = [block(x, m) for x, m in zip(rows, masks)]
-            with pytest.raises(dyb.InputError, match=r'argument #1 is a bool NDArray.*'
-                               r'x\.astype\(.uint8.\)'):
-                block(rows[0], mx.nd.array(masks[0], dtype='bool'))
-        for value, x, m in zip(got, rows, masks):
-            np.testing.assert_array_equal(value.asnumpy(), x.asnumpy() * m)
-        with pytest.raises(dyb.InputError, match=r'output 0 is bool.*F\.cast\(x, .uint8.\)'):
-            with dyb.batching('depth'):
-                dyb.DynBatchBlock(_BoolOutput())(rows[1])
-    finally:
-        accel.enable(was_on)
+            dyb.DynBatchBlock(_BoolOutput())(rows[1])
 
 
 class _PlusZero(gluon.HybridBlock):

@@ -68,22 +68,13 @@ def test_tree_lstm_random_pairs(strategy, pad_lists, hoist, monkeypatch):
 @pytest.mark.parametrize('strategy', STRATEGIES)
 @pytest.mark.parametrize('pad_lists', [True, False])
 @pytest.mark.parametrize('id_dtype', ['int32', 'int64', 'float64'])
-@pytest.mark.parametrize('accelerated', [True, False])
-def test_tree_lstm_with_token_ids_of_another_dtype(strategy, pad_lists, id_dtype, accelerated):
+def test_tree_lstm_with_token_ids_of_another_dtype(strategy, pad_lists, id_dtype, recorder):
     """Token ids in another dtype than the float32 states (int32 as a
     vocabulary gives them) batch like per sample, recorded in C or Python:
     a call's leaves may differ in dtype where its block takes them so."""
-    from gluon_dynbatch import accel
-    if accelerated and accel.STATUS != 'C extension':
-        pytest.skip(accel.STATUS)
-    was_on = accel.record is not None
-    accel.enable(accelerated)
-    try:
-        node, head = make_tree_model(pad_lists=pad_lists)
-        pairs = random_pairs(np.random.RandomState(3), 8, id_dtype=id_dtype)
-        assert_same(run_both(pair_forward(node, head, pairs), [node, head], strategy=strategy))
-    finally:
-        accel.enable(was_on)
+    node, head = make_tree_model(pad_lists=pad_lists)
+    pairs = random_pairs(np.random.RandomState(3), 8, id_dtype=id_dtype)
+    assert_same(run_both(pair_forward(node, head, pairs), [node, head], strategy=strategy))
     kinds = {sig.key[-2] for sig in node.signatures()}
     assert (np.dtype(id_dtype).type, np.float32, np.float32) in kinds
     if strategy != 'per-sample':

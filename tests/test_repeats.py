@@ -23,17 +23,6 @@ from test_equivalence import make_tree_model, pair_forward, random_pairs
 STRATEGIES = ['per-sample', 'depth', 'agenda', 'cached', 'auto']
 
 
-@pytest.fixture(params=[True, False], ids=['C', 'python'])
-def recorder(request):
-    """Record in C (where built) or in Python."""
-    if request.param and accel.STATUS != 'C extension':
-        pytest.skip(accel.STATUS)
-    was_on = accel.record is not None
-    accel.enable(request.param)
-    yield request.param
-    accel.enable(was_on)
-
-
 def calls_of(pairs):
     return sum(len(ids_a) + len(ids_b) + 1 for _, ids_a, _, ids_b in pairs)
 
