@@ -1668,11 +1668,11 @@ static PyObject *ndarray_types;     /* a tuple of the subclasses read so too */
  * (NULL: ask the property) */
 #define MX_DTYPES 16
 static PyObject *mx_dtypes[MX_DTYPES];
-/* numpy's bool, MXNet's dtype 7 (mshadow's kBool): an NDArray leaf of it
- * is left to the Python version, which refuses it (MXNet 1.9.1 cannot
- * concatenate or slice bool arrays); a numpy one is host data */
+/* bool_type (declared before record_args) is MXNet's dtype 7 (mshadow's
+ * kBool), numpy's bool: an NDArray leaf of it is left to the Python
+ * version, which refuses it (MXNet 1.9.1 cannot concatenate or slice bool
+ * arrays); a numpy one is host data */
 #define MX_BOOL 7
-static PyObject *bool_type;
 
 /* One Context per device met, as ``NDArray.context`` made it the first
  * time, to compare contexts by identity and key signatures by.  Never

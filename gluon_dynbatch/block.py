@@ -1933,6 +1933,8 @@ class DynBatchBlock(Block):
         family = key
         if self.pad_lists and all(item == 0 or set(item) == {0} for item in fmt):
             shapes, pos, parts = key[1:-2], 0, []
+            # leaves of several dtypes: each argument's (lists' lengths forgotten)
+            dtypes, kinds = (key[-2], []) if type(key[-2]) is tuple else (None, None)
             for item in fmt:
                 width = 1 if item == 0 else len(item)
                 elems = set(shapes[pos:pos + width])
@@ -1941,14 +1943,11 @@ class DynBatchBlock(Block):
                     parts = None
                     break
                 parts.append(shapes[pos - 1] if item == 0 else ('list', min(elems, default=None)))
+                if dtypes is not None:
+                    kinds.append(dtypes[pos - 1] if width else None)
             if parts is not None:
-                dtype = key[-2]
-                if type(dtype) is tuple:    # each argument's (lists' lengths forgotten)
-                    ends = itertools.accumulate(1 if item == 0 else len(item) for item in fmt)
-                    dtype = tuple(dtype[end - 1] if item == 0 or item else None
-                                  for item, end in zip(fmt, ends))
                 family = (tuple(0 if item == 0 else 'list' for item in fmt),) + tuple(parts) \
-                    + (dtype, key[-1])
+                    + (key[-2] if dtypes is None else tuple(kinds), key[-1])
         family_id = self._families.get(family)
         if family_id is None:   # ids unique across blocks: one counter for all
             family_id = self._families[family] = next(_SIG_IDS)

@@ -32,9 +32,9 @@ class InputError(DynBatchError):
     """A recorded call got arguments its block cannot take (a non-array,
     keyword arguments, mixed contexts, dtypes its ops cannot take together,
     a missing batch axis, a list of arrays of different shapes or dtypes,
-    shapes that contradict the block's parameters), or the block cannot be batched as written (it does not
-    trace, an output lacks the batch axis, a ``pad_lists`` claim fails its
-    check); ``concat_rows`` misused."""
+    shapes that contradict the block's parameters), or the block cannot be
+    batched as written (it does not trace, an output lacks the batch axis, a
+    ``pad_lists`` claim fails its check); ``concat_rows`` misused."""
 
 
 class PerSampleWarning(UserWarning):
