@@ -1077,9 +1077,10 @@ def _seed_draws():
 def check_padding_is_neutral(dblock, sig, padded):
     """Run the block on random inputs with the lists of ``sig`` and padded
     with zeros to ``padded``, for each range of
-    :data:`PADDING_CHECK_RANGES`: once as it is, and once as the traced
-    symbols (what batched steps run) with random values for every
-    parameter, in float64 where MXNet can (see :func:`_close`); raise
+    :data:`PADDING_CHECK_RANGES`, as its traced symbols (what batched steps
+    run): once with its parameters as they stand, and once with random
+    values for every parameter, in float64 where MXNet can (see
+    :func:`_close`); raise
     unless the outputs agree, and, for the symbols, the gradients of the
     parameters and of the real list elements for one random head gradient
     (a zero row may leave the values alone and still make a gradient NaN:
@@ -1108,39 +1109,36 @@ def _check_padding_is_neutral(dblock, sig, padded):
     """The checks of :func:`check_padding_is_neutral`."""
     rng = np.random.RandomState(0)
     dtype = sig.dtype
-    short_symbol, long_symbol = _small_tables(sig.symbol), _small_tables(padded.symbol)
+    short, long = _CheckPrep.of(dblock, sig, dtype), _CheckPrep.of(dblock, padded, dtype)
     # the symbols run in float64 where MXNet can: rounding then cannot hide
     # a real difference behind the largest value of an output (see _close);
     # integer arguments (token ids beside float states) keep their dtype
-    symbols, kinds = {dtype: (short_symbol, long_symbol)}, [dtype]
-    wide = (_widened(short_symbol, dtype), _widened(long_symbol, dtype))
-    if _runs_wide(wide, dtype, [_integer_inputs(sig), _integer_inputs(padded)]):
-        symbols[np.float64] = wide
-        kinds.insert(0, np.float64)
+    kinds = [np.float64, dtype] if short.runs_wide and long.runs_wide else [dtype]
     made = {}
-    own_runs = _runs_with_own_parameters(dblock, sig, padded)
+
+    def cannot_run(err):
+        # MXNet 1.9.1 cannot build some symbols as a CachedOp that it runs
+        # as NDArray calls
+        return InputError(
+            'block %s declares pad_lists, but MXNet cannot run its traced symbol for its list '
+            'arguments padded (%s) to check that claim (%s).%s'
+            % (dblock.block.name, _padding_text(sig.fmt, padded.fmt), error_line(err),
+               _PADDING_ADVICE))
 
     def runs_in(kind):
         if kind not in made:
             try:
-                made[kind] = _SymbolRuns(sig, padded, *symbols[kind], kind)
+                made[kind] = _SymbolRuns(short, long, kind, kind is not dtype)
             except mx.base.MXNetError as err:
                 if kind is not dtype:
                     made[kind] = None       # the check runs in the block's own dtype
                     return None
-                # MXNet 1.9.1 cannot build some symbols as a CachedOp that it
-                # runs as NDArray calls
-                raise InputError(
-                    'block %s declares pad_lists, but MXNet cannot run its traced symbol for '
-                    'its list arguments padded (%s) to check that claim (%s).%s'
-                    % (dblock.block.name, _padding_text(sig.fmt, padded.fmt), error_line(err),
-                       _PADDING_ADVICE)) from None
+                raise cannot_run(err) from None
         return made[kind]
     kinds = [kind for kind in kinds if kind is dtype or runs_in(kind) is not None]
     gradient_kinds = list(kinds)
-    ids = _id_inputs(short_symbol) | _id_inputs(long_symbol)
-    lengths = (_length_inputs(dblock, short_symbol, sig) +
-               _length_inputs(dblock, long_symbol, padded))
+    ids = short.ids | long.ids
+    lengths = short.lengths + long.lengths
     length_rng = np.random.RandomState(2)
     zero = {}
     for low, high in PADDING_CHECK_RANGES:
@@ -1151,7 +1149,10 @@ def _check_padding_is_neutral(dblock, sig, padded):
                                     lambda: runs_in(kinds[0]).params)
         with mx.autograd.pause():
             longer = _pad_with_zeros(sig, padded, leaves, dtype, zero)
-            runs = [own_runs(leaves, longer) + ('its parameters', False)]
+            try:
+                runs = [(short.own_run(leaves), long.own_run(longer), 'its parameters', False)]
+            except mx.base.MXNetError as err:
+                raise cannot_run(err) from None
             for kind in kinds:
                 symbol_runs = runs_in(kind).outputs(leaves)
                 if symbol_runs is not None:
@@ -1327,30 +1328,66 @@ def _valid_lengths(dblock, sig, padded, lengths, leaves, rng, zero, random_param
     return leaves
 
 
-def _runs_with_own_parameters(dblock, sig, padded):
-    """``f(leaves, longer) -> (short outputs, padded outputs)`` with the
-    block's own parameters, for :func:`check_padding_is_neutral`: the
-    block called as it is, or, where it or a block below it is hybridized,
-    its traced symbols (what a hybridized block runs per sample).  A
-    hybridized Gluon block keeps the nesting of the arguments it was first
-    called with and refuses lists of another length, so the check failed
-    every flush that padded with Gluon's raw ``ValueError`` ("The argument
-    structure of HybridBlock does not match the cached version") after
-    ``wrapper.hybridize()`` (found by a fuzzer), and its calls would fix
-    the user's block to the check's list lengths."""
-    if not any(getattr(block, '_active', False) for block in blocks_of(dblock.block)):
-        def call(one, values):
-            _seed_draws()
-            return dblock.block(*regroup(one.fmt, values)[0])
-        return lambda leaves, longer: (call(sig, leaves), call(padded, longer))
-    short_op, long_op = make_cached_op(sig.symbol)[0], make_cached_op(padded.symbol)[0]
+class _CheckPrep:
+    """What the padding check derives from one traced signature (for a
+    block of ``dtype``), made at its first check and kept on the
+    signature: a signature meets several (a SICK Tree-LSTM node of one
+    child is checked against the padded forms of 2 to 8 children, 27
+    checks over 8 signatures), and its symbols, their analyses and its
+    CachedOps were made again each time.
 
-    def run(op, one, values):
-        """The outputs nested as the block returns them (a failed check
-        compares them so, see :func:`_shifted_outputs`)."""
-        out = _run_symbol(op, one, values, _own_parameters(one))
+    * ``small``: the traced symbol with small ``Embedding`` tables
+      (:func:`_small_tables`), which the runs with random parameters run;
+      ``wide``: that symbol in float64 (:func:`_widened`) and
+      ``runs_wide`` whether the check runs it (:func:`_runs_wide`);
+    * ``ids`` and ``lengths``: its inputs that ids and lengths are computed
+      from (:func:`_id_inputs`, :func:`_length_inputs`);
+    * :meth:`own_run`: the traced symbol with the block's own parameters,
+      what batched steps run (a hybridized Gluon block called with lists
+      of another length than at its first call refuses them, so the check
+      failed every flush that padded after ``wrapper.hybridize()``, found
+      by a fuzzer, and its calls would fix the user's block to the
+      check's list lengths; a block called as it is, not hybridized, ran
+      one imperative op at a time, 4x the CachedOp's time);
+    * :meth:`op`: the CachedOps, one per thread (MXNet 1.9.1's CachedOp is
+      not safe to call from two threads at once)."""
+
+    def __init__(self, dblock, sig, dtype):
+        self.sig = sig
+        self.small = _small_tables(sig.symbol)
+        self.wide = _widened(self.small, dtype)
+        self.runs_wide = _runs_wide([self.wide], dtype, [_integer_inputs(sig)])
+        self.ids = _id_inputs(self.small)
+        self.lengths = _length_inputs(dblock, self.small, sig)
+        self._ops = threading.local()
+
+    @classmethod
+    def of(cls, dblock, sig, dtype):
+        """``sig``'s preparation for the check of a block of ``dtype``."""
+        preps = sig.__dict__.setdefault('padding_check', {})
+        key = np.dtype(dtype).name if dtype is not None else None
+        prep = preps.get(key)
+        if prep is None:
+            prep = preps[key] = cls(dblock, sig, dtype)
+        return prep
+
+    def op(self, which):
+        """This thread's CachedOp of ``'own'`` (the traced symbol), ``'small'``
+        or ``'wide'``."""
+        ops = self._ops.__dict__
+        if which not in ops:
+            ops[which] = make_cached_op(self.sig.symbol if which == 'own' else
+                                        getattr(self, which))[0]
+        return ops[which]
+
+    def own_run(self, values):
+        """The outputs on ``values`` with the block's parameters as they
+        stand, nested as the block returns them (a failed check compares
+        them so, see :func:`_shifted_outputs`).  The block's parameters
+        are read, never written (another thread may be running them)."""
+        one = self.sig
+        out = _run_symbol(self.op('own'), one, values, _own_parameters(one))
         return out[0] if one.out_fmt == 0 else regroup(one.out_fmt, out)[0]
-    return lambda leaves, longer: (run(short_op, sig, leaves), run(long_op, padded, longer))
 
 
 _PADDING_ADVICE = (' Pass pad_lists=False to DynBatchBlock (calls of different list lengths '
@@ -1593,10 +1630,12 @@ class _SymbolRuns:
     default context, and every float64 backward failed ('Backward shape
     inconsistent', its type check's message)."""
 
-    def __init__(self, sig, padded, short_symbol, long_symbol, kind):
+    def __init__(self, short, long, kind, wide):
+        sig, padded = short.sig, long.sig
         self.sig, self.padded, self.kind = sig, padded, kind
-        self.short_op = make_cached_op(short_symbol)[0]
-        self.long_op = make_cached_op(long_symbol)[0]
+        which = 'wide' if wide else 'small'
+        short_symbol, long_symbol = getattr(short, which), getattr(long, which)
+        self.short_op, self.long_op = short.op(which), long.op(which)
         self.params = _random_parameters(((sig, short_symbol), (padded, long_symbol)), kind,
                                          np.random.RandomState(1), sig.ctx)
         arguments = set(long_symbol.list_arguments()) | set(short_symbol.list_arguments())
