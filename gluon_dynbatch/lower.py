@@ -65,8 +65,8 @@ import numpy as np
 
 from .lanes import CUT, PADDED, SEGMENT, vectorize_lists
 from .rules import NOT_FUNCTIONS, draws_random
-from .trace import (EXACT, graph_readers, leaf_count, load_graph, moved_entry, own_forms,
-                    symbol_json)
+from .trace import (EXACT, OPEN_SHAPE_OPS, graph_readers, leaf_count, load_graph, moved_entry,
+                    own_forms, symbol_json)
 
 __all__ = ['make_cached_op', 'ThreadCachedOp', 'StepProgram', 'step_program', 'element_major',
            'FlushProgram', 'flush_program', 'share_host_part', 'host_part', 'embedding_reads',
@@ -593,11 +593,6 @@ def indices_without_gradient(symbol):
         out.append(dict(node, inputs=inputs))
         moved[old] = len(out) - 1
     return load_graph(graph, out, [moved_entry(entry, moved) for entry in graph['heads']])
-
-
-OPEN_SHAPE_OPS = ('_zeros', '_ones', '_full', '_zeros_without_dtype')
-"""Ops that make a constant whose shape may hold a 0 (a dimension MXNet
-infers from how the value is used)."""
 
 
 def compose_takes(symbol):

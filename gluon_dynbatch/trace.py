@@ -8,6 +8,7 @@ deferred parameter initialisation, and checks batch safety against
 :mod:`gluon_dynbatch.rules`.  Later calls with that signature cost one dict
 lookup: the per-sample recording path never touches MXNet.
 """
+import ast
 import ctypes
 import json
 
@@ -903,28 +904,37 @@ def _draw_advice(op_name):
 def check_batch_safe(symbol, data_names, known):
     """``(True, '')`` when every op touching a batched tensor has a rule that
     accepts it, no op draws random numbers for shared tensors (see
-    :func:`~.rules.draws_random`) and every output is batched; else
-    ``(False, reason)``."""
+    :func:`~.rules.draws_random`) and every output is batched on axis 0;
+    else ``(False, reason)``.  A value may also be batched on axis 1 (see
+    :func:`_time_major`): that of ``swapaxes(x, 0, 1)``, and Gluon's fused
+    recurrent layers' ``RNN``, which takes the batch there."""
     nodes, heads, by_name = _parse_graph(symbol, known)
-    batched = []
+    batched = []    # per node: its outputs' batch axis (0 or 1), None where shared
     for node in nodes:
         if node['op'] == 'null':
-            batched.append(node['name'] in data_names)
+            batched.append(0 if node['name'] in data_names else None)
             continue
         inputs = node['inputs']
-        flags = [batched[e[0]] for e in inputs]
-        if not any(flags):
+        axes = [batched[e[0]] for e in inputs]
+        if all(axis is None for axis in axes):
             if draws_random(node['op'], node.get('attrs')):
                 return False, ('op %s (%s) draws random numbers from no per-sample input: '
                                'batched, one draw would serve every sample%s'
                                % (node['op'], node['name'], _draw_advice(node['op'])))
-            batched.append(False)
+            batched.append(None)
+            continue
+        shapes = [_entry_shape(nodes, e, by_name) for e in inputs]
+        if 1 in axes or node['op'] == 'RNN' or _swaps_axis_0_and_1(node, shapes):
+            axis, reason = _time_major(node, nodes, axes, shapes)
+            if reason:
+                return False, '%s (%s)' % (reason, node['name'])
+            batched.append(axis)
             continue
         rule = batching_rule(node['op'])
         if rule is None:
             return False, 'op %s (%s) %s' % (node['op'], node['name'], UNBATCHABLE.get(
                 node['op'], 'has no batching rule'))
-        shapes = [_entry_shape(nodes, e, by_name) for e in inputs]
+        flags = [axis is not None for axis in axes]
         for flag, shape in zip(flags, shapes):
             if flag and (shape is None or not shape or shape[0] != 1):
                 return False, 'op %s (%s) sees a batched input of shape %s' % (
@@ -938,8 +948,82 @@ def check_batch_safe(symbol, data_names, known):
                              % (getattr(rule, '__name__', rule), node['op'], reason))
         if reason:
             return False, '%s (%s)' % (reason, node['name'])
-        batched.append(True)
+        batched.append(0)
     for head in heads:
-        if not batched[head[0]]:
+        if batched[head[0]] is None:
             return False, 'an output does not depend on the per-sample inputs'
+        if batched[head[0]] == 1:
+            return False, ('an output (of %s) has its batch on axis 1, as RNN gives it: swap '
+                           'it back to axis 0 (F.swapaxes(x, 0, 1), as a layout=\'NTC\' layer '
+                           'does for its output)' % nodes[head[0]]['name'])
     return True, ''
+
+
+def _swaps_axis_0_and_1(node, shapes):
+    """Whether ``node`` is a ``swapaxes`` of axes 0 and 1."""
+    if node['op'] not in ('SwapAxis', 'swapaxes') or not shapes[0]:
+        return False
+    attrs = node.get('attrs', {})
+    ndim = len(shapes[0])
+    return {int(attrs.get('dim1', 0)) % ndim, int(attrs.get('dim2', 0)) % ndim} == {0, 1}
+
+
+def _time_major(node, nodes, axes, shapes):
+    """``(batch axis of its outputs, None)`` for an op that moves the batch
+    to axis 1 or reads a value batched there, else ``(None, reason)``.
+
+    Gluon's fused recurrent layers (``rnn.LSTM``, ``GRU``, ``RNN``) run
+    MXNet's ``RNN`` op, which takes the time on axis 0 and the batch on
+    axis 1: a ``layout='NTC'`` layer swaps a (1, T, C) sample to (T, 1, C),
+    runs ``RNN`` and swaps its output back, and its default begin states
+    are zeros whose batch dimension is left open (0), for MXNet to infer.
+    Batched, the samples stack on axis 1 through the three ops, each
+    sample's rows its own (an LSTM step mixes no two batch rows).  Only
+    these two ops take a value batched on axis 1; any other is refused
+    (its rule knows axis 0 only)."""
+    op, attrs = node['op'], node.get('attrs', {})
+    if op in ('SwapAxis', 'swapaxes') and _swaps_axis_0_and_1(node, shapes):
+        axis = axes[0]
+        if shapes[0][axis] != 1:
+            return None, 'swapaxes sees a batched input of shape %s' % (shapes[0],)
+        return 1 - axis, None
+    if op != 'RNN':
+        return None, ('op %s reads a value whose batch axis is 1 (after swapaxes(x, 0, 1)); '
+                      'only RNN and swapaxes back to axis 0 take such values' % op)
+    lengths = attrs.get('use_sequence_length', 'False').lower() in ('true', '1')
+    roles = ['data', 'parameters'] + ['state'] * (len(axes) - 2 - lengths) + \
+        ['sequence_length'] * lengths
+    for role, axis, shape, entry in zip(roles, axes, shapes, node['inputs']):
+        if role == 'parameters':
+            ok = axis is None
+        elif role == 'sequence_length':     # one length per sample: (1,)
+            ok = axis == 0 and shape == (1,)
+        elif role == 'state' and axis is None:
+            ok = _open_batch_dim(nodes[entry[0]])
+        else:
+            ok = axis == 1 and shape is not None and len(shape) == 3 and shape[1] == 1
+        if not ok:
+            return None, ('RNN takes its %s %s (batched on axis %s, per-sample shape %s): '
+                          'batched, it needs the data and states batched on axis 1 (a '
+                          "layout='NTC' layer's, or its default begin states), the "
+                          'parameters shared and one length per sample'
+                          % (role, 'shared' if axis is None else 'batched', axis, shape))
+    return 1, None
+
+
+def _open_batch_dim(node):
+    """Whether ``node`` makes a constant whose axis 1 is left open (0), for
+    MXNet to infer from what reads it: an ``RNN``'s default begin state,
+    ``zeros(shape=(L, 0, H))``, which batched takes the step's rows."""
+    if node['op'] not in OPEN_SHAPE_OPS:
+        return False
+    try:
+        shape = ast.literal_eval(node.get('attrs', {}).get('shape', '()'))
+    except (ValueError, SyntaxError):
+        return False
+    return isinstance(shape, tuple) and len(shape) == 3 and shape[1] == 0
+
+
+OPEN_SHAPE_OPS = ('_zeros', '_ones', '_full', '_zeros_without_dtype')
+"""Ops that make a constant whose shape may hold a 0 (a dimension MXNet
+infers from how the value is used)."""

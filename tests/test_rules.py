@@ -1949,3 +1949,146 @@ def test_a_readout_stacked_on_axis_0_is_told_the_form_that_batches():
             assert 'stack acts on the batch axis (axis=0); to join per-sample rows' in reason
             assert 'F.mean(F.stack(*hs, axis=1), axis=1)' in reason
     assert dyb.stats()['last']['batch_sizes'] == [4]
+
+
+class FusedEncoder(gluon.HybridBlock):
+    """A sentence encoder on one of Gluon's fused recurrent layers (MXNet's
+    ``RNN`` op, batch on axis 1) in ``layout='NTC'``: its outputs averaged
+    over time, then a dense layer; with ``states``, it also takes its begin
+    states per sample ((1, L*D, H), swapped to the layer's (L*D, 1, H))."""
+
+    def __init__(self, mode, bidirectional=False, layers=1, states=False, dropout=0):
+        super().__init__()
+        self.mode, self.states = mode, states
+        with self.name_scope():
+            make = {'lstm': gluon.rnn.LSTM, 'gru': gluon.rnn.GRU, 'rnn_tanh': gluon.rnn.RNN}[mode]
+            self.rnn = make(6, num_layers=layers, layout='NTC', input_size=3,
+                            bidirectional=bidirectional, dropout=dropout)
+            self.out = gluon.nn.Dense(4, in_units=12 if bidirectional else 6)
+
+    def hybrid_forward(self, F, x, *states):
+        if self.states:
+            out, _ = self.rnn(x, [F.swapaxes(s, 0, 1) for s in states])
+        else:
+            out = self.rnn(x)
+        return F.tanh(self.out(F.mean(out, axis=1)))
+
+
+@pytest.mark.parametrize('strategy', ['depth', 'auto'])
+@pytest.mark.parametrize('mode,bidirectional,layers', [
+    ('lstm', False, 1), ('lstm', True, 2), ('gru', False, 2), ('gru', True, 1),
+    ('rnn_tanh', False, 1)])
+def test_gluons_fused_rnn_layers_batch(mode, bidirectional, layers, strategy):
+    """Gluon's fused layers (``rnn.LSTM``, ``GRU``, ``RNN``) run MXNet's
+    ``RNN`` op, which takes the batch on axis 1: a ``layout='NTC'`` layer
+    swaps a sample's axes 0 and 1 around it, and that swap made every such
+    block run per sample.  Sentences of 2 to 4 tokens: the calls of one
+    length run as one step, and values and gradients (inputs' too) equal
+    per-sample execution."""
+    enc = dyb.DynBatchBlock(FusedEncoder(mode, bidirectional, layers))
+    enc.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(3)
+    xs = [mx.nd.array(rng.uniform(-1, 1, (1, length, 3))) for length in [2, 3, 2, 4, 3, 2, 4]]
+    assert_same(run_both(lambda: [enc(x) for x in xs], [enc], xs, strategy))
+    assert all(sig.batch_safe for sig in enc.signatures()), \
+        [sig.reason for sig in enc.signatures()]
+    assert sorted(dyb.stats()['last']['batch_sizes']) == [2, 2, 3]
+
+
+@pytest.mark.parametrize('mode', ['lstm', 'gru'])
+def test_fused_rnn_layer_with_begin_states_per_sample(mode):
+    """Begin states given per sample, (1, L*D, H) each and swapped to the
+    layer's (L*D, 1, H): batched on axis 1 beside the data."""
+    enc = dyb.DynBatchBlock(FusedEncoder(mode, bidirectional=True, states=True))
+    enc.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(4)
+    count = 2 if mode == 'lstm' else 1
+    args = [[mx.nd.array(rng.uniform(-1, 1, (1, 3, 3)))] +
+            [mx.nd.array(rng.uniform(-1, 1, (1, 2, 6))) for _ in range(count)]
+            for _ in range(5)]
+    inputs = [x for call in args for x in call]
+    assert_same(run_both(lambda: [enc(*call) for call in args], [enc], inputs))
+    assert dyb.stats()['last']['batch_sizes'] == [5]
+
+
+class TimeMajorMisuse(gluon.HybridBlock):
+    """Reads a value batched on axis 1 by an op other than RNN (``how``),
+    or returns one."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        with self.name_scope():
+            self.rnn = gluon.rnn.GRU(5, layout='NTC', input_size=3)
+
+    def hybrid_forward(self, F, x):
+        if self.how == 'returns time-major':
+            return F.swapaxes(x, 0, 1)
+        if self.how == 'sums time-major':
+            return F.sum(F.swapaxes(x, 0, 1), axis=0)
+        if self.how == 'fixed begin state':    # batch 1 fixed: batched, other rows than N
+            return self.rnn(x, F.zeros((1, 1, 5)))[0]
+        return self.rnn(x)
+
+
+@pytest.mark.parametrize('how,reason', [
+    ('returns time-major', r'an output .* has its batch on axis 1'),
+    ('sums time-major', r'op sum reads a value whose batch axis is 1'),
+    ('fixed begin state', r'RNN takes its state shared')])
+def test_values_batched_on_axis_1_are_refused_elsewhere(how, reason):
+    """Outside swapaxes and RNN no rule knows a batch on axis 1: such
+    blocks run per sample, saying why, and still give per-sample values
+    (an output of shape (1, 1, 3) batched on axis 1: one of (4, 1, 3) is
+    refused as every output without a leading axis of 1)."""
+    block = dyb.DynBatchBlock(TimeMajorMisuse(how))
+    block.initialize()
+    steps = 1 if how == 'returns time-major' else 4
+    xs = [mx.nd.random.uniform(shape=(1, steps, 3)) for _ in range(3)]
+    want = [block.block(x).asnumpy() for x in xs]
+    with pytest.warns(dyb.PerSampleWarning, match=reason):
+        with dyb.batching('depth'):
+            outs = [block(x) for x in xs]
+    for out, expected in zip(outs, want):
+        np.testing.assert_allclose(out.asnumpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_rnn_dropout_draws_random_numbers():
+    """A fused layer of two layers with dropout between them draws random
+    numbers in training: its calls are never merged as repeats of equal
+    arguments."""
+    from gluon_dynbatch.trace import is_function_of_inputs
+    block = dyb.DynBatchBlock(FusedEncoder('lstm', layers=2, dropout=0.5))
+    block.initialize()
+    plain = dyb.DynBatchBlock(FusedEncoder('lstm', layers=2))
+    plain.initialize()
+    x = mx.nd.ones((1, 2, 3))
+    with dyb.batching('depth'):
+        block(x), plain(x)
+    assert [is_function_of_inputs(sig.symbol) for sig in block.signatures()] == [False]
+    assert [is_function_of_inputs(sig.symbol) for sig in plain.signatures()] == [True]
+
+
+class LengthsEncoder(gluon.HybridBlock):
+    """A fused LSTM over a padded sequence with its length
+    (``use_sequence_length``), as int32 beside the float32 data."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.rnn = gluon.rnn.LSTM(6, layout='NTC', input_size=3, use_sequence_length=True)
+
+    def hybrid_forward(self, F, x, length):
+        return F.sum(self.rnn(x, sequence_length=length), axis=1)
+
+
+def test_fused_rnn_layer_with_a_length_per_sample():
+    """Sequences padded to one length, each with its own length (int32,
+    shape (1,)): one step for all, values and gradients as per sample."""
+    enc = dyb.DynBatchBlock(LengthsEncoder())
+    enc.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(0)
+    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 5, 3))) for _ in range(4)]
+    lengths = [mx.nd.array([n], dtype='int32') for n in (5, 2, 3, 1)]
+    assert_same(run_both(lambda: [enc(x, n) for x, n in zip(xs, lengths)], [enc], xs))
+    assert [sig.batch_safe for sig in enc.signatures()] == [True]
+    assert dyb.stats()['last']['batch_sizes'] == [4]
