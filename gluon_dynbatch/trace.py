@@ -246,6 +246,14 @@ def _trace_failure(block, fmt, shapes, err):
     message = ('block %s could not be traced for arguments of per-sample shapes %s: its '
                'hybrid_forward, called with F=mx.sym and Symbols for arguments, raised %s: %s.'
                % (_block_name(block), _shapes_text(regroup(fmt, list(shapes))[0]), name, text))
+    if 'argument name state_cell not found' in text:
+        # (Gluon's _RNNLayer passes the LSTM's cell state by keyword whatever
+        # its mode, where it runs symbols with lengths)
+        return message + (' Gluon 1.9.1\'s fused GRU and RNN layers with '
+                          'use_sequence_length=True run eagerly only: hybridized or traced, '
+                          'they give RNN the LSTM\'s cell state, which fails. Use rnn.LSTM '
+                          'with lengths, or these layers on sequences of their own length '
+                          'without use_sequence_length.')
     # (NotImplementedForSymbol, an NDArray-only call on a Symbol, is an
     # MXNetError too, but the block's doing, not MXNet's refusal)
     if isinstance(err, mx.base.MXNetError) and \
