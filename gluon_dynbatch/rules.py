@@ -106,7 +106,9 @@ UNBATCHABLE = {
                  'with F.pick, or F.take(x, indices, axis=1)',
     'SequenceReverse': 'reverses axis 0, MXNet 1.9.1\'s only time axis, which is the batch '
                        'axis here (per sample it leaves a sample of one row as it is): '
-                       'reverse a batch-major sequence\'s steps with F.reverse(x, axis=1)',
+                       'reverse a batch-major sequence\'s steps with F.reverse(x, axis=1), '
+                       'or swap it time-major first, F.swapaxes(x, 0, 1), which batches '
+                       'with a length per sample too',
     '_contrib_arange_like': 'counts positions across the batch axis (axis unset or 0), or '
                             'gives a result without it (another axis): count a sample\'s '
                             'positions as F.cumsum(F.ones_like(x), axis=1) - 1',

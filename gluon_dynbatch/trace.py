@@ -987,18 +987,28 @@ def _time_major(node, nodes, axes, shapes):
     are zeros whose batch dimension is left open (0), for MXNet to infer.
     Batched, the samples stack on axis 1 through the three ops, each
     sample's rows its own (an LSTM step mixes no two batch rows).  Only
-    these two ops take a value batched on axis 1; any other is refused
-    (its rule knows axis 0 only)."""
+    these two ops take a value batched on axis 1, and the time-major
+    ``SequenceMask`` and ``SequenceReverse`` (``axis=0``, a length per
+    sample); any other is refused (its rule knows axis 0 only)."""
     op, attrs = node['op'], node.get('attrs', {})
     if op in ('SwapAxis', 'swapaxes') and _swaps_axis_0_and_1(node, shapes):
         axis = axes[0]
         if shapes[0][axis] != 1:
             return None, 'swapaxes sees a batched input of shape %s' % (shapes[0],)
         return 1 - axis, None
+    lengths = attrs.get('use_sequence_length', 'False').lower() in ('true', '1')
+    if op in ('SequenceMask', 'SequenceReverse') and int(attrs.get('axis', 0)) == 0:
+        # time-major: each sample's steps down its own column
+        ok = axes[0] == 1 and shapes[0] is not None and len(shapes[0]) >= 2 and \
+            shapes[0][1] == 1
+        if not ok or (lengths and (axes[1] != 0 or shapes[1] != (1,))):
+            return None, ('%s (time on axis 0) takes a batch on axis 1 batched, with a '
+                          'length per sample, (1,), where it reads lengths' % op)
+        return 1, None
     if op != 'RNN':
         return None, ('op %s reads a value whose batch axis is 1 (after swapaxes(x, 0, 1)); '
-                      'only RNN and swapaxes back to axis 0 take such values' % op)
-    lengths = attrs.get('use_sequence_length', 'False').lower() in ('true', '1')
+                      'only RNN, SequenceMask, SequenceReverse and swapaxes back to axis 0 '
+                      'take such values' % op)
     roles = ['data', 'parameters'] + ['state'] * (len(axes) - 2 - lengths) + \
         ['sequence_length'] * lengths
     for role, axis, shape, entry in zip(roles, axes, shapes, node['inputs']):

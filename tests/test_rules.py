@@ -2166,3 +2166,38 @@ def test_fused_gru_with_lengths_fails_to_trace_naming_gluons_limit(mode):
                                              r'use_sequence_length=True run eagerly only'):
         with dyb.batching('depth'):
             block(x, length)
+
+
+class TimeMajorSequences(gluon.HybridBlock):
+    """A (1, T, C) sequence swapped time-major, reversed by its length
+    (``SequenceReverse``) or masked past it (``SequenceMask``), swapped
+    back, then a dense layer at every step."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+        with self.name_scope():
+            self.dense = gluon.nn.Dense(4, in_units=3, flatten=False)
+
+    def hybrid_forward(self, F, x, length):
+        steps = F.swapaxes(self.dense(x), 0, 1)
+        if self.op == 'SequenceReverse':
+            steps = F.SequenceReverse(steps, length, use_sequence_length=True)
+        else:
+            steps = F.SequenceMask(steps, length, use_sequence_length=True, value=-2)
+        return F.tanh(F.swapaxes(steps, 0, 1))
+
+
+@pytest.mark.parametrize('op', ['SequenceReverse', 'SequenceMask'])
+def test_time_major_sequence_ops_batch_with_lengths(op):
+    """``SequenceReverse`` (whose one time axis is axis 0) and the
+    time-major ``SequenceMask`` take a batch on axis 1 after swapaxes: one
+    step for all calls, values and gradients as per sample."""
+    block = dyb.DynBatchBlock(TimeMajorSequences(op))
+    block.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(6)
+    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 5, 3))) for _ in range(4)]
+    lengths = [mx.nd.array([n]) for n in (5, 1, 3, 2)]
+    assert_same(run_both(lambda: [block(x, n) for x, n in zip(xs, lengths)], [block], xs))
+    assert [sig.batch_safe for sig in block.signatures()] == [True]
+    assert dyb.stats()['last']['batch_sizes'] == [4]
