@@ -29,7 +29,8 @@ from mxnet.ndarray.ndarray import _DTYPE_NP_TO_MX
 
 from . import accel, debug
 from .errors import InputError, PerSampleWarning, ScopeError, user_stacklevel
-from .execute import collect, pad_leaves, rows_of, run_plan, threaded_engine, to_device
+from .execute import (changed_parameters_error, collect, pad_leaves, rows_of, run_plan,
+                      threaded_engine, to_device)
 from .graph import (_LAZY_OPERATOR, DONE, FAILED, OPERATOR_BLOCKS, PENDING, LazyValue, Node,
                     data_marked, lazy_results, recorded, repeat_node, shared_results)
 from .lower import INDEXED_OPS, make_cached_op, programs_built, ragged_lists
@@ -1117,6 +1118,11 @@ def _check_padding_is_neutral(dblock, sig, padded):
     made = {}
 
     def cannot_run(err):
+        # a parameter cast since the trace (under pending calls), which the
+        # run with the block's parameters meets first: no fault of padding
+        changed = changed_parameters_error((sig, padded), err)
+        if changed is not None:
+            return changed
         # MXNet 1.9.1 cannot build some symbols as a CachedOp that it runs
         # as NDArray calls
         return InputError(

@@ -105,18 +105,29 @@ def call_program(cached_op, inputs, signatures):
     try:
         return cached_op(*inputs)
     except mx.base.MXNetError as err:
-        for sig in signatures:
-            changed = sig.changed_parameters()
-            if changed:
-                raise InputError(
-                    'block %s: its recorded calls cannot run, since its parameters changed '
-                    'after they were traced (%s). A recorded call runs with the parameters as '
-                    'they are when its scope runs it: cast the block through its DynBatchBlock '
-                    'wrapper (whose cast() first runs the calls pending in this thread\'s '
-                    'scope), or close the scope (or read a value) before changing the '
-                    'parameters; calls made after a cast need inputs of the new dtype. MXNet '
-                    'said: %s' % (sig.block.name, changed, error_line(err))) from None
+        changed = changed_parameters_error(signatures, err)
+        if changed is not None:
+            raise changed from None
         raise
+
+
+def changed_parameters_error(signatures, err):
+    """The InputError for MXNet's ``err`` where a parameter of one of
+    ``signatures`` changed shape or dtype since that signature was traced
+    (see :func:`call_program`; the padding check runs such parameters
+    too), else None."""
+    for sig in signatures:
+        changed = sig.changed_parameters()
+        if changed:
+            return InputError(
+                'block %s: its recorded calls cannot run, since its parameters changed '
+                'after they were traced (%s). A recorded call runs with the parameters as '
+                'they are when its scope runs it: cast the block through its DynBatchBlock '
+                'wrapper (whose cast() first runs the calls pending in this thread\'s '
+                'scope), or close the scope (or read a value) before changing the '
+                'parameters; calls made after a cast need inputs of the new dtype. MXNet '
+                'said: %s' % (sig.block.name, changed, error_line(err)))
+    return None
 
 
 def run_compiled(plan):

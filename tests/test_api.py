@@ -232,6 +232,26 @@ def test_error_parameters_cast_under_pending_calls_are_named(strategy):
         value.asnumpy()
 
 
+
+@pytest.mark.parametrize('hybridized', [False, True])
+def test_error_parameters_cast_under_pending_padded_calls_are_named(hybridized):
+    """The same where the flush first checks a ``pad_lists`` claim: the
+    check runs the traced symbol with the block's parameters, which MXNet
+    refuses once they are cast, and it said that MXNet cannot run the
+    block's symbol padded and to pass pad_lists=False, which would not
+    help (found by a review; before, MXNet's raw error)."""
+    block = dyb.DynBatchBlock(DenseAddLists(), pad_lists=True)
+    block.initialize()
+    if hybridized:
+        block.hybridize()
+    x = mx.nd.ones((1, 3))
+    with pytest.raises(dyb.InputError, match=r'(?s)parameters changed after they were traced'
+                       r'.*_weight: float32 \(3, 3\) when traced, float64 \(3, 3\) now'):
+        with dyb.batching('depth'):
+            block(x, [x])
+            block(x, [x, x, x])
+            block.block.cast('float64')
+
 def test_parameters_are_shared_and_files_interchange(tmp_path):
     inner = ChildSumTreeLSTMCell(4, 3)
     wrapped = dyb.DynBatchBlock(inner)
