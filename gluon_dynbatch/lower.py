@@ -639,28 +639,47 @@ def compose_takes(symbol):
     return load_graph(graph, out, [moved_entry(entry, moved) for entry in graph['heads']])
 
 
-def _host_kinds(nodes, host, shared):
-    """Per node of a symbol's JSON: ``'host'`` (a function of the ``host``
-    inputs, and maybe of ``shared`` ones), ``'shared'`` (of ``shared``
-    inputs alone) or ``'other'``.  An op that may give other outputs for
-    equal inputs is ``'other'``: one that draws random numbers
+TIME_MAJOR_OPS = frozenset(('SwapAxis', 'swapaxes', 'RNN', 'SequenceMask', 'SequenceReverse'))
+"""The ops whose output may be batched on axis 1 (see
+:func:`~.trace.check_batch_safe`): Gluon's fused recurrent layers' swaps
+around ``RNN``, and the time-major sequence ops."""
+
+
+def _host_kinds(nodes, heads, host, shared):
+    """Per node of a symbol's JSON (with ``heads``): ``'host'`` (a function
+    of the ``host`` inputs, and maybe of ``shared`` ones), ``'shared'`` (of
+    ``shared`` inputs alone) or ``'other'``.  An op that may give other
+    outputs for equal inputs is ``'other'``: one that draws random numbers
     (:func:`~.rules.draws_random`), a custom op or one whose rule the user
     registered without ``function_of_inputs=True``
     (:data:`~.rules.NOT_FUNCTIONS`); equal rows must not share one run of
-    it."""
-    kinds = []
-    for node in nodes:
-        if node['op'] == 'null':
-            name = node['name']
-            kinds.append('host' if name in host else 'shared' if name in shared else 'other')
-            continue
-        below = {kinds[entry[0]] for entry in node['inputs']}
-        if 'other' in below or node['op'] in NOT_FUNCTIONS or \
-                draws_random(node['op'], node.get('attrs')):
-            kinds.append('other')
-        else:
-            kinds.append('host' if 'host' in below else 'shared')
-    return kinds
+    it.  So is an op of :data:`TIME_MAJOR_OPS` whose value an ``'other'``
+    op or an output reads: the host part hands its values on by a ``take``
+    along axis 0, and such a value may have its batch on axis 1 (a fused
+    layer's swapped input, read by an ``RNN`` that draws random numbers or
+    takes begin states per sample); the part then ends before it."""
+    cut = set()
+    while True:
+        kinds = []
+        for number, node in enumerate(nodes):
+            if node['op'] == 'null':
+                name = node['name']
+                kinds.append('host' if name in host else 'shared' if name in shared else
+                             'other')
+                continue
+            below = {kinds[entry[0]] for entry in node['inputs']}
+            if 'other' in below or number in cut or node['op'] in NOT_FUNCTIONS or \
+                    draws_random(node['op'], node.get('attrs')):
+                kinds.append('other')
+            else:
+                kinds.append('host' if 'host' in below else 'shared')
+        handed = [entry[0] for node, kind in zip(nodes, kinds) if kind == 'other'
+                  for entry in node['inputs']] + [entry[0] for entry in heads]
+        more = {old for old in handed
+                if kinds[old] == 'host' and nodes[old]['op'] in TIME_MAJOR_OPS}
+        if not more:
+            return kinds
+        cut |= more
 
 
 def host_part(symbol, host, shared):
@@ -670,7 +689,7 @@ def host_part(symbol, host, shared):
     and whether every output is."""
     graph = json.loads(symbol_json(symbol))
     nodes = graph['nodes']
-    kinds = _host_kinds(nodes, host, shared)
+    kinds = _host_kinds(nodes, graph['heads'], host, shared)
     return (any(kind == 'host' and node['op'] != 'null' for kind, node in zip(kinds, nodes)),
             all(kinds[head[0]] == 'host' for head in graph['heads']))
 
@@ -741,7 +760,7 @@ def share_host_part(symbol, host, shared, expand_outputs=True):
     ``i`` would have computed."""
     graph = json.loads(symbol_json(symbol))
     nodes = graph['nodes']
-    kinds = _host_kinds(nodes, host, shared)
+    kinds = _host_kinds(nodes, graph['heads'], host, shared)
     out, moved, expanded = [], {}, {}
 
     def expand(entry):
@@ -821,7 +840,7 @@ def split_host_part(symbol, host, shared):
     host = list(host)
     graph = json.loads(symbol_json(symbol))
     nodes = graph['nodes']
-    kinds = _host_kinds(nodes, set(host), shared)
+    kinds = _host_kinds(nodes, graph['heads'], set(host), shared)
     boundary = []
     for node in [n for n, kind in zip(nodes, kinds) if kind == 'other'] + \
             [{'inputs': graph['heads']}]:

@@ -2201,3 +2201,52 @@ def test_time_major_sequence_ops_batch_with_lengths(op):
     assert_same(run_both(lambda: [block(x, n) for x, n in zip(xs, lengths)], [block], xs))
     assert [sig.batch_safe for sig in block.signatures()] == [True]
     assert dyb.stats()['last']['batch_sizes'] == [4]
+
+
+class TokenEncoder(gluon.HybridBlock):
+    """Token ids (host data, (1, 3) float32) embedded and read by a fused
+    layer in ``layout='NTC'``: with ``states``, a GRU from a begin state
+    per sample ((1, 1, 4), swapped to the layer's (1, 1, 4)); else a
+    two-layer LSTM with dropout between its layers."""
+
+    def __init__(self, states):
+        super().__init__()
+        self.states = states
+        with self.name_scope():
+            self.emb = gluon.nn.Embedding(10, 3)
+            self.rnn = gluon.rnn.GRU(4, layout='NTC', input_size=3) if states else \
+                gluon.rnn.LSTM(4, num_layers=2, dropout=0.3, layout='NTC', input_size=3)
+
+    def hybrid_forward(self, F, ids, *state):
+        if self.states:
+            return self.rnn(self.emb(ids), F.swapaxes(state[0], 0, 1))[0]
+        return F.mean(self.rnn(self.emb(ids)), axis=1)
+
+
+@pytest.mark.parametrize('strategy', ['depth', 'cached'])
+@pytest.mark.parametrize('states', [True, False])
+def test_host_part_ends_before_a_value_batched_on_axis_1(states, strategy):
+    """Steps whose host rows (token ids) repeat run the ops on host data
+    alone once per distinct row, and hand their values to the rest by a
+    ``take`` along axis 0.  A fused layer's swapped input, batched on axis
+    1, read by an RNN that takes a begin state per sample or draws random
+    numbers (dropout, even in inference), was such a value: the take cut
+    rows of time steps, and the flush failed in MXNet (found by a
+    review).  The part now ends before the swap."""
+    block = dyb.DynBatchBlock(TokenEncoder(states))
+    block.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(7)
+    rows = [np.array([[1, 2, 3]], 'float32'), np.array([[4, 5, 6]], 'float32')]
+    ids = [rows[i % 2] for i in range(12)]
+    if states:
+        hs = [mx.nd.array(rng.uniform(-1, 1, (1, 1, 4))) for _ in ids]
+        assert_same(run_both(lambda: [block(i, h) for i, h in zip(ids, hs)], [block], hs,
+                             strategy))
+    else:       # (dropout draws in training: compared in inference)
+        want = [block.block(mx.nd.array(i)).asnumpy() for i in ids]
+        for _ in range(2):
+            with dyb.batching(strategy):
+                outs = [block(i) for i in ids]
+            for out, expected in zip(outs, want):
+                np.testing.assert_allclose(out.asnumpy(), expected, rtol=1e-5, atol=1e-6)
+    assert [sig.batch_safe for sig in block.signatures()] == [True]
