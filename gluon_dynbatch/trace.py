@@ -917,6 +917,7 @@ def check_batch_safe(symbol, data_names, known):
     :func:`_time_major`): that of ``swapaxes(x, 0, 1)``, and Gluon's fused
     recurrent layers' ``RNN``, which takes the batch there."""
     nodes, heads, by_name = _parse_graph(symbol, known)
+    readers = graph_readers(nodes, heads)
     batched = []    # per node: its outputs' batch axis (0 or 1), None where shared
     for node in nodes:
         if node['op'] == 'null':
@@ -933,7 +934,7 @@ def check_batch_safe(symbol, data_names, known):
             continue
         shapes = [_entry_shape(nodes, e, by_name) for e in inputs]
         if 1 in axes or node['op'] == 'RNN' or _swaps_axis_0_and_1(node, shapes):
-            axis, reason = _time_major(node, nodes, axes, shapes)
+            axis, reason = _time_major(node, nodes, axes, shapes, readers)
             if reason:
                 return False, '%s (%s)' % (reason, node['name'])
             batched.append(axis)
@@ -976,7 +977,7 @@ def _swaps_axis_0_and_1(node, shapes):
     return {int(attrs.get('dim1', 0)) % ndim, int(attrs.get('dim2', 0)) % ndim} == {0, 1}
 
 
-def _time_major(node, nodes, axes, shapes):
+def _time_major(node, nodes, axes, shapes, readers):
     """``(batch axis of its outputs, None)`` for an op that moves the batch
     to axis 1 or reads a value batched there, else ``(None, reason)``.
 
@@ -989,7 +990,10 @@ def _time_major(node, nodes, axes, shapes):
     sample's rows its own (an LSTM step mixes no two batch rows).  Only
     these two ops take a value batched on axis 1, and the time-major
     ``SequenceMask`` and ``SequenceReverse`` (``axis=0``, a length per
-    sample); any other is refused (its rule knows axis 0 only)."""
+    sample); any other is refused (its rule knows axis 0 only).  A default
+    begin state must be read by ``RNN`` ops alone (``readers``, see
+    :func:`graph_readers`): MXNet gives its open dimension the batch's
+    rows, which another op would see (``F.sum`` of it grows with N)."""
     op, attrs = node['op'], node.get('attrs', {})
     if op in ('SwapAxis', 'swapaxes') and _swaps_axis_0_and_1(node, shapes):
         axis = axes[0]
@@ -1018,6 +1022,11 @@ def _time_major(node, nodes, axes, shapes):
             ok = axis == 0 and shape == (1,)
         elif role == 'state' and axis is None:
             ok = _open_batch_dim(nodes[entry[0]])
+            if ok and any(r is None or nodes[r]['op'] != 'RNN' for r in readers[entry[0]]):
+                return None, ('RNN takes a begin state of an open batch dimension (%s) '
+                              'that another op reads too: batched, that op would see the '
+                              'state of every sample; make it apart for each reader'
+                              % nodes[entry[0]]['name'])
         else:
             ok = axis == 1 and shape is not None and len(shape) == 3 and shape[1] == 1
         if not ok:

@@ -2250,3 +2250,34 @@ def test_host_part_ends_before_a_value_batched_on_axis_1(states, strategy):
             for out, expected in zip(outs, want):
                 np.testing.assert_allclose(out.asnumpy(), expected, rtol=1e-5, atol=1e-6)
     assert [sig.batch_safe for sig in block.signatures()] == [True]
+
+
+class OpenStateReadTwice(gluon.HybridBlock):
+    """A GRU from a begin state of ones whose batch dimension is left open
+    ((1, 0, 4), as a fused layer's default zeros), scaled by the sum of
+    that state: per sample 4, batched N x 4."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.rnn = gluon.rnn.GRU(4, layout='NTC', input_size=3)
+
+    def hybrid_forward(self, F, x):
+        state = F.ones((1, 0, 4))
+        return F.broadcast_mul(self.rnn(x, state)[0], F.sum(state))
+
+
+def test_open_begin_state_read_by_another_op_runs_per_sample():
+    """An RNN's begin state of an open batch dimension batches when RNN
+    ops alone read it; another reader would see every sample's rows of it
+    batched (the sum above gave N times the per-sample outputs, found by a
+    review): such a block runs per sample, saying why."""
+    inner = OpenStateReadTwice()
+    inner.initialize(mx.init.Uniform(0.5))
+    inner.hybridize()       # (an open shape runs symbolically only)
+    block = dyb.DynBatchBlock(inner)
+    rng = np.random.RandomState(8)
+    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 2, 3))) for _ in range(4)]
+    with pytest.warns(dyb.PerSampleWarning, match='begin state of an open batch dimension'):
+        assert_same(run_both(lambda: [block(x) for x in xs], [block], xs))
+    assert [sig.batch_safe for sig in block.signatures()] == [False]
