@@ -869,11 +869,19 @@ def _finish_deferred_init(block, symbol, arg_shapes, aux_shapes, params):
 
 
 def _parse_graph(symbol, known):
-    """Nodes of the symbol's JSON and the per-sample shape of every entry."""
+    """Nodes of the symbol's JSON and the per-sample shape of every entry,
+    by output name and by ``(node, output)`` (an op's outputs need not be
+    named ``output<k>``: RNN's are ``output``, ``state_output`` and
+    ``statecell_output``)."""
     graph = json.loads(symbol_json(symbol))
     internals = symbol.get_internals()
     _, shapes, _ = internals.infer_shape_partial(**known)
-    by_name = dict(zip(internals.list_outputs(), shapes or []))
+    shapes = shapes or []
+    by_name = dict(zip(internals.list_outputs(), shapes))
+    inner = json.loads(symbol_json(internals))
+    if [node['name'] for node in inner['nodes']] == [node['name'] for node in graph['nodes']]:
+        by_name.update(((entry[0], entry[1]), shape)
+                       for entry, shape in zip(inner['heads'], shapes))
     return graph['nodes'], graph['heads'], by_name
 
 
@@ -886,12 +894,15 @@ def _entry_types(symbol, types):
 
 
 def _entry_value(nodes, entry, by_name):
-    """What ``by_name`` (by output name) holds for a graph entry."""
+    """What ``by_name`` (by output name, or by ``(node, output)``, see
+    :func:`_parse_graph`) holds for a graph entry."""
     node = nodes[entry[0]]
     if node['op'] == 'null':
         return by_name.get(node['name'])
     value = by_name.get('%s_output' % node['name']) if entry[1] == 0 else None
-    return value if value is not None else by_name.get('%s_output%d' % (node['name'], entry[1]))
+    if value is None:
+        value = by_name.get('%s_output%d' % (node['name'], entry[1]))
+    return value if value is not None else by_name.get((entry[0], entry[1]))
 
 
 def _entry_shape(nodes, entry, by_name):

@@ -2281,3 +2281,41 @@ def test_open_begin_state_read_by_another_op_runs_per_sample():
     with pytest.warns(dyb.PerSampleWarning, match='begin state of an open batch dimension'):
         assert_same(run_both(lambda: [block(x) for x in xs], [block], xs))
     assert [sig.batch_safe for sig in block.signatures()] == [False]
+
+
+class FinalStates(gluon.HybridBlock):
+    """A fused layer from begin states per sample ((1, L*D, H) each,
+    swapped to the layer's (L*D, 1, H)), returning its outputs and its
+    final states swapped back to (1, L*D, H)."""
+
+    def __init__(self, mode):
+        super().__init__()
+        with self.name_scope():
+            make = {'lstm': gluon.rnn.LSTM, 'gru': gluon.rnn.GRU}[mode]
+            self.rnn = make(3, num_layers=2, layout='NTC', input_size=3, bidirectional=True)
+
+    def hybrid_forward(self, F, x, *states):
+        out, final = self.rnn(x, [F.swapaxes(s, 0, 1) for s in states])
+        return [out] + [F.swapaxes(s, 0, 1) for s in final]
+
+
+@pytest.mark.parametrize('mode', ['lstm', 'gru'])
+def test_fused_layer_final_states_swapped_back_batch(mode):
+    """A fused layer's final states (RNN's ``state_output`` and
+    ``statecell_output``) are batched on axis 1 and batch swapped back.
+    The tracer found no shape for them (it looked them up as
+    ``output1``/``output2``), so the block ran per sample, saying that a
+    swapaxes back to axis 0 was not one (found by a review)."""
+    block = dyb.DynBatchBlock(FinalStates(mode))
+    block.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(9)
+    count = 2 if mode == 'lstm' else 1
+    args = [[mx.nd.array(rng.uniform(-1, 1, (1, 3, 3)))] +
+            [mx.nd.array(rng.uniform(-1, 1, (1, 4, 3))) for _ in range(count)]
+            for _ in range(5)]
+    inputs = [x for call in args for x in call]
+    assert_same(run_both(lambda: [out for call in args for out in block(*call)], [block],
+                         inputs))
+    assert [sig.batch_safe for sig in block.signatures()] == [True], \
+        [sig.reason for sig in block.signatures()]
+    assert dyb.stats()['last']['batch_sizes'] == [5]
