@@ -27,6 +27,10 @@ B pairs is 2B sentences of 3-30 tokens.  Forms, one set of weights:
 ``dynbatch-slow-ops``  the same with :func:`gluon_dynbatch.trace.fast_forms`
                        turned off: the cells' own ``SliceChannel`` and
                        ``sigmoid`` / ``tanh`` ops run batched as they are
+``dynbatch-fused``     a sentence at a time through the fused layer (its
+                       (1, T) tokens embedded, the layer's last output), in
+                       ``gluon_dynbatch.batching()``: sentences of one length
+                       run as one fused call
 =====================  ======================================================
 
 Every form is first checked against ``per-sample`` (results and gradients
@@ -57,7 +61,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_treelstm as bt  # noqa: E402  (no MXNet import at module level)
 FORMS = ('per-sample', 'per-sample-hybrid', 'padded-fused', 'bucketed-fused', 'dynbatch',
-         'dynbatch-unshared', 'dynbatch-slow-ops')
+         'dynbatch-unshared', 'dynbatch-slow-ops', 'dynbatch-fused')
 SETTINGS = (('infer', 1), ('infer', 25), ('infer', 256), ('train', 25), ('train', 256))
 QUICK_SETTINGS = (('infer', 4), ('train', 4))
 PER_SAMPLE_MAX = 25
@@ -138,6 +142,20 @@ class Step:
         self.fused.hybridize(static_alloc=True)
         self.zeros = mx.nd.zeros((1, HIDDEN))
 
+        class SentenceBlock(gluon.HybridBlock):
+            """One sentence's (1, T) tokens through the embedding and the
+            fused layer: its last output, (1, HIDDEN)."""
+
+            def __init__(self, embed, fused, **kwargs):
+                super().__init__(**kwargs)
+                self.embed, self.fused = embed, fused
+
+            def hybrid_forward(self, F, tokens):  # pylint: disable=arguments-differ
+                out = self.fused(self.embed(tokens))
+                return F.reshape(F.slice_axis(out, axis=1, begin=-1, end=None), (0, -1))
+
+        self.sentence = dyb.DynBatchBlock(SentenceBlock(self.step.embed, self.fused))
+
     def states(self):
         return (self.zeros, self.zeros) if self.lstm else (self.zeros,)
 
@@ -158,6 +176,11 @@ class Step:
             return self.padded_fused(sentences), len(sentences)
         if form == 'bucketed-fused':
             return self.bucketed_fused(sentences), len(sentences)
+        if form == 'dynbatch-fused':
+            import numpy as np
+            with dyb.batching():
+                outs = [self.sentence(np.concatenate(ids)[None, :]) for ids in sentences]
+            return dyb.concat_rows(outs), len(sentences)
         if form.startswith('dynbatch'):
             block = {'dynbatch': self.dstep, 'dynbatch-unshared': self.unshared,
                      'dynbatch-slow-ops': self.slow}[form]
@@ -330,7 +353,7 @@ def table(all_results):
                    for s in settings]
             lines.append('| %s | %s |' % (form, ' | '.join(row)))
         for other in ('padded-fused', 'bucketed-fused', 'dynbatch-unshared',
-                      'dynbatch-slow-ops', 'per-sample-hybrid'):
+                      'dynbatch-slow-ops', 'dynbatch-fused', 'per-sample-hybrid'):
             row = []
             for s in settings:
                 if other not in results[s]:
@@ -422,7 +445,8 @@ def main(argv=None):
         check(model, sentences[:16], sentences[16:16 + (70 if args.quick else 200)], args.tol)
         print('%s: every form agrees with per-sample (tol %g)' % (cell, args.tol), flush=True)
         traced[cell] = {form: traced_ops(block) for form, block in
-                        (('dynbatch', model.dstep), ('dynbatch-slow-ops', model.slow))}
+                        (('dynbatch', model.dstep), ('dynbatch-slow-ops', model.slow),
+                         ('dynbatch-fused', model.sentence))}
         all_results[cell] = measure(model, sentences, settings, repeats, budget)
     write(args, {'config': config, 'results': all_results, 'traced_ops': traced})
 
