@@ -444,6 +444,11 @@ def main(argv=None):
             trace.fast_forms = fast_forms
         check(model, sentences[:16], sentences[16:16 + (70 if args.quick else 200)], args.tol)
         print('%s: every form agrees with per-sample (tol %g)' % (cell, args.tol), flush=True)
+        per_sample = {sig.reason for sig in model.sentence.signatures() if not sig.batch_safe}
+        if per_sample:      # a per-sample form under dynbatch-fused's name
+            print('error: dynbatch-fused runs per sample: %s' % '; '.join(per_sample),
+                  file=sys.stderr)
+            raise SystemExit(2)
         traced[cell] = {form: traced_ops(block) for form, block in
                         (('dynbatch', model.dstep), ('dynbatch-slow-ops', model.slow),
                          ('dynbatch-fused', model.sentence))}

@@ -188,10 +188,10 @@ def test_paired_ratio_takes_the_ratio_turn_by_turn():
 @needs_sick
 def test_quick_cells_benchmark(tmp_path):
     """``bench_cells.py --quick``: every form agreed with per-sample (else it
-    exits 2), has a positive rate in every setting, and the two dynbatch
-    forms ran what they say: the cells' own slow ops (both cut their gates
-    by SliceChannel; LSTMCell also applies sigmoid and tanh ops), and the
-    fast forms."""
+    exits 2), has a positive rate in every setting, and the dynbatch forms
+    ran what they say: the cells' own slow ops (both cut their gates by
+    SliceChannel; LSTMCell also applies sigmoid and tanh ops), the fast
+    forms, and the fused layer per sentence as one RNN op a step."""
     proc = run_benchmark('bench_cells.py', '--quick', '--out', tmp_path)
     for name in ('cells.json', 'cells.md'):     # it says where each file went
         assert 'wrote %s' % (tmp_path / name) in proc.stdout
@@ -201,13 +201,14 @@ def test_quick_cells_benchmark(tmp_path):
     for cell, settings in res['results'].items():
         assert set(settings) == {'infer B=4', 'train B=4'}
         for name, forms in settings.items():
-            assert len(forms) == 7, (cell, name, forms)
+            assert len(forms) == 8, (cell, name, forms)
             for form, rates in forms.items():
                 assert rates and all(math.isfinite(r) and r > 0 for r in rates), \
                     (cell, name, form, rates)
         ops = res['traced_ops'][cell]
         assert 'SliceChannel' in ops['dynbatch-slow-ops'], ops
         assert not {'SliceChannel', 'sigmoid', 'tanh'} & set(ops['dynbatch']), ops
+        assert 'RNN' in ops['dynbatch-fused'], ops
         assert 'slice_axis' in ops['dynbatch']
     assert {'sigmoid', 'tanh'} <= set(res['traced_ops']['LSTMCell']['dynbatch-slow-ops'])
     assert '| dynbatch / padded-fused |' in (tmp_path / 'cells.md').read_text()
