@@ -130,9 +130,10 @@ _contrib_dgl_csr_neighbor_non_uniform_sample'''.split())
 def draws_random(op_name, attrs=None):
     """Whether ``op_name`` (with attributes ``attrs``) draws random numbers
     (the ``*_pdf_*`` ops only evaluate densities; ``LeakyReLU`` draws with
-    ``act_type='rrelu'``, ``RNN`` with dropout ``p``).  Such an op reading no per-sample input makes
-    its block run per sample: run once for a step, its one draw would
-    serve every sample, where per sample each call draws its own."""
+    ``act_type='rrelu'``, ``RNN`` with dropout ``p``).  Such an op reading
+    no per-sample input makes its block run per sample: run once for a
+    step, its one draw would serve every sample, where per sample each
+    call draws its own."""
     if op_name == 'LeakyReLU':
         return (attrs or {}).get('act_type') == 'rrelu'
     if op_name == 'RNN':            # dropout between layers (in training)

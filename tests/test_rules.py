@@ -1995,18 +1995,24 @@ def test_gluons_fused_rnn_layers_batch(mode, bidirectional, layers, strategy):
     assert sorted(dyb.stats()['last']['batch_sizes']) == [2, 2, 3]
 
 
+def _sequences_with_states(seed, mode, state_shape):
+    """Five calls' arguments, a (1, 3, 3) sequence and its begin states of
+    ``state_shape`` (two for an LSTM, one otherwise), and all of them flat."""
+    rng = np.random.RandomState(seed)
+    count = 2 if mode == 'lstm' else 1
+    args = [[mx.nd.array(rng.uniform(-1, 1, (1, 3, 3)))] +
+            [mx.nd.array(rng.uniform(-1, 1, state_shape)) for _ in range(count)]
+            for _ in range(5)]
+    return args, [x for call in args for x in call]
+
+
 @pytest.mark.parametrize('mode', ['lstm', 'gru'])
 def test_fused_rnn_layer_with_begin_states_per_sample(mode):
     """Begin states given per sample, (1, L*D, H) each and swapped to the
     layer's (L*D, 1, H): batched on axis 1 beside the data."""
     enc = dyb.DynBatchBlock(FusedEncoder(mode, bidirectional=True, states=True))
     enc.initialize(mx.init.Uniform(0.5))
-    rng = np.random.RandomState(4)
-    count = 2 if mode == 'lstm' else 1
-    args = [[mx.nd.array(rng.uniform(-1, 1, (1, 3, 3)))] +
-            [mx.nd.array(rng.uniform(-1, 1, (1, 2, 6))) for _ in range(count)]
-            for _ in range(5)]
-    inputs = [x for call in args for x in call]
+    args, inputs = _sequences_with_states(4, mode, (1, 2, 6))
     assert_same(run_both(lambda: [enc(*call) for call in args], [enc], inputs))
     assert dyb.stats()['last']['batch_sizes'] == [5]
 
@@ -2308,12 +2314,7 @@ def test_fused_layer_final_states_swapped_back_batch(mode):
     swapaxes back to axis 0 was not one (found by a review)."""
     block = dyb.DynBatchBlock(FinalStates(mode))
     block.initialize(mx.init.Uniform(0.5))
-    rng = np.random.RandomState(9)
-    count = 2 if mode == 'lstm' else 1
-    args = [[mx.nd.array(rng.uniform(-1, 1, (1, 3, 3)))] +
-            [mx.nd.array(rng.uniform(-1, 1, (1, 4, 3))) for _ in range(count)]
-            for _ in range(5)]
-    inputs = [x for call in args for x in call]
+    args, inputs = _sequences_with_states(9, mode, (1, 4, 3))
     assert_same(run_both(lambda: [out for call in args for out in block(*call)], [block],
                          inputs))
     assert [sig.batch_safe for sig in block.signatures()] == [True], \
