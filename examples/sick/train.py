@@ -5,7 +5,7 @@ per sample or with just-in-time dynamic batching.
 The model code is the plain per-sample recursion of the paper; the only
 change that batches it is ``with dyb.batching():`` around each minibatch::
 
-    python examples/sick/train.py                    # dynbatch, 10 epochs (20-40 s, 2 cores)
+    python examples/sick/train.py                    # dynbatch, 10 epochs (20-50 s, 2 cores)
     python examples/sick/train.py --mode both --epochs 3   # per-sample vs dynbatch
     python examples/sick/train.py --epochs 1 --train-limit 500 --dev-limit 100 \
         --test-limit 100                             # a quick look
