@@ -1354,7 +1354,7 @@ class _CheckPrep:
       failed every flush that padded after ``wrapper.hybridize()``, found
       by a fuzzer, and its calls would fix the user's block to the
       check's list lengths; a block called as it is, not hybridized, ran
-      one imperative op at a time, 4x the CachedOp's time);
+      one imperative op at a time, ~5x the CachedOp's time);
     * :meth:`op`: the CachedOps, one per thread (MXNet 1.9.1's CachedOp is
       not safe to call from two threads at once)."""
 

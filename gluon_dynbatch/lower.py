@@ -65,8 +65,8 @@ import numpy as np
 
 from .lanes import CUT, PADDED, SEGMENT, vectorize_lists
 from .rules import NOT_FUNCTIONS, draws_random
-from .trace import (EXACT, OPEN_SHAPE_OPS, graph_readers, leaf_count, load_graph, moved_entry,
-                    own_forms, symbol_json)
+from .trace import (EXACT, OPEN_SHAPE_OPS, TIME_MAJOR_OPS, graph_readers, leaf_count,
+                    load_graph, moved_entry, own_forms, symbol_json)
 
 __all__ = ['make_cached_op', 'ThreadCachedOp', 'StepProgram', 'step_program', 'element_major',
            'FlushProgram', 'flush_program', 'share_host_part', 'host_part', 'embedding_reads',
@@ -639,12 +639,6 @@ def compose_takes(symbol):
     return load_graph(graph, out, [moved_entry(entry, moved) for entry in graph['heads']])
 
 
-TIME_MAJOR_OPS = frozenset(('SwapAxis', 'swapaxes', 'RNN', 'SequenceMask', 'SequenceReverse'))
-"""The ops whose output may be batched on axis 1 (see
-:func:`~.trace.check_batch_safe`): Gluon's fused recurrent layers' swaps
-around ``RNN``, and the time-major sequence ops."""
-
-
 def _host_kinds(nodes, heads, host, shared):
     """Per node of a symbol's JSON (with ``heads``): ``'host'`` (a function
     of the ``host`` inputs, and maybe of ``shared`` ones), ``'shared'`` (of
@@ -653,7 +647,7 @@ def _host_kinds(nodes, heads, host, shared):
     (:func:`~.rules.draws_random`), a custom op or one whose rule the user
     registered without ``function_of_inputs=True``
     (:data:`~.rules.NOT_FUNCTIONS`); equal rows must not share one run of
-    it.  So is an op of :data:`TIME_MAJOR_OPS` whose value an ``'other'``
+    it.  So is an op of :data:`~.trace.TIME_MAJOR_OPS` whose value an ``'other'``
     op or an output reads: the host part hands its values on by a ``take``
     along axis 0, and such a value may have its batch on axis 1 (a fused
     layer's swapped input, read by an ``RNN`` that draws random numbers or

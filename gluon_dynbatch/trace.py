@@ -979,9 +979,17 @@ def check_batch_safe(symbol, data_names, known):
     return True, ''
 
 
+SWAPAXES = ('SwapAxis', 'swapaxes')
+TIME_MAJOR_SEQUENCE_OPS = ('SequenceMask', 'SequenceReverse')
+TIME_MAJOR_OPS = frozenset(SWAPAXES + ('RNN',) + TIME_MAJOR_SEQUENCE_OPS)
+"""The ops whose output may be batched on axis 1 (see :func:`_time_major`):
+Gluon's fused recurrent layers' swaps around ``RNN``, and the time-major
+sequence ops."""
+
+
 def _swaps_axis_0_and_1(node, shapes):
     """Whether ``node`` is a ``swapaxes`` of axes 0 and 1."""
-    if node['op'] not in ('SwapAxis', 'swapaxes') or not shapes[0]:
+    if node['op'] not in SWAPAXES or not shapes[0]:
         return False
     attrs = node.get('attrs', {})
     ndim = len(shapes[0])
@@ -1006,13 +1014,13 @@ def _time_major(node, nodes, axes, shapes, readers):
     :func:`graph_readers`): MXNet gives its open dimension the batch's
     rows, which another op would see (``F.sum`` of it grows with N)."""
     op, attrs = node['op'], node.get('attrs', {})
-    if op in ('SwapAxis', 'swapaxes') and _swaps_axis_0_and_1(node, shapes):
+    if op in SWAPAXES and _swaps_axis_0_and_1(node, shapes):
         axis = axes[0]
         if shapes[0][axis] != 1:
             return None, 'swapaxes sees a batched input of shape %s' % (shapes[0],)
         return 1 - axis, None
     lengths = attrs.get('use_sequence_length', 'False').lower() in ('true', '1')
-    if op in ('SequenceMask', 'SequenceReverse') and int(attrs.get('axis', 0)) == 0:
+    if op in TIME_MAJOR_SEQUENCE_OPS and int(attrs.get('axis', 0)) == 0:
         # time-major: each sample's steps down its own column
         ok = axes[0] == 1 and shapes[0] is not None and len(shapes[0]) >= 2 and \
             shapes[0][1] == 1
