@@ -1029,18 +1029,25 @@ CHECK_SEED = 20240101
 a block that draws random numbers (see :func:`_same_draws`)."""
 
 
-def _draws(symbol):
-    """Whether an op of ``symbol`` draws random numbers
+def _draws(sig):
+    """Whether an op of ``sig``'s traced symbol draws random numbers
     (:func:`~.rules.draws_random`) outside training, where the padding
-    check runs (a ``Dropout`` draws there only with ``mode='always'``)."""
-    for node in json.loads(symbol_json(symbol))['nodes']:
+    check runs (a ``Dropout`` draws there only with ``mode='always'``).
+    Kept on the signature: every check of it asked, reading its JSON."""
+    known = sig.__dict__.get('padding_check_draws')
+    if known is not None:
+        return known
+    draws = False
+    for node in json.loads(symbol_json(sig.symbol))['nodes']:
         op, attrs = node['op'], node.get('attrs', {})
         if op == 'LeakyReLU' or (op in ('Dropout', '_npx_dropout') and
                                  attrs.get('mode', 'training') == 'training'):
             continue
         if op != 'null' and draws_random(op, attrs):
-            return True
-    return False
+            draws = True
+            break
+    sig.__dict__['padding_check_draws'] = draws
+    return draws
 
 
 @contextmanager
@@ -1054,7 +1061,7 @@ def _same_draws(sig, padded):
     generator on the context is seeded from a number drawn from it
     before, so that a user's seeds still give streams of their own.  (A
     seed takes ~2.6 ms on a 2-core VM, ~30 of them a check.)"""
-    if not (_draws(sig.symbol) or _draws(padded.symbol)):
+    if not (_draws(sig) or _draws(padded)):
         yield False
         return
     with mx.autograd.pause():
@@ -1588,8 +1595,10 @@ def _symbol_gradients(op, sig, leaves, real, params, rng):
     calls with outputs of equal shapes use the same one; ``rng`` is left
     as it was)."""
     state = rng.get_state()
-    copies = [leaf.copy() for leaf in leaves]
-    kept = [copy for copy, leaf in zip(copies, leaves) if any(leaf is r for r in real)]
+    # (copies of those that take a gradient, which marks them: the leaves
+    # themselves are read again, by the other symbol's run)
+    copies = [leaf.copy() if any(leaf is r for r in real) else leaf for leaf in leaves]
+    kept = [copy for copy, leaf in zip(copies, leaves) if copy is not leaf]
     arguments = set(sig.symbol.list_arguments())
     for value in kept:
         value.attach_grad()
