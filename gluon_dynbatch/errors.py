@@ -5,7 +5,7 @@ import os
 import sys
 
 __all__ = ['DynBatchError', 'ScopeError', 'LazyValueError', 'InputError', 'PerSampleWarning',
-           'FreedGraphWarning']
+           'FreedGraphWarning', 'StatefulBlockWarning']
 
 
 class DynBatchError(Exception):
@@ -56,6 +56,16 @@ class FreedGraphWarning(UserWarning):
     ``retain_graph=True``); where the gradient is meant to stop there
     (truncated backpropagation), pass ``value.data.detach()`` instead of
     the value, which also silences the warning."""
+
+
+class StatefulBlockWarning(UserWarning):
+    """A block kept a value of its trace in a Python attribute (Gluon's
+    ``ZoneoutCell`` keeps its previous output, ``VariationalDropoutCell``
+    its dropout masks), state meant to carry from one call to the next.  A
+    block's Python code runs once per signature, when it is traced, so
+    batched calls never see that state: each computes as the first call of
+    a sequence would (zoneout copies zeros, every step draws a new mask).
+    Pass such state as an argument and return it as an output instead."""
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep

@@ -11,12 +11,13 @@ lookup: the per-sample recording path never touches MXNet.
 import ast
 import ctypes
 import json
+import warnings
 
 import mxnet as mx
 import numpy as np
 from mxnet.ndarray.ndarray import _DTYPE_NP_TO_MX
 
-from .errors import InputError
+from .errors import InputError, StatefulBlockWarning, user_stacklevel
 from .rules import (NOT_FUNCTIONS, RANDOM_LIKE, UNBATCHABLE, OpView, batching_rule,
                     draws_random)
 
@@ -296,12 +297,28 @@ def trace_signature(sig_id, block, fmt, shapes, dtypes):
     variables = [mx.sym.var(n) for n in data_names]
     sym_args, _ = regroup(fmt, variables)
     _drop_stale_vars(block)
+    before = _attribute_ids(block)
+    reset = _watch_resets(block)
     try:
         out = _outputs_as_lists(block(*sym_args))
     except InputError:
         raise
     except Exception as err:    # pylint: disable=broad-except
         raise InputError(_trace_failure(block, fmt, shapes, err)) from err
+    finally:
+        for below in reset:
+            vars(below).pop('reset', None)
+    kept = _symbols_kept(block, before, {id(below) for below, met in reset.items() if met})
+    if kept:
+        warnings.warn(StatefulBlockWarning(
+            'block %s keeps symbols of its trace in %s: state carried from one call to the '
+            'next (a previous output, a dropout mask drawn once per sequence), which its '
+            'batched calls do not see, since its Python code runs once per signature, when '
+            'traced. Each call computes as the first of a sequence would (Gluon\'s '
+            'ZoneoutCell copies zeros, VariationalDropoutCell draws a new mask every step), '
+            'which differs from per-sample execution where that state is used (in training, '
+            'for these two). Pass the state as an argument and return it as an output.'
+            % (_block_name(block), ', '.join(kept))), stacklevel=user_stacklevel())
     out_leaves = []
     out_fmt = flatten(out if isinstance(out, (list, tuple)) else [out], out_leaves)
     if not isinstance(out, (list, tuple)):
@@ -398,6 +415,50 @@ def is_function_of_inputs(symbol):
     return not any(node['op'] != 'null' and (node['op'] in NOT_FUNCTIONS or
                                              draws_random(node['op'], node.get('attrs')))
                    for node in json.loads(symbol_json(symbol))['nodes'])
+
+
+def _attribute_ids(block):
+    """``{(id of block, attribute): id of value}`` over ``block`` and the
+    blocks below it: what a trace may change (see :func:`_symbols_kept`)."""
+    return {(id(below), attr): id(value)
+            for below in blocks_of(block) for attr, value in vars(below).items()
+            if attr != 'reset'}
+
+
+def _holds_symbol(value):
+    if isinstance(value, mx.sym.Symbol):
+        return True
+    return isinstance(value, (list, tuple)) and any(_holds_symbol(item) for item in value)
+
+
+def _watch_resets(block):
+    """``{block: False}`` for the recurrent cells at and below ``block``,
+    their ``reset`` replaced, until the caller deletes it, by one that marks
+    the cell True when called: a cell reset during a trace (an ``unroll``
+    resets first) starts its state afresh, as every call per sample does."""
+    cells = {below: False for below in blocks_of(block)
+             if isinstance(below, mx.gluon.rnn.RecurrentCell) and 'reset' not in vars(below)}
+    for cell in cells:
+        def reset(cell=cell, own=cell.reset):
+            cells[cell] = True
+            own()
+        object.__setattr__(cell, 'reset', reset)
+    return cells
+
+
+def _symbols_kept(block, before, fresh=()):
+    """``['ZoneoutCell._prev_output', ...]``: the attributes of ``block`` or
+    a block below it that its trace set to a Symbol (or a list of them).
+    Per sample such an attribute carries state from one call to the next
+    (Gluon's modifier cells do, and reset() clears it); traced, it holds a
+    Symbol no batched call reads.  Attributes that held the same object
+    before the trace (a hybridized block's own cached graph) are not
+    counted, nor those of the cells in ``fresh`` (ids of cells that the trace
+    reset, see :func:`_watch_resets`)."""
+    return sorted({'%s.%s' % (type(below).__name__, attr)
+                   for below in blocks_of(block) if id(below) not in fresh
+                   for attr, value in vars(below).items()
+                   if before.get((id(below), attr)) != id(value) and _holds_symbol(value)})
 
 
 def _outputs_as_lists(out):

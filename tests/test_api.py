@@ -2718,3 +2718,83 @@ def test_training_with_a_pinned_strategy_repeats_bit_for_bit_across_processes():
                            capture_output=True, text=True, check=True).stdout.split()[-1]
             for _ in range(2)]
     assert len(runs[0]) == 64 and runs[0] == runs[1]
+
+
+class _StepOf(gluon.HybridBlock):
+    """One step of a modifier cell, its state as arguments and outputs."""
+
+    def __init__(self, cell, **kwargs):
+        super().__init__(**kwargs)
+        with self.name_scope():
+            self.cell = cell
+
+    def hybrid_forward(self, F, x, h, c):    # pylint: disable=arguments-differ
+        out, (h, c) = self.cell(x, [h, c])
+        return out, h, c
+
+
+@pytest.mark.parametrize('kind', ['zoneout', 'variational'])
+def test_cell_keeping_state_in_attributes_warns(kind):
+    """Gluon's ZoneoutCell keeps its previous output, VariationalDropoutCell
+    its masks, in Python attributes between calls.  Traced once per
+    signature, batched calls never see that state and silently compute as
+    a sequence's first step would (in training zoneout copied zeros and
+    every step drew a new mask, a user trial found), so the trace warns,
+    naming the attribute."""
+    from mxnet.gluon.contrib.rnn import VariationalDropoutCell
+    inner = rnn.LSTMCell(4, input_size=3)
+    cell = rnn.ZoneoutCell(inner, zoneout_outputs=0.5) if kind == 'zoneout' else \
+        VariationalDropoutCell(inner, drop_outputs=0.5)
+    block = dyb.DynBatchBlock(_StepOf(cell))
+    block.initialize()
+    zeros = mx.nd.zeros((1, 4))
+    with pytest.warns(dyb.StatefulBlockWarning) as caught:
+        with dyb.batching('depth'):
+            out, h, c = block(mx.nd.ones((1, 3)), zeros, zeros)
+            block(mx.nd.ones((1, 3)), h, c)
+    text = str(caught[0].message)
+    assert ('ZoneoutCell._prev_output' if kind == 'zoneout' else
+            'VariationalDropoutCell.drop_outputs_mask') in text
+    assert 'as an argument' in text
+    cell.reset()
+
+
+def test_hybridized_block_traced_gives_no_state_warning():
+    """A block hybridized and run per sample first holds its cached graph,
+    Symbols set before any trace: not state kept by the trace."""
+    block = dyb.DynBatchBlock(_StepOf(rnn.LSTMCell(4, input_size=3)))
+    block.initialize()
+    block.hybridize()
+    zeros = mx.nd.zeros((1, 4))
+    block(mx.nd.ones((1, 3)), zeros, zeros)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', dyb.StatefulBlockWarning)
+        with dyb.batching('depth'):
+            block(mx.nd.ones((1, 3)), zeros, zeros)
+
+
+class _ZoneoutUnrolled(gluon.HybridBlock):
+    """A ZoneoutCell unrolled over a whole (1, 3, 3) sequence in one block."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        with self.name_scope():
+            self.cell = rnn.ZoneoutCell(rnn.LSTMCell(4, input_size=3), zoneout_outputs=0.5)
+
+    def hybrid_forward(self, F, x, h, c):    # pylint: disable=arguments-differ
+        outs, _ = self.cell.unroll(3, x, begin_state=[h, c], layout='NTC', merge_outputs=True)
+        return outs
+
+
+def test_cell_reset_by_its_trace_gives_no_state_warning():
+    """``unroll`` resets the cell first, so the state its trace keeps is
+    never read by another call, per sample or batched: no warning."""
+    block = dyb.DynBatchBlock(_ZoneoutUnrolled())
+    block.initialize()
+    zeros = mx.nd.zeros((1, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', dyb.StatefulBlockWarning)
+        with dyb.batching('depth'):
+            out = block(mx.nd.ones((1, 3, 3)), zeros, zeros)
+    assert out.shape == (1, 3, 4)
+    assert 'reset' not in vars(block.block.cell)
