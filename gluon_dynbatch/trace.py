@@ -18,7 +18,7 @@ import numpy as np
 from mxnet.ndarray.ndarray import _DTYPE_NP_TO_MX
 
 from .errors import InputError, StatefulBlockWarning, user_stacklevel
-from .rules import (NOT_FUNCTIONS, RANDOM_LIKE, UNBATCHABLE, OpView, batching_rule,
+from .rules import (JOIN_ADVICE, NOT_FUNCTIONS, RANDOM_LIKE, UNBATCHABLE, OpView, batching_rule,
                     draws_random)
 
 __all__ = ['symbol_json', 'flatten', 'regroup', 'leaf_count', 'TracedSignature', 'trace_signature',
@@ -1005,7 +1005,8 @@ def check_batch_safe(symbol, data_names, known):
             batched.append(None)
             continue
         shapes = [_entry_shape(nodes, e, by_name) for e in inputs]
-        if 1 in axes or node['op'] == 'RNN' or _swaps_axis_0_and_1(node, shapes):
+        if 1 in axes or node['op'] == 'RNN' or _swaps_axis_0_and_1(node, shapes) or \
+                _moves_batch_to_1(node, axes, shapes):
             axis, reason = _time_major(node, nodes, axes, shapes, readers)
             if reason:
                 return False, '%s (%s)' % (reason, node['name'])
@@ -1042,10 +1043,14 @@ def check_batch_safe(symbol, data_names, known):
 
 SWAPAXES = ('SwapAxis', 'swapaxes')
 TIME_MAJOR_SEQUENCE_OPS = ('SequenceMask', 'SequenceReverse')
-TIME_MAJOR_OPS = frozenset(SWAPAXES + ('RNN',) + TIME_MAJOR_SEQUENCE_OPS)
+SPLITS = ('SliceChannel', 'split')
+TIME_MAJOR_OPS = frozenset(SWAPAXES + ('RNN', 'stack', 'transpose') + SPLITS +
+                           TIME_MAJOR_SEQUENCE_OPS)
 """The ops whose output may be batched on axis 1 (see :func:`_time_major`):
-Gluon's fused recurrent layers' swaps around ``RNN``, and the time-major
-sequence ops."""
+Gluon's fused recurrent layers' swaps around ``RNN``, the time-major
+sequence ops, and the ``stack`` on axis 0 and ``split`` back that Gluon's
+cells make around ``SequenceReverse`` (an ``unroll`` with ``valid_length``),
+and ``transpose``."""
 
 
 def _swaps_axis_0_and_1(node, shapes):
@@ -1055,6 +1060,30 @@ def _swaps_axis_0_and_1(node, shapes):
     attrs = node.get('attrs', {})
     ndim = len(shapes[0])
     return {int(attrs.get('dim1', 0)) % ndim, int(attrs.get('dim2', 0)) % ndim} == {0, 1}
+
+
+def _transposed_axis(node, axis, shapes):
+    """Where ``transpose`` puts the input axis ``axis``, or None."""
+    try:
+        perm = ast.literal_eval(node.get('attrs', {}).get('axes', '()'))
+    except (ValueError, SyntaxError):
+        return None
+    if not shapes[0]:
+        return None
+    perm = tuple(perm) or tuple(range(len(shapes[0]) - 1, -1, -1))
+    perm = tuple(a % len(shapes[0]) for a in perm)
+    return perm.index(axis) if axis in perm else None
+
+
+def _moves_batch_to_1(node, axes, shapes):
+    """Whether ``node`` moves a value batched on axis 0 to axis 1: a
+    ``stack`` on axis 0 of per-sample rows (Gluon's ``_reverse_sequences``
+    stacks a cell's steps so, time-major, for ``SequenceReverse``), or a
+    ``transpose`` that puts axis 0 second."""
+    op, attrs = node['op'], node.get('attrs', {})
+    if op == 'stack':
+        return int(attrs.get('axis', 0)) == 0 and all(axis == 0 for axis in axes)
+    return op == 'transpose' and axes[0] == 0 and _transposed_axis(node, 0, shapes) == 1
 
 
 def _time_major(node, nodes, axes, shapes, readers):
@@ -1080,6 +1109,26 @@ def _time_major(node, nodes, axes, shapes, readers):
         if shapes[0][axis] != 1:
             return None, 'swapaxes sees a batched input of shape %s' % (shapes[0],)
         return 1 - axis, None
+    if op == 'stack' and int(attrs.get('axis', 0)) == 0:
+        # per-sample rows (1, ...) stacked time-major: (T, 1, ...), each
+        # sample's steps down its own column
+        if all(axis == 0 for axis in axes) and all(shape and shape[0] == 1 for shape in shapes):
+            return 1, None
+        return None, ('stack on axis 0 takes per-sample rows batched, (1, ...), and stacks '
+                      'them time-major, the batch on axis 1')
+    if op == 'transpose' and axes[0] is not None:
+        axis = _transposed_axis(node, axes[0], shapes)
+        if axis in (0, 1):
+            return axis, None
+        return None, ('transpose(axes=%s) moves the batch axis (%d) past axis 1'
+                      % (attrs.get('axes'), axes[0]))
+    if op in SPLITS and axes[0] == 1 and int(attrs.get('axis', 1)) == 0:
+        # steps cut off a time-major value: squeezed, each is a (1, ...) row
+        squeeze = attrs.get('squeeze_axis', 'False').lower() in ('true', '1')
+        if not squeeze:
+            return 1, None
+        if shapes[0] and int(attrs.get('num_outputs', 0)) == shapes[0][0]:
+            return 0, None
     lengths = attrs.get('use_sequence_length', 'False').lower() in ('true', '1')
     if op in TIME_MAJOR_SEQUENCE_OPS and int(attrs.get('axis', 0)) == 0:
         # time-major: each sample's steps down its own column
@@ -1090,9 +1139,15 @@ def _time_major(node, nodes, axes, shapes, readers):
                           'length per sample, (1,), where it reads lengths' % op)
         return 1, None
     if op != 'RNN':
+        stacked = any(axis == 1 and nodes[entry[0]]['op'] == 'stack'
+                      for axis, entry in zip(axes, node['inputs']))
+        if stacked:
+            return None, ('op %s reads per-sample rows stacked on axis 0 (time-major, the '
+                          'batch on axis 1), which only RNN, SequenceMask, SequenceReverse '
+                          'and split back along axis 0 take%s' % (op, JOIN_ADVICE))
         return None, ('op %s reads a value whose batch axis is 1 (after swapaxes(x, 0, 1)); '
-                      'only RNN, SequenceMask, SequenceReverse and swapaxes back to axis 0 '
-                      'take such values' % op)
+                      'only RNN, SequenceMask, SequenceReverse, swapaxes or transpose back '
+                      'to axis 0 and split along axis 0 take such values' % op)
     roles = ['data', 'parameters'] + ['state'] * (len(axes) - 2 - lengths) + \
         ['sequence_length'] * lengths
     for role, axis, shape, entry in zip(roles, axes, shapes, node['inputs']):

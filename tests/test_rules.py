@@ -1946,7 +1946,8 @@ def test_a_readout_stacked_on_axis_0_is_told_the_form_that_batches():
         batch_safe, reason = _verdict(block)
         assert batch_safe == safe, reason
         if not safe:
-            assert 'stack acts on the batch axis (axis=0); to join per-sample rows' in reason
+            assert 'rows stacked on axis 0' in reason      # time-major, for SequenceReverse
+            assert 'to join per-sample rows' in reason
             assert 'F.mean(F.stack(*hs, axis=1), axis=1)' in reason
     assert dyb.stats()['last']['batch_sizes'] == [4]
 
@@ -2320,3 +2321,94 @@ def test_fused_layer_final_states_swapped_back_batch(mode):
     assert [sig.batch_safe for sig in block.signatures()] == [True], \
         [sig.reason for sig in block.signatures()]
     assert dyb.stats()['last']['batch_sizes'] == [5]
+
+
+class BidirectionalUnroll(gluon.HybridBlock):
+    """Gluon's BidirectionalCell unrolled over a (1, 5, 3) sentence, its
+    begin states passed per sample; with lengths it reverses the steps by
+    ``SequenceReverse`` of a ``stack`` on axis 0, then ``split`` back."""
+
+    def __init__(self, lengths):
+        super().__init__()
+        self.lengths = lengths
+        with self.name_scope():
+            self.bi = gluon.rnn.BidirectionalCell(gluon.rnn.LSTMCell(4, input_size=3),
+                                                  gluon.rnn.GRUCell(4, input_size=3))
+
+    def hybrid_forward(self, F, x, length, h):
+        outs, _ = self.bi.unroll(5, x, begin_state=[h, h, h], layout='NTC',
+                                 merge_outputs=True,
+                                 valid_length=length if self.lengths else None)
+        return outs
+
+
+@pytest.mark.parametrize('lengths', [False, True])
+def test_bidirectional_cell_unrolled_with_lengths_batches(lengths):
+    """A user trial found BidirectionalCell.unroll with valid_length run per
+    sample: Gluon stacks the steps on axis 0 (time-major, the batch moved to
+    axis 1) for SequenceReverse and splits them back, and stack refused
+    axis 0.  Such a stack and split now move the batch to axis 1 and back:
+    one step, per-sample values and gradients (masked steps included)."""
+    block = dyb.DynBatchBlock(BidirectionalUnroll(lengths))
+    block.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(3)
+    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 5, 3))) for _ in range(4)]
+    ns = [mx.nd.array([n]) for n in (5, 1, 3, 2)]
+    h = mx.nd.zeros((1, 4))
+    assert_same(run_both(lambda: [block(x, n, h) for x, n in zip(xs, ns)], [block], xs))
+    assert [sig.batch_safe for sig in block.signatures()] == [True]
+    assert dyb.stats()['last']['batch_sizes'] == [4]
+
+
+class TimeMajorTranspose(gluon.HybridBlock):
+    """A (1, T, 3) sample made time-major by ``how`` and made back into
+    (1, 4, T) channels-first by a transpose, as gluonnlp's
+    ConvolutionalEncoder reads its TNC input, then convolved."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        with self.name_scope():
+            self.conv = gluon.nn.Conv1D(4, 2, in_channels=3)
+
+    def hybrid_forward(self, F, x):
+        tnc = F.swapaxes(x, 0, 1) if self.how == 'swapaxes' else \
+            F.transpose(x, axes=(1, 0, 2))
+        return F.max(self.conv(F.transpose(tnc, axes=(1, 2, 0))), axis=2)
+
+
+@pytest.mark.parametrize('how', ['swapaxes', 'transpose'])
+def test_transpose_moves_a_batch_between_axes_0_and_1(how):
+    """gluonnlp's ConvolutionalEncoder takes TNC input and transposes it to
+    NCT, which ran per sample ('transpose reads a value whose batch axis is
+    1').  A transpose that puts the batch axis first or second moves it
+    there: one step, per-sample values and gradients."""
+    block = dyb.DynBatchBlock(TimeMajorTranspose(how))
+    block.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(4)
+    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 5, 3))) for _ in range(3)]
+    assert_same(run_both(lambda: [block(x) for x in xs], [block], xs))
+    assert [sig.batch_safe for sig in block.signatures()] == [True]
+
+
+class StackedTimeMajorMisuse(gluon.HybridBlock):
+    """Rows stacked on axis 0 (time-major), then read across time."""
+
+    def hybrid_forward(self, F, x, y):    # pylint: disable=arguments-differ
+        steps = F.stack(x, y, axis=0)                 # (2, 1, 3)
+        return F.transpose(F.sum(steps, axis=0, keepdims=True), axes=(1, 0, 2))
+
+
+def test_stack_on_axis_0_is_refused_where_read_across_time():
+    """The batch that ``stack`` on axis 0 moves to axis 1 is still refused
+    by any op that no rule lets read it (a sum over the steps): per sample,
+    with the reason, and per-sample values."""
+    block = dyb.DynBatchBlock(StackedTimeMajorMisuse())
+    xs = [mx.nd.random.uniform(shape=(1, 3)) for _ in range(3)]
+    want = [block.block(x, 2 * x).asnumpy() for x in xs]
+    with pytest.warns(dyb.PerSampleWarning,
+                      match=r'op sum reads per-sample rows stacked on axis 0'):
+        with dyb.batching('depth'):
+            outs = [block(x, 2 * x) for x in xs]
+    for out, expected in zip(outs, want):
+        np.testing.assert_allclose(out.asnumpy(), expected, rtol=1e-6)
