@@ -65,8 +65,8 @@ import numpy as np
 
 from .lanes import CUT, PADDED, SEGMENT, vectorize_lists
 from .rules import NOT_FUNCTIONS, draws_random
-from .trace import (EXACT, OPEN_SHAPE_OPS, TIME_MAJOR_OPS, graph_readers, leaf_count,
-                    load_graph, moved_entry, own_forms, symbol_json)
+from .trace import (EXACT, OPEN_SHAPE_OPS, graph_readers, leaf_count, load_graph,
+                    may_batch_on_axis_1, moved_entry, own_forms, symbol_json)
 
 __all__ = ['make_cached_op', 'ThreadCachedOp', 'StepProgram', 'step_program', 'element_major',
            'FlushProgram', 'flush_program', 'share_host_part', 'host_part', 'embedding_reads',
@@ -647,11 +647,12 @@ def _host_kinds(nodes, heads, host, shared):
     (:func:`~.rules.draws_random`), a custom op or one whose rule the user
     registered without ``function_of_inputs=True``
     (:data:`~.rules.NOT_FUNCTIONS`); equal rows must not share one run of
-    it.  So is an op of :data:`~.trace.TIME_MAJOR_OPS` whose value an ``'other'``
-    op or an output reads: the host part hands its values on by a ``take``
-    along axis 0, and such a value may have its batch on axis 1 (a fused
-    layer's swapped input, read by an ``RNN`` that draws random numbers or
-    takes begin states per sample); the part then ends before it."""
+    it.  So is an op that may batch on axis 1
+    (:func:`~.trace.may_batch_on_axis_1`) whose value an ``'other'`` op or
+    an output reads: the host part hands its values on by a ``take`` along
+    axis 0, and such a value may have its batch on axis 1 (a fused layer's
+    swapped input, read by an ``RNN`` that draws random numbers or takes
+    begin states per sample); the part then ends before it."""
     cut = set()
     while True:
         kinds = []
@@ -670,7 +671,7 @@ def _host_kinds(nodes, heads, host, shared):
         handed = [entry[0] for node, kind in zip(nodes, kinds) if kind == 'other'
                   for entry in node['inputs']] + [entry[0] for entry in heads]
         more = {old for old in handed
-                if kinds[old] == 'host' and nodes[old]['op'] in TIME_MAJOR_OPS}
+                if kinds[old] == 'host' and may_batch_on_axis_1(nodes[old])}
         if not more:
             return kinds
         cut |= more

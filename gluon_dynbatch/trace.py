@@ -1050,7 +1050,31 @@ TIME_MAJOR_OPS = frozenset(SWAPAXES + ('RNN', 'stack', 'transpose') + SPLITS +
 Gluon's fused recurrent layers' swaps around ``RNN``, the time-major
 sequence ops, and the ``stack`` on axis 0 and ``split`` back that Gluon's
 cells make around ``SequenceReverse`` (an ``unroll`` with ``valid_length``),
-and ``transpose``."""
+and ``transpose``.  Which of their nodes may: :func:`may_batch_on_axis_1`."""
+
+
+def may_batch_on_axis_1(node):
+    """Whether graph node ``node`` may give a value batched on axis 1, by
+    its op and attributes alone (for lower's host part, which knows no
+    batch axes): an op of :data:`TIME_MAJOR_OPS`, but for a ``stack`` on
+    another axis than 0, a ``split`` along one past 0, or a ``transpose``
+    that puts neither axis 0 nor 1 second (those batch on axis 0 only:
+    Gluon's cells split their gates along axis 1, and a transpose of the
+    last two axes is common)."""
+    op, attrs = node['op'], node.get('attrs', {})
+    if op not in TIME_MAJOR_OPS:
+        return False
+    try:
+        if op == 'stack':
+            return int(attrs.get('axis', 0)) <= 0
+        if op in SPLITS:
+            return int(attrs.get('axis', 1)) <= 0
+        if op == 'transpose':
+            perm = tuple(ast.literal_eval(attrs.get('axes', '()')))
+            return len(perm) < 2 or perm[1] in (0, 1) or perm[1] < 0
+    except (ValueError, SyntaxError, TypeError):
+        return True
+    return True
 
 
 def _swaps_axis_0_and_1(node, shapes):

@@ -1,4 +1,6 @@
 """Batched execution equals per-sample execution, forward and gradients."""
+import json
+
 import mxnet as mx
 import numpy as np
 import pytest
@@ -764,6 +766,28 @@ def test_host_part_key_ignores_op_names_and_the_rest():
     assert sorted(rest.list_inputs()) == ['dynbatch_hoisted0', 'dynbatch_inverse', 'h']
     reads_ids = mx.sym.Embedding(ids, w, input_dim=5, output_dim=4) * h + ids
     assert split_host_part(reads_ids, ['ids'], {'w'}) is None
+
+
+def test_host_part_ends_only_before_ops_that_may_batch_on_axis_1():
+    """The host part hands its values on by a take along axis 0, so it ends
+    before an op whose value may be batched on axis 1 (a stack on axis 0,
+    time-major).  Ops of those names that keep the batch on axis 0 (gates
+    split along axis 1, a transpose of the last axes) stay in it: cut by
+    name, every split of gates computed from token ids left the part."""
+    from gluon_dynbatch.lower import split_host_part
+    ids, w, h = mx.sym.var('ids'), mx.sym.var('w'), mx.sym.var('h')
+    table = mx.sym.Embedding(ids, w, input_dim=5, output_dim=4)
+
+    def ops_of(split):
+        return [node['op'] for node in json.loads(split.symbol.tojson())['nodes']]
+    gates = mx.sym.split(table, num_outputs=2, axis=1)
+    assert 'SliceChannel' in ops_of(split_host_part(gates[0] * h + gates[1], ['ids'], {'w'}))
+    square = mx.sym.reshape(table, shape=(1, 2, 2))
+    kept = split_host_part(mx.sym.transpose(square, axes=(0, 2, 1)) * h, ['ids'], {'w'})
+    assert 'transpose' in ops_of(kept)
+    steps = mx.sym.stack(table, table * 2, axis=0)
+    cut = split_host_part(mx.sym.SequenceReverse(steps) * h, ['ids'], {'w'})
+    assert 'stack' not in ops_of(cut)
 
 
 def test_embedding_reads_finds_only_pure_lookups():
