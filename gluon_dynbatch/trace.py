@@ -987,13 +987,65 @@ def check_batch_safe(symbol, data_names, known):
     :func:`~.rules.draws_random`) and every output is batched on axis 0;
     else ``(False, reason)``.  A value may also be batched on axis 1 (see
     :func:`_time_major`): that of ``swapaxes(x, 0, 1)``, and Gluon's fused
-    recurrent layers' ``RNN``, which takes the batch there."""
+    recurrent layers' ``RNN``, which takes the batch there.
+
+    A constant whose rows are left open, ``zeros(shape=(0, H))``, counts
+    as batched where MXNet gives it the batch's rows: Gluon's recurrent
+    cells make their default begin states so (``cell.unroll(T, x)`` in a
+    block), and taken as shared, the first step's ``h2h`` ran per sample
+    ("mixes batched and shared inputs", a user trial).  As batched, every
+    rule sees it: a sum over all its axes is one over the batch axis.
+    Where it takes one row whatever the batch (its rows inferred from a
+    parameter's), it is shared: told apart by inferring the shapes again
+    for two samples (:func:`_open_rows_following_batch`)."""
     nodes, heads, by_name = _parse_graph(symbol, known)
     readers = graph_readers(nodes, heads)
+    opened = [number for number, node in enumerate(nodes) if _open_rows(node)]
+    if opened and all(shape for name, shape in known.items() if name in data_names):
+        opened = _open_rows_following_batch(symbol, known, data_names, nodes, opened)
+    else:
+        opened = set()
+    return _batch_safe(nodes, heads, by_name, readers, data_names, opened)
+
+
+def _open_rows(node):
+    """Whether ``node`` makes a constant whose rows (axis 0) are left open
+    (0), for MXNet to infer from what reads it, as Gluon's cells make their
+    default begin states."""
+    if node['op'] not in OPEN_SHAPE_OPS or node['inputs']:
+        return False
+    try:
+        shape = ast.literal_eval(node.get('attrs', {}).get('shape', '()'))
+    except (ValueError, SyntaxError):
+        return False
+    return isinstance(shape, tuple) and len(shape) >= 1 and shape[0] == 0 and 0 not in shape[1:]
+
+
+def _open_rows_following_batch(symbol, known, data_names, nodes, opened):
+    """The constants of open rows among ``opened`` (see :func:`_open_rows`)
+    that MXNet gives two rows where the per-sample inputs (``known``
+    shapes, those of ``data_names``) have two samples' rows: batched, they
+    take one row per sample."""
+    doubled = {name: (2 * shape[0],) + tuple(shape[1:]) if name in data_names else shape
+               for name, shape in known.items()}
+    try:
+        _, _, by_name = _parse_graph(symbol, doubled)
+    except mx.base.MXNetError:
+        return set()
+    return {number for number in opened
+            if (_entry_shape(nodes, (number, 0), by_name) or (None,))[0] == 2}
+
+
+def _batch_safe(nodes, heads, by_name, readers, data_names, opened):
+    """:func:`check_batch_safe`'s verdict, with the nodes ``opened``
+    (constants of open rows) batched on axis 0."""
     batched = []    # per node: its outputs' batch axis (0 or 1), None where shared
-    for node in nodes:
+    for number, node in enumerate(nodes):
         if node['op'] == 'null':
             batched.append(0 if node['name'] in data_names else None)
+            continue
+        if number in opened:
+            batched.append(0)
             continue
         inputs = node['inputs']
         axes = [batched[e[0]] for e in inputs]

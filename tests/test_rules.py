@@ -2412,3 +2412,93 @@ def test_stack_on_axis_0_is_refused_where_read_across_time():
             outs = [block(x, 2 * x) for x in xs]
     for out, expected in zip(outs, want):
         np.testing.assert_allclose(out.asnumpy(), expected, rtol=1e-6)
+
+
+class DefaultStates(gluon.HybridBlock):
+    """A cell (``kind``) unrolled over a (1, 4, 3) sentence with its
+    default begin states, zeros whose rows are left open, ``(0, 5)``."""
+
+    def __init__(self, kind, lengths=False):
+        super().__init__()
+        self.kind, self.lengths = kind, lengths
+        with self.name_scope():
+            if kind == 'bidirectional':
+                self.cell = gluon.rnn.BidirectionalCell(gluon.rnn.LSTMCell(5, input_size=3),
+                                                        gluon.rnn.GRUCell(5, input_size=3))
+            elif kind == 'stacked':
+                self.cell = gluon.rnn.HybridSequentialRNNCell()
+                with self.cell.name_scope():
+                    self.cell.add(gluon.rnn.LSTMCell(5, input_size=3))
+                    self.cell.add(gluon.rnn.RNNCell(5, input_size=5, activation='tanh'))
+            else:
+                self.cell = getattr(gluon.rnn, kind)(5, input_size=3)
+
+    def hybrid_forward(self, F, x, length):
+        outs, states = self.cell.unroll(4, x, layout='NTC', merge_outputs=True,
+                                        valid_length=length if self.lengths else None)
+        # (with lengths the final states are SequenceLast's, which has no rule)
+        return [outs] + ([] if self.lengths else list(states))
+
+
+@pytest.mark.parametrize('kind,lengths', [('LSTMCell', False), ('GRUCell', False),
+                                          ('RNNCell', False), ('stacked', False),
+                                          ('bidirectional', False), ('LSTMCell', True),
+                                          ('bidirectional', True)])
+def test_cells_unrolled_from_their_default_states_batch(kind, lengths):
+    """A user trial found ``cell.unroll(T, x)`` without begin states run per
+    sample: Gluon's default states are zeros of open rows, (0, H), which
+    were taken for shared, so the first step's h2h "mixed batched and
+    shared inputs".  Such zeros take one row per sample: one step, and the
+    values and gradients of per-sample execution (final states too)."""
+    block = dyb.DynBatchBlock(DefaultStates(kind, lengths))
+    block.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(5)
+    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 4, 3))) for _ in range(4)]
+    ns = [mx.nd.array([n]) for n in (4, 1, 3, 2)]
+
+    def forward():
+        return [out for x, n in zip(xs, ns) for out in block(x, n)]
+    assert_same(run_both(forward, [block], xs))
+    assert [sig.batch_safe for sig in block.signatures()] == [True], \
+        [sig.reason for sig in block.signatures()]
+    assert dyb.stats()['last']['batch_sizes'] == [4]
+
+
+class OpenRows(gluon.HybridBlock):
+    """Constants of open rows, ``(0, 3)`` (``F.zeros``, ``F.ones``), that
+    MXNet infers only in a symbol (the block is hybridized): rows inferred
+    from a (1, 3) parameter (``'parameter'``: one row whatever the batch),
+    or from the per-sample input while a sum over every axis reads them
+    too (``'sum'``: per sample 3, batched it would grow with the rows)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        with self.name_scope():
+            self.bias = self.params.get('bias', shape=(1, 3))
+
+    def hybrid_forward(self, F, x, bias):
+        if self.how == 'parameter':
+            return F.broadcast_add(x, F.zeros(shape=(0, 3)) + bias)
+        ones = F.ones(shape=(0, 3))
+        return F.broadcast_mul(x, F.sum(ones)) + ones * x
+
+
+@pytest.mark.parametrize('how,safe', [('parameter', True), ('sum', False)])
+def test_open_rows_count_as_batched_where_they_follow_the_batch(how, safe):
+    """Constants of open rows count as batched only where MXNet gives them
+    the batch's rows (inferred again for two samples): rows inferred from a
+    parameter keep one (shared, and the block batches); rows inferred from
+    the per-sample input make a sum over every axis of them a sum over the
+    batch axis, which its rule refuses (batched, it would grow with the
+    rows).  Per-sample values either way."""
+    block = dyb.DynBatchBlock(OpenRows(how))
+    block.initialize(mx.init.Uniform(0.5))
+    block.hybridize()
+    rng = np.random.RandomState(6)
+    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 3))) for _ in range(3)]
+    assert_same(run_both(lambda: [block(x) for x in xs], [block], xs))
+    batch_safe, reason = _verdict(block)
+    assert batch_safe == safe, reason
+    if not safe:
+        assert 'sum' in reason, reason
