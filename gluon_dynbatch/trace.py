@@ -237,13 +237,15 @@ def _trace_failure(block, fmt, shapes, err):
     per-sample argument shapes (lists as lists) it was traced for.  An
     MXNetError is MXNet refusing an operator's parameters or shapes (a
     size of 0, lists of different lengths), which the same call outside a
-    scope meets too; anything else is most often code that does not
-    hybridize."""
+    scope meets too, unless it is an op's several outputs given as one
+    input (a Symbol may have more outputs than the eager op: a user trial's
+    ``F.random.multinomial(p)``, which runs eagerly); anything else is most
+    often code that does not hybridize."""
     text = str(err)
     name = type(err).__name__
     if text.startswith(name + ':'):     # MXNetError repeats its own name
         text = text[len(name) + 1:].strip()
-    text = text.rstrip('.')
+    text = text.strip().rstrip('.')     # (MXNet's messages may end in a newline)
     message = ('block %s could not be traced for arguments of per-sample shapes %s: its '
                'hybrid_forward, called with F=mx.sym and Symbols for arguments, raised %s: %s.'
                % (_block_name(block), _shapes_text(regroup(fmt, list(shapes))[0]), name, text))
@@ -255,6 +257,16 @@ def _trace_failure(block, fmt, shapes, err):
                           'they give RNN the LSTM\'s cell state, which fails. Use rnn.LSTM '
                           'with lengths, or these layers on sequences of their own length '
                           'without use_sequence_length.')
+    if 'is a tuple, single value is required' in text:
+        # (a Symbol of several outputs given whole to an op's input: some ops
+        # have more outputs as a Symbol than eagerly, so the call runs
+        # outside a scope unless the block is hybridized)
+        return message + (' An operator\'s outputs were given as one input: as a Symbol an op '
+                          'may have more outputs than when it runs eagerly, as '
+                          'F.random.multinomial(p) has two in MXNet 1.9.1 (its draws and their '
+                          'log-probabilities) even without get_prob=True. Take the one needed, '
+                          'F.random.multinomial(p, get_prob=True)[0]. The block fails the same '
+                          'way outside a scope once hybridized.')
     # (NotImplementedForSymbol, an NDArray-only call on a Symbol, is an
     # MXNetError too, but the block's doing, not MXNet's refusal)
     if isinstance(err, mx.base.MXNetError) and \

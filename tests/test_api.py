@@ -1377,6 +1377,42 @@ def test_error_an_operator_mxnet_refuses_names_the_shapes():
         cell(mx.nd.ones((1, 3)), [mx.nd.ones((1, 4))], [])
 
 
+class _PicksMultinomialDraw(gluon.HybridBlock):
+    def hybrid_forward(self, F, logits):  # pylint: disable=arguments-differ
+        draw = F.random.multinomial(F.softmax(logits, axis=-1))     # two outputs as a Symbol
+        return F.pick(F.log_softmax(logits, axis=-1), draw, axis=-1)
+
+
+def test_error_a_symbol_of_several_outputs_given_as_one_input_is_named():
+    """MXNet 1.9.1's ``F.random.multinomial(p)`` has one output eagerly and
+    two as a Symbol; a block picking its draw runs outside a scope and
+    failed its trace with MXNet's 'is a tuple' and the claim that the call
+    fails outside a scope too (found by a user trial).  The message now
+    says what happened and how to take the draws; it ends in one period,
+    not MXNet's newline and a period."""
+    block = dyb.DynBatchBlock(_PicksMultinomialDraw())
+    logits = mx.nd.array([[0.1, 0.5, -0.3]])
+    assert block(logits).shape == (1,)                                   # eager: fine
+    with dyb.batching():
+        with pytest.raises(dyb.InputError) as info:
+            block(logits)
+    message = str(info.value)
+    assert 'single value is required. An operator\'s outputs were given as one input' in message
+    assert 'F.random.multinomial(p, get_prob=True)[0]' in message
+    assert 'once hybridized' in message and 'fails the same way outside a scope' in message
+    assert 'same call outside a scope fails' not in message and '\n.' not in message
+    fixed = dyb.DynBatchBlock(_PicksMultinomialDrawFixed())
+    with dyb.batching():
+        outs = [fixed(logits) for _ in range(4)]
+    assert dyb.concat_rows(outs).shape == (4,) and dyb.stats()['last']['batch_sizes'] == [4]
+
+
+class _PicksMultinomialDrawFixed(gluon.HybridBlock):
+    def hybrid_forward(self, F, logits):  # pylint: disable=arguments-differ
+        draw = F.random.multinomial(F.softmax(logits, axis=-1), get_prob=True)[0]
+        return F.pick(F.log_softmax(logits, axis=-1), draw, axis=-1)
+
+
 class _SoftmaxOutputWithoutLabel(gluon.HybridBlock):
     def hybrid_forward(self, F, x):
         return F.SoftmaxOutput(x)
