@@ -267,8 +267,12 @@ def _softmax(op):
     one length per row, so it must be batched too (a shared ``(1,)``
     length would keep its per-sample shape while the data grow)."""
     reason = _axis_rule('axis', -1)(op)
-    if reason is None and op.flag('use_length'):
-        return _all_batched(op)
+    if reason is None and op.flag('use_length') and not all(op.batched):
+        if not op.batched[0]:
+            return _all_batched(op)
+        return ('%s with use_length reads one length per row, but its lengths are shared by '
+                'every sample (a constant of the block): pass them to the call, a (1,) int32 '
+                'array per sample, or compute them from its arguments' % op.op)
     return reason
 
 
@@ -300,7 +304,13 @@ def _reshape(op):
             return None
         return 'reshape(shape=%s) of a sample of shape %s gives it more than one row' % (
             shape, op.shapes[0])
-    return 'reshape(shape=%s) may move data across the batch axis' % (shape,)
+    if shape and shape[0] == 1:
+        # (per-sample code keeps a leading axis of 1, so it writes that 1 into
+        # its shapes: a user trial's RNTN ran per sample with a bare reason)
+        return ('reshape(shape=%s) fixes the batch axis at 1: write 0 (keep) for axis 0, as in '
+                'shape=%s' % (shape, (0,) + tuple(shape[1:])))
+    return ('reshape(shape=%s) may move data across the batch axis: start the shape with 0 '
+            '(keep axis 0), as in shape=(0, ...)' % (shape,))
 
 
 def _size(shape):

@@ -1194,7 +1194,43 @@ def test_softmax_with_a_shared_length_runs_per_sample(per_sample):
     batch_safe, reason = _verdict(block)
     assert batch_safe == per_sample, reason
     if not per_sample:
-        assert 'softmax' in reason, reason
+        assert 'softmax with use_length reads one length per row, but its lengths are shared' \
+            in reason and 'pass them to the call' in reason, reason
+
+
+class Reshaped(gluon.HybridBlock):
+    """An RNTN's bilinear term ``[a;b]^T V [a;b]`` through ``batch_dot``,
+    its reshapes written with the leading 1 of per-sample code, ``(1, ...)``,
+    or with ``0`` (keep)."""
+
+    def __init__(self, lead):
+        super().__init__()
+        self.lead = lead
+        with self.name_scope():
+            self.v = self.params.get('v', shape=(4, 4 * 2), init=mx.init.Uniform(0.5))
+
+    def hybrid_forward(self, F, x, v):
+        t = F.reshape(F.dot(x, v), shape=(self.lead, 2, 4))
+        return F.reshape(F.batch_dot(t, F.expand_dims(x, axis=2)), shape=(self.lead, 2))
+
+
+@pytest.mark.parametrize('lead', [1, 0])
+def test_reshape_to_a_leading_1_runs_per_sample_and_says_to_write_0(lead):
+    """Per-sample code has a leading axis of 1 and writes it into its
+    reshapes; batched, a 1 there would fold the rows of every sample into
+    one, so such a block runs per sample.  The reason said only that data
+    may move across the batch axis (a user trial's RNTN); it now gives the
+    shape to write, with 0 (keep), which batches.  Values equal per sample."""
+    block = dyb.DynBatchBlock(Reshaped(lead))
+    block.initialize()
+    rng = np.random.RandomState(2)
+    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 4))) for _ in range(5)]
+    assert_same(run_both(lambda: [block(x) for x in xs], [block], xs, 'depth'))
+    batch_safe, reason = _verdict(block)
+    assert batch_safe == (lead == 0), reason
+    if lead:
+        assert 'reshape(shape=(1, 2, 4)) fixes the batch axis at 1: write 0 (keep) for axis 0, ' \
+            'as in shape=(0, 2, 4)' in reason, reason
 
 
 class Normed(gluon.HybridBlock):
