@@ -304,11 +304,8 @@ def _reshape(op):
             return None
         return 'reshape(shape=%s) of a sample of shape %s gives it more than one row' % (
             shape, op.shapes[0])
-    if shape and shape[0] == 1:
-        # (per-sample code keeps a leading axis of 1, so it writes that 1 into
-        # its shapes: a user trial's RNTN ran per sample with a bare reason)
-        return ('reshape(shape=%s) fixes the batch axis at 1: write 0 (keep) for axis 0, as in '
-                'shape=%s' % (shape, (0,) + tuple(shape[1:])))
+    # (a target starting with 1 of a sample's one row was made 0 when traced,
+    # see trace.reshapes_keeping_rows)
     return ('reshape(shape=%s) may move data across the batch axis: start the shape with 0 '
             '(keep axis 0), as in shape=(0, ...)' % (shape,))
 

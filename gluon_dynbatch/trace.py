@@ -22,7 +22,8 @@ from .rules import (JOIN_ADVICE, NOT_FUNCTIONS, RANDOM_LIKE, UNBATCHABLE, OpView
                     draws_random)
 
 __all__ = ['symbol_json', 'flatten', 'regroup', 'leaf_count', 'TracedSignature', 'trace_signature',
-           'prelu_by_ops', 'fast_forms', 'own_forms', 'load_graph', 'inputs_below', 'moved_entry',
+           'prelu_by_ops', 'reshapes_keeping_rows', 'may_batch_on_axis_1',
+           'fast_forms', 'own_forms', 'load_graph', 'inputs_below', 'moved_entry',
            'graph_readers', 'is_function_of_inputs', 'error_line', 'blocks_of']
 
 
@@ -395,7 +396,7 @@ def trace_signature(sig_id, block, fmt, shapes, dtypes):
             '(its slices take no bool): cast it inside the block, e.g. F.cast(x, \'uint8\').'
             % (_block_name(block), out_dtypes.index(np.bool_)))
     written = symbol
-    symbol = prelu_by_ops(symbol, known)
+    symbol = reshapes_keeping_rows(prelu_by_ops(symbol, known), known)
     batch_safe, reason = check_batch_safe(symbol, set(data_names), known)
     if not batch_safe:
         reason = _prelu_reason(written, reason)
@@ -495,6 +496,49 @@ def _drop_stale_vars(block):
         if var is not None and param.dtype is not None and \
                 var.attr('__dtype__') != str(_DTYPE_NP_TO_MX.get(np.dtype(param.dtype).type)):
             param._var = None
+
+
+def reshapes_keeping_rows(symbol, known):
+    """``symbol`` with the target shape of every ``Reshape`` of a value of
+    one row, ``(1, ...)``, that starts with the size 1 starting with ``0``
+    (keep axis 0) instead, or ``symbol`` itself when it has none; ``known``:
+    input shapes, which give each reshaped value its shape.
+
+    Per sample the two are one: MXNet's reshape reads its target from the
+    left, each size or ``0`` taking the next input axis, so both keep the
+    one row and leave the rest as it was.  Batched, only ``0`` keeps the N
+    rows.  Per-sample code writes the 1 (a sample keeps a leading axis of
+    1, and its code says so), and a user trial's RNTN, ``F.reshape(t,
+    shape=(1, d, 2 * d))``, ran per sample for it."""
+    graph = json.loads(symbol_json(symbol))
+    nodes = graph['nodes']
+    found = [number for number, node in enumerate(nodes) if _reshape_to_one_row(node)]
+    if not found:
+        return symbol
+    _, _, by_name = _parse_graph(symbol, known)
+    changed = False
+    for number in found:
+        shape = _entry_shape(nodes, nodes[number]['inputs'][0], by_name)
+        if shape and shape[0] == 1:
+            attrs = nodes[number]['attrs']
+            attrs['shape'] = str((0,) + ast.literal_eval(attrs['shape'])[1:])
+            changed = True
+    return mx.sym.load_json(json.dumps(graph)) if changed else symbol
+
+
+def _reshape_to_one_row(node):
+    """Whether ``node`` reshapes to a target shape that starts with the
+    size 1, read from the left (no ``reverse``)."""
+    if node['op'] not in ('Reshape', 'reshape'):
+        return False
+    attrs = node.get('attrs', {})
+    if attrs.get('reverse', 'False').lower() in ('true', '1'):
+        return False
+    try:
+        shape = ast.literal_eval(attrs.get('shape', '()'))
+    except (ValueError, SyntaxError):
+        return False
+    return isinstance(shape, tuple) and len(shape) >= 1 and shape[0] == 1
 
 
 def prelu_by_ops(symbol, known):

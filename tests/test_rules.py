@@ -1215,22 +1215,47 @@ class Reshaped(gluon.HybridBlock):
 
 
 @pytest.mark.parametrize('lead', [1, 0])
-def test_reshape_to_a_leading_1_runs_per_sample_and_says_to_write_0(lead):
+def test_reshape_to_a_leading_1_batches(lead):
     """Per-sample code has a leading axis of 1 and writes it into its
     reshapes; batched, a 1 there would fold the rows of every sample into
-    one, so such a block runs per sample.  The reason said only that data
-    may move across the batch axis (a user trial's RNTN); it now gives the
-    shape to write, with 0 (keep), which batches.  Values equal per sample."""
+    one, so such a block ran per sample (a user trial's RNTN).  A leading 1
+    of a one-row value is made 0 (keep) when traced, which per sample is the
+    same: one step, and per-sample values and gradients."""
     block = dyb.DynBatchBlock(Reshaped(lead))
     block.initialize()
     rng = np.random.RandomState(2)
     xs = [mx.nd.array(rng.uniform(-1, 1, (1, 4))) for _ in range(5)]
     assert_same(run_both(lambda: [block(x) for x in xs], [block], xs, 'depth'))
     batch_safe, reason = _verdict(block)
-    assert batch_safe == (lead == 0), reason
-    if lead:
-        assert 'reshape(shape=(1, 2, 4)) fixes the batch axis at 1: write 0 (keep) for axis 0, ' \
-            'as in shape=(0, 2, 4)' in reason, reason
+    assert batch_safe, reason
+    assert dyb.stats()['last']['batch_sizes'] == [5]
+
+
+class ReshapedRows(gluon.HybridBlock):
+    """A (2, 3) parameter reshaped to one row, ``(1, 6)``, and added to the
+    sample: a leading 1 that does not keep the rows it reshapes."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.table = self.params.get('table', shape=(2, 3))
+
+    def hybrid_forward(self, F, x, table):
+        return F.broadcast_add(x, F.reshape(table, shape=(1, 6)))
+
+
+def test_reshape_of_several_rows_to_one_keeps_its_1():
+    """Only a reshape of a one-row value has its leading 1 made 0: a
+    parameter's two rows folded into one keep the 1 (as 0 the reshape would
+    fail), and the block batches with per-sample values and gradients."""
+    block = dyb.DynBatchBlock(ReshapedRows())
+    block.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(3)
+    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 6))) for _ in range(3)]
+    assert_same(run_both(lambda: [block(x) for x in xs], [block], xs, 'depth'))
+    batch_safe, reason = _verdict(block)
+    assert batch_safe, reason
+    assert '"shape": "(1, 6)"' in block.signatures()[0].symbol.tojson()
 
 
 class Normed(gluon.HybridBlock):
@@ -1892,17 +1917,31 @@ class _PReLUOfArgument(gluon.HybridBlock):
         return F.LeakyReLU(x, slope, act_type='prelu')
 
 
-@pytest.mark.parametrize('shape', [(1, 4), (1, 2, 4)])
-def test_a_prelu_of_a_per_sample_slope_is_refused_in_its_own_terms(shape):
+def test_a_prelu_of_a_per_sample_slope_is_refused_in_its_own_terms():
     """The refusal named the ops prelu is computed from (``broadcast_mul``,
     ``reshape``), which the user never wrote (found by a fuzzer)."""
     block = dyb.DynBatchBlock(_PReLUOfArgument())
     with pytest.warns(dyb.PerSampleWarning, match=r"LeakyReLU \(.*act_type='prelu'\) reads a "
                                                   r"per-sample slope"):
         with dyb.batching('depth'):
-            outs = [block(-mx.nd.ones(shape), mx.nd.array([0.1 * k])) for k in range(3)]
+            outs = [block(-mx.nd.ones((1, 4)), mx.nd.array([0.1 * k])) for k in range(3)]
     for k, out in enumerate(outs):
-        np.testing.assert_allclose(out.asnumpy(), np.full(shape, -0.1 * k), rtol=1e-6)
+        np.testing.assert_allclose(out.asnumpy(), np.full((1, 4), -0.1 * k), rtol=1e-6)
+
+
+def test_a_prelu_of_a_per_sample_slope_over_channels_batches():
+    """Of a sample of rank 3, prelu's slope is reshaped to (1, -1, 1) to
+    run along axis 1; a per-sample slope of one value, (1,), keeps its row
+    there (the reshape's leading 1 made 0, see reshapes_keeping_rows), so
+    the calls batch, each with its own slope: per-sample values and
+    gradients, the slopes' too."""
+    block = dyb.DynBatchBlock(_PReLUOfArgument())
+    rng = np.random.RandomState(4)
+    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 2, 4))) for _ in range(3)]
+    slopes = [mx.nd.array([0.1 * (k + 1)]) for k in range(3)]
+    assert_same(run_both(lambda: [block(x, s) for x, s in zip(xs, slopes)], [block],
+                         xs + slopes))
+    assert dyb.stats()['last']['batch_sizes'] == [3]
 
 
 def _safe(op):
