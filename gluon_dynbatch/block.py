@@ -1103,14 +1103,30 @@ def check_padding_is_neutral(dblock, sig, padded):
         try:
             _check_padding_is_neutral(dblock, sig, padded)
         except InputError as err:
-            if not draws:
-                raise
             message = str(err)
             advice = _PADDING_ADVICE if message.endswith(_PADDING_ADVICE) else ''
-            raise InputError('%s (It draws random numbers: the check runs the shorter and the '
-                             'padded lists from one seed, so a draw for a padding element, or '
-                             "one whose shape the lists' length changes, differs.)%s"
-                             % (message[:len(message) - len(advice)], advice)) from None
+            more = ''
+            if draws:
+                more += (' (It draws random numbers: the check runs the shorter and the padded '
+                         'lists from one seed, so a draw for a padding element, or one whose '
+                         "shape the lists' length changes, differs.)")
+            if advice and ' changes ' in message and _softmax_without_lengths(padded.symbol):
+                # (a user trial's attention over a node's parents: the
+                # refusal offered pad_lists=False alone)
+                more += (' Its softmax (or log_softmax) without lengths spreads weight over '
+                         "the padding: given the list's length, F.softmax(x, length, "
+                         'axis=..., use_length=True), it leaves the padding out.')
+            if not more:
+                raise
+            raise InputError(message[:len(message) - len(advice)] + more + advice) from None
+
+
+def _softmax_without_lengths(symbol):
+    """Whether ``symbol`` has a ``softmax`` or ``log_softmax`` that reads no
+    lengths (``use_length``)."""
+    return any(node['op'] in ('softmax', 'log_softmax') and
+               node.get('attrs', {}).get('use_length', 'False').lower() not in ('true', '1')
+               for node in json.loads(symbol_json(symbol))['nodes'])
 
 
 def _check_padding_is_neutral(dblock, sig, padded):

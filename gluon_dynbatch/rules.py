@@ -294,7 +294,13 @@ def _reshape(op):
     per sample); no ``reverse``."""
     shape = op.attr('shape', ())
     if op.flag('reverse'):
-        return 'reshape with reverse=True'
+        # (gluonnlp's MultiHeadAttentionCell folds its heads into the batch
+        # axis so, reshape(shape=(-1, 0, 0), reverse=True); the bare reason
+        # said neither why nor what to do, a user trial)
+        return ('reshape(shape=%s, reverse=True) matches its target to the axes from the '
+                'right, so the batch axis, matched last, may be merged with others (folding '
+                'heads into it, say, gives a sample several rows): write the shape from the '
+                'left, starting with 0 (keep axis 0)' % (shape,))
     if shape and shape[0] == 0:
         return None
     if shape and shape[0] == -1 and all(isinstance(d, int) and d > 0 for d in shape[1:]):

@@ -428,9 +428,11 @@ class AttendWithLength(gluon.HybridBlock):
         if self.how == 'softmax':
             w = F.softmax(scores, F.cast(length * self.scale, 'int32'), axis=-1,
                           use_length=True)
-        else:       # masked scores: lengths of 0 are no real list's (a uniform softmax)
+        elif self.how == 'SequenceMask':    # lengths of 0 are no real list's (uniform)
             w = F.softmax(F.SequenceMask(scores, length, use_sequence_length=True,
                                          value=-1e9, axis=1), axis=-1)
+        else:       # no lengths: the padding keys take weight
+            w = F.softmax(scores, axis=-1)
         out = F.batch_dot(w.expand_dims(axis=1), stacked).squeeze(axis=1)
         return out + F.mean(stacked, axis=1) if self.mean_too else out
 
@@ -455,6 +457,23 @@ def test_pad_lists_with_a_softmax_told_the_lengths_runs_batched(how):
     dyb.reset_stats()
     assert_same(run_both(lambda: _attend_calls(block, keys), [block], keys))
     assert dyb.stats()['last']['batch_sizes'] == [4]
+
+
+@pytest.mark.parametrize('how', ['plain', 'softmax'])
+def test_pad_lists_refusal_of_a_softmax_without_lengths_says_to_give_them(how):
+    """Attention over a ragged list whose softmax is told no lengths gives
+    padding keys weight: the check refuses it, and the refusal offered only
+    pad_lists=False (a user trial); it now names the softmax's lengths.  A
+    block refused for another reason (a mean over the keys beside a
+    softmax told its lengths) is not given that advice."""
+    block = dyb.DynBatchBlock(AttendWithLength(how=how, mean_too=how == 'softmax'))
+    block.initialize(mx.init.Uniform(0.5))
+    keys = [mx.nd.ones((1, 3)) * k for k in range(3)]
+    with pytest.raises(dyb.InputError, match=r'declares pad_lists.*changes its output 0') as err:
+        with dyb.batching('depth'):
+            _attend_calls(block, keys)
+    advice = 'use_length=True), it leaves the padding out. Pass pad_lists=False'
+    assert (advice in str(err.value)) == (how == 'plain'), str(err.value)
 
 
 @pytest.mark.parametrize('scale, mean_too, match', [
@@ -1229,6 +1248,30 @@ def test_reshape_to_a_leading_1_batches(lead):
     batch_safe, reason = _verdict(block)
     assert batch_safe, reason
     assert dyb.stats()['last']['batch_sizes'] == [5]
+
+
+class FoldedHeads(gluon.HybridBlock):
+    """Two heads folded into the batch axis by a reverse reshape, as
+    gluonnlp's MultiHeadAttentionCell folds them, and back."""
+
+    def hybrid_forward(self, F, x):
+        heads = F.reshape(F.reshape(x, shape=(0, 2, 3)), shape=(-1, 0), reverse=True)
+        return F.reshape(F.tanh(heads), shape=(-1, 6))
+
+
+def test_reverse_reshape_runs_per_sample_and_says_why():
+    """A reshape with reverse=True matches the batch axis last and may merge
+    it (here two heads into it: a sample of two rows); it runs per sample,
+    and the reason said only 'reshape with reverse=True' (a user trial's
+    transformer encoder)."""
+    block = dyb.DynBatchBlock(FoldedHeads())
+    rng = np.random.RandomState(5)
+    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 6))) for _ in range(3)]
+    assert_same(run_both(lambda: [block(x) for x in xs], [block], xs, 'depth'))
+    batch_safe, reason = _verdict(block)
+    assert not batch_safe
+    assert 'reverse=True) matches its target to the axes from the right' in reason, reason
+    assert 'starting with 0 (keep axis 0)' in reason, reason
 
 
 class ReshapedRows(gluon.HybridBlock):
