@@ -672,9 +672,29 @@ def _host_kinds(nodes, heads, host, shared):
                   for entry in node['inputs']] + [entry[0] for entry in heads]
         more = {old for old in handed
                 if kinds[old] == 'host' and may_batch_on_axis_1(nodes[old])}
+        more |= _open_shared_of_both(nodes, kinds, handed)
         if not more:
             return kinds
         cut |= more
+
+
+def _open_shared_of_both(nodes, kinds, handed):
+    """The ``'shared'`` nodes of a shape left open (a constant of open
+    rows, ``zeros(shape=(0, H))``, a cell's default begin state, or a value
+    computed from one) that a ``'host'`` op reads and that is ``handed``
+    (read by an ``'other'`` op or an output) too: one node, whose rows MXNet
+    infers from its readers, would need the distinct host rows' count for
+    the one and the batch's for the other (MXNet failed, 'expected [12,3],
+    got [2,3]').  Cut, the host ops that read it leave the part."""
+    open_shape = []
+    for node, kind in zip(nodes, kinds):
+        shape = node.get('attrs', {}).get('shape', '') if node['op'] in OPEN_SHAPE_OPS else ''
+        open_shape.append(kind == 'shared' and (
+            bool(re.search(r'[(,\s]0\s*[,)L]', shape)) or
+            any(open_shape[entry[0]] for entry in node['inputs'])))
+    by_host = {entry[0] for node, kind in zip(nodes, kinds) if kind == 'host'
+               for entry in node['inputs']}
+    return {old for old in handed if open_shape[old] and old in by_host}
 
 
 def host_part(symbol, host, shared):

@@ -1058,7 +1058,8 @@ def check_batch_safe(symbol, data_names, known):
     readers = graph_readers(nodes, heads)
     opened = [number for number, node in enumerate(nodes) if _open_rows(node)]
     if opened and all(shape for name, shape in known.items() if name in data_names):
-        opened = _open_rows_following_batch(symbol, known, data_names, nodes, opened)
+        opened = _open_rows_following_batch(symbol, known, data_names, nodes, opened,
+                                            by_name)
     else:
         opened = set()
     return _batch_safe(nodes, heads, by_name, readers, data_names, opened)
@@ -1077,11 +1078,14 @@ def _open_rows(node):
     return isinstance(shape, tuple) and len(shape) >= 1 and shape[0] == 0 and 0 not in shape[1:]
 
 
-def _open_rows_following_batch(symbol, known, data_names, nodes, opened):
+def _open_rows_following_batch(symbol, known, data_names, nodes, opened, single):
     """The constants of open rows among ``opened`` (see :func:`_open_rows`)
-    that MXNet gives two rows where the per-sample inputs (``known``
-    shapes, those of ``data_names``) have two samples' rows: batched, they
-    take one row per sample."""
+    that MXNet gives one row per sample (``single``: the shapes inferred
+    from ``known``) and two where the per-sample inputs (``known`` shapes,
+    those of ``data_names``) have two samples' rows: batched, they take one
+    row per sample.  (Rows inferred from a (2, H) parameter are two either
+    way: counted as batched, every op reading them was refused, 'sees a
+    batched input of shape (2, 3)'.)"""
     doubled = {name: (2 * shape[0],) + tuple(shape[1:]) if name in data_names else shape
                for name, shape in known.items()}
     try:
@@ -1089,7 +1093,8 @@ def _open_rows_following_batch(symbol, known, data_names, nodes, opened):
     except mx.base.MXNetError:
         return set()
     return {number for number in opened
-            if (_entry_shape(nodes, (number, 0), by_name) or (None,))[0] == 2}
+            if (_entry_shape(nodes, (number, 0), single) or (None,))[0] == 1 and
+            (_entry_shape(nodes, (number, 0), by_name) or (None,))[0] == 2}
 
 
 def _batch_safe(nodes, heads, by_name, readers, data_names, opened):

@@ -2620,3 +2620,66 @@ def test_open_rows_count_as_batched_where_they_follow_the_batch(how, safe):
     assert batch_safe == safe, reason
     if not safe:
         assert 'sum' in reason, reason
+
+
+class OpenRowsOfTwo(gluon.HybridBlock):
+    """``zeros(shape=(0, 3))`` whose rows a parameter of ``rows`` rows gives,
+    summed over those rows: a value shared by every sample."""
+
+    def __init__(self, rows):
+        super().__init__()
+        with self.name_scope():
+            self.w = self.params.get('w', shape=(rows, 3))
+
+    def hybrid_forward(self, F, x, w):
+        return F.broadcast_add(x, F.sum(F.zeros(shape=(0, 3)) + w, axis=0, keepdims=True))
+
+
+@pytest.mark.parametrize('rows', [1, 2, 3])
+def test_open_rows_of_a_parameter_of_two_rows_stay_shared(rows):
+    """Constants of open rows counted as batched where inferred again for
+    two samples they had two rows; rows from a (2, 3) parameter have two
+    either way, so the block ran per sample ('elemwise_add sees a batched
+    input of shape (2, 3)'), as those of (1, 3) or (3, 3) did not.  One
+    row per sample is asked too: every row count batches, with per-sample
+    values and gradients."""
+    block = dyb.DynBatchBlock(OpenRowsOfTwo(rows))
+    block.initialize(mx.init.Uniform(0.5))
+    block.hybridize()
+    rng = np.random.RandomState(7)
+    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 3))) for _ in range(3)]
+    assert_same(run_both(lambda: [block(x) for x in xs], [block], xs))
+    assert _verdict(block) == (True, '')
+
+
+class OpenRowsOnHostAndDevice(gluon.HybridBlock):
+    """One ``zeros(shape=(0, 3))`` added to an embedding of host token ids
+    and to a device input."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.embed = gluon.nn.Embedding(5, 3)
+
+    def hybrid_forward(self, F, ids, x):
+        zeros = F.zeros(shape=(0, 3))
+        return F.tanh(self.embed(ids) + zeros) * 2, x + zeros
+
+
+@pytest.mark.parametrize('strategy', ['depth', 'agenda', 'auto'])
+def test_open_rows_read_on_host_rows_and_the_batch(strategy):
+    """A constant of open rows read by an op on host token ids alone and by
+    one on a device input: with repeated ids (12 calls, 2 ids) lower's host
+    part ran on the distinct ids, and the one zeros node had to take 2 rows
+    there and 12 for the device input (MXNet failed, 'expected [12,3], got
+    [2,3]').  Such a node now ends the host part: per-sample values and
+    gradients."""
+    block = dyb.DynBatchBlock(OpenRowsOnHostAndDevice())
+    block.initialize(mx.init.Uniform(0.5))
+    block.hybridize()
+    rng = np.random.RandomState(8)
+    ids = [np.array([k % 2], np.float32) for k in range(12)]
+    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 3))) for _ in range(12)]
+    assert_same(run_both(lambda: [out for i, x in zip(ids, xs) for out in block(i, x)],
+                         [block], xs, strategy=strategy))
+    assert _verdict(block) == (True, '')
