@@ -262,11 +262,13 @@ def _trace_failure(block, fmt, shapes, err):
         # (a Symbol of several outputs given whole to an op's input: some ops
         # have more outputs as a Symbol than eagerly, so the call runs
         # outside a scope unless the block is hybridized)
-        return message + (' An operator\'s outputs were given as one input: as a Symbol an op '
-                          'may have more outputs than when it runs eagerly, as '
+        return message + (' A Symbol of several outputs was given as one input: as a Symbol '
+                          'an op may have more outputs than when it runs eagerly, as '
                           'F.random.multinomial(p) has two in MXNet 1.9.1 (its draws and their '
-                          'log-probabilities) even without get_prob=True. Take the one needed, '
-                          'F.random.multinomial(p, get_prob=True)[0]. The block fails the same '
+                          'log-probabilities) even without get_prob=True (take the one needed, '
+                          'F.random.multinomial(p, get_prob=True)[0]), and some Gluon code '
+                          'passes a split whole (ResidualCell.unroll with merge_outputs=False '
+                          'and valid_length: pass merge_outputs=True). The block fails the same '
                           'way outside a scope once hybridized.')
     # (NotImplementedForSymbol, an NDArray-only call on a Symbol, is an
     # MXNetError too, but the block's doing, not MXNet's refusal)

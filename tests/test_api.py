@@ -1397,7 +1397,8 @@ def test_error_a_symbol_of_several_outputs_given_as_one_input_is_named():
         with pytest.raises(dyb.InputError) as info:
             block(logits)
     message = str(info.value)
-    assert 'single value is required. An operator\'s outputs were given as one input' in message
+    assert 'single value is required. A Symbol of several outputs was given as one input' \
+        in message
     assert 'F.random.multinomial(p, get_prob=True)[0]' in message
     assert 'once hybridized' in message and 'fails the same way outside a scope' in message
     assert 'same call outside a scope fails' not in message and '\n.' not in message
