@@ -1264,6 +1264,17 @@ length past its axis reads and writes out of bounds (the process aborted
 in ``free()``), so :func:`check_padding_is_neutral` draws the arguments
 that lengths are computed from as whole numbers that fit."""
 
+INDEX_INPUTS = {'pick': ('axis', -1)}
+"""Ops that read a position per row along an axis from their input 1 (the
+attribute naming the axis, its default): :func:`check_padding_is_neutral`
+draws the arguments those positions are computed from as whole numbers
+from 0 to the shorter list's axis, as for :data:`LENGTH_INPUTS`.  Drawn
+from its ranges instead, a pointer network's ``pick`` of the target's
+probability from a softmax over a ragged list read past the shorter list
+(``pick`` clips: its last element) where the padded one read a padding
+element, and a block neutral for every valid target was refused (a user
+trial)."""
+
 
 def _length_inputs(dblock, symbol, one):
     """``[(op, length symbol, axis size, data names, one)]`` for each op of
@@ -1280,10 +1291,13 @@ def _length_inputs(dblock, symbol, one):
              if name in symbol.list_arguments()}
     found = []
     for node in nodes:
-        spec = LENGTH_INPUTS.get(node['op'])
         attrs = node.get('attrs', {})
-        if spec is None or len(node['inputs']) < 2 or \
-                attrs.get(spec[0], 'False').lower() not in ('true', '1'):
+        if node['op'] in INDEX_INPUTS:
+            spec, kind = (None,) + INDEX_INPUTS[node['op']], 'positions'
+        else:
+            spec, kind = LENGTH_INPUTS.get(node['op']), 'lengths'
+        if spec is None or len(node['inputs']) < 2 or (
+                kind == 'lengths' and attrs.get(spec[0], 'False').lower() not in ('true', '1')):
             continue
         data = [name for name in below[node['inputs'][1][0]] if name in one.data_names]
         if not data:
@@ -1299,9 +1313,11 @@ def _length_inputs(dblock, symbol, one):
         if not data_shape or not data_shape[axis % len(data_shape)]:
             raise InputError(
                 'block %s declares pad_lists, but the padding check cannot tell how long the '
-                'axis of its op %s (%s) is, to give it valid lengths.%s'
-                % (dblock.block.name, node['op'], node['name'], _PADDING_ADVICE))
-        found.append((node, length, data_shape[axis % len(data_shape)], data, one))
+                'axis of its op %s (%s) is, to give it valid %s.%s'
+                % (dblock.block.name, node['op'], node['name'], kind, _PADDING_ADVICE))
+        # (the largest valid value: a length may be the axis, a position not)
+        size = data_shape[axis % len(data_shape)]
+        found.append((node, length, size if kind == 'lengths' else size - 1, data, one, kind))
     return found
 
 
@@ -1321,17 +1337,19 @@ def _valid_lengths(dblock, sig, padded, lengths, leaves, rng, zero, random_param
     parameters are checked with the block's own and with the random values
     the symbols run with (``random_parameters()``, by name): unchecked, a
     length argument scaled by a parameter aborted the process."""
-    limit = min(size for _, _, size, _, _ in lengths)
+    limit = min(size for _, _, size, _, _, _ in lengths)
+    # whole numbers from 1, or from 0 where only positions read them
+    low = min(limit, 1 if any(kind == 'lengths' for *_, kind in lengths) else 0)
     # the padded signature's name -> the shorter one's, None for padding
     short_name = dict(zip(padded.data_names, pad_leaves(sig.fmt, list(sig.data_names),
                                                         padded.fmt, lambda item: None)))
     names = {name if one is sig else short_name.get(name)
-             for _, _, _, data, one in lengths for name in data} - {None}
-    leaves = [mx.nd.array(rng.randint(min(limit, 1), limit + 1, leaf.shape), ctx=leaf.context,
+             for _, _, _, data, one, _ in lengths for name in data} - {None}
+    leaves = [mx.nd.array(rng.randint(low, limit + 1, leaf.shape), ctx=leaf.context,
                           dtype=leaf.dtype) if name in names else leaf
               for name, leaf in zip(sig.data_names, leaves)]
     longer = _pad_with_zeros(sig, padded, leaves, sig.dtype, zero)
-    for node, length, size, _, one in lengths:
+    for node, length, size, _, one, kind in lengths:
         given = dict(zip(one.data_names, leaves if one is sig else longer))
         needed = length.list_inputs()
         if set(needed) <= set(given):
@@ -1348,12 +1366,16 @@ def _valid_lengths(dblock, sig, padded, lengths, leaves, rng, zero, random_param
             if got.min() < 0 or got.max() > size:
                 raise InputError(
                     'block %s declares pad_lists, but the padding check cannot give its op %s '
-                    '(%s) lengths within its axis of %d: drawn as whole numbers from 1 to %d, '
-                    'its arguments %s gave lengths from %g to %g%s, and MXNet does not check '
-                    'them.%s' % (dblock.block.name, node['op'], node['name'], size, limit,
-                                 ', '.join(_leaf_path(sig.fmt, sig.data_names.index(name))
-                                           for name in sorted(names, key=sig.data_names.index)),
-                                 got.min(), got.max(), parameters, _PADDING_ADVICE))
+                    '(%s) %s within its axis of %d: drawn as whole numbers from %d to %d, '
+                    'its arguments %s gave %s from %g to %g%s, %s.%s'
+                    % (dblock.block.name, node['op'], node['name'], kind,
+                       size if kind == 'lengths' else size + 1, low, limit,
+                       ', '.join(_leaf_path(sig.fmt, sig.data_names.index(name))
+                                 for name in sorted(names, key=sig.data_names.index)),
+                       kind, got.min(), got.max(), parameters,
+                       'and MXNet does not check them' if kind == 'lengths' else
+                       'and past the shorter list the padded one reads padding',
+                       _PADDING_ADVICE))
     return leaves
 
 

@@ -492,6 +492,55 @@ def test_pad_lists_with_lengths_still_checked(scale, mean_too, match):
             _attend_calls(block, keys)
 
 
+class PointAt(gluon.HybridBlock):
+    """A pointer network's loss: the probability of the target position
+    under a softmax over a ragged list of scores, told its length (or not,
+    ``lengths=False``: then padding takes probability, and the claim is
+    false)."""
+    dynbatch_pad_lists = True
+
+    def __init__(self, lengths=True):
+        super().__init__()
+        self.lengths = lengths
+        with self.name_scope():
+            self.dense = gluon.nn.Dense(1, in_units=3)
+
+    def hybrid_forward(self, F, length, target, items):
+        scores = F.concat(*[self.dense(item) for item in items], dim=1)     # (1, M)
+        p = F.softmax(scores, length, axis=1, use_length=True) if self.lengths else \
+            F.softmax(scores, axis=1)
+        return F.log(F.pick(p, target, axis=1) + 1e-6)
+
+
+def _point_calls(block, items):
+    return [block(np.array([n], np.int32), np.array([n - 1 - k % n], np.float32), items[:n])
+            for k, n in enumerate([1, 3, 2, 4, 4, 1])]
+
+
+def test_pad_lists_pick_of_a_target_position_draws_valid_positions():
+    """The padding check drew pick's positions from its ranges, past the
+    shorter list, where pick clips to its last element but the padded list
+    reads padding: a pointer network neutral for every valid target was
+    refused (a user trial).  Positions are now drawn within the shorter list,
+    and the calls of every length run as one step, as per sample."""
+    block = dyb.DynBatchBlock(PointAt())
+    block.initialize(mx.init.Uniform(0.5))
+    items = [mx.nd.array(np.random.RandomState(k).uniform(-1, 1, (1, 3))) for k in range(4)]
+    dyb.reset_stats()
+    assert_same(run_both(lambda: _point_calls(block, items), [block], inputs=items))
+    assert dyb.stats()['steps'] == 1
+
+
+def test_pad_lists_pick_from_a_softmax_without_lengths_still_refused():
+    """Valid positions do not hide padding that changes what is picked."""
+    block = dyb.DynBatchBlock(PointAt(lengths=False))
+    block.initialize(mx.init.Uniform(0.5))
+    items = [mx.nd.ones((1, 3)) * k for k in range(4)]
+    with pytest.raises(dyb.InputError, match=r'declares pad_lists.*changes its output 0'):
+        with dyb.batching('depth'):
+            _point_calls(block, items)
+
+
 class AttendThenMax(gluon.HybridBlock):
     """Attention over ``keys``, its softmax told their length, plus a max
     over the list ``hs`` after it: padding ``hs`` with zeros changes the
