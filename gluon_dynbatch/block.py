@@ -121,6 +121,27 @@ def current_scope():
     return getattr(_LOCAL, 'scope', None)
 
 
+READ_FLUSHES = 32
+"""Flushes that reads of pending values ran in one scope before a scope
+whose steps held fewer than two calls each on average warns, once a
+process (see :meth:`BatchingScope.flush_to_read`)."""
+
+_READS_WARNED = False
+
+
+def _warn_reads(reads):
+    global _READS_WARNED        # pylint: disable=global-statement
+    _READS_WARNED = True
+    warnings.warn(PerSampleWarning(
+        'values read inside a batching() scope ran %d flushes of the calls pending, whose steps '
+        'held %.1f calls each on average: correct, but about one call at a time. A read runs '
+        'what was recorded before it, so a loop that reads a sample\'s values before it starts '
+        'the next sample batches nothing. Advance every sample by a call, then read all their '
+        'values (lock-step: docs/performance.rst, "Branch on values in lock-step"), or read '
+        'them after the scope.' % (reads[0], reads[1] / reads[2])),
+        stacklevel=user_stacklevel())
+
+
 class BatchingScope:
     """Holds the calls recorded since the last flush, and runs them.
 
@@ -134,7 +155,7 @@ class BatchingScope:
     every call, straight from the slots."""
     __slots__ = ('strategy', 'pending', 'record_s', 'groups', 'used', 'unsafe', 'tape',
                  'flush_at', 'flush_every', 'follow_engine', 'marker', 'mode', 'thread',
-                 'repeats', 'repeated', 'flushed', 'expected', 'failure')
+                 'repeats', 'repeated', 'flushed', 'expected', 'failure', 'reads')
 
     def __init__(self, strategy, flush_every=None, follow_engine=False, merge_repeats=True):
         self.strategy = strategy
@@ -149,6 +170,7 @@ class BatchingScope:
         # the message of the MXNetError that reading one of this scope's
         # values raised (see LazyValue.asnumpy): every value of it then fails
         self.failure = None
+        self.reads = [0, 0, 0]  # flushes a read ran, and their calls and steps
         self.pending = []
         self.record_s = 0.0
         self.groups = {}     # (depth, family) -> calls
@@ -290,17 +312,34 @@ class BatchingScope:
     def flush(self):
         """Plan and run every pending call, under the autograd state they
         were recorded under (see :func:`autograd_mode`).  Later calls no
-        longer share these calls' nodes (see :meth:`record`)."""
+        longer share these calls' nodes (see :meth:`record`).  Returns the
+        number of calls and of steps run (None when nothing was pending)."""
         if self.repeats:
             self.repeats = {}
         if not self.pending:    # (a call merges only with a pending one)
-            return
+            return None
         if self.mode is not None and self.mode != autograd_mode():
             recording, training = divmod(self.mode, 2)
             with autograd._RecordingStateScope(bool(recording), bool(training)):
-                self._flush()
-        else:
-            self._flush()
+                return self._flush()
+        return self._flush()
+
+    def flush_to_read(self):
+        """:meth:`flush`, for a read of a pending value (``value.data``).
+        A loop that reads each sample's values before it starts the next
+        sample batches nothing: after :data:`READ_FLUSHES` such flushes in
+        a scope whose steps held fewer than two calls on average, the
+        process warns once (two user trials' greedy decoders ran so, ~1
+        call a step, slower than plain Gluon, with no sign why)."""
+        ran = self.flush()
+        if ran is None or _READS_WARNED:
+            return
+        reads = self.reads
+        reads[0] += 1
+        reads[1] += ran[0]
+        reads[2] += ran[1]
+        if reads[0] >= READ_FLUSHES and reads[1] < 2 * reads[2]:
+            _warn_reads(reads)
 
     def _flush(self):
         nodes = self.pending        # failed, not left pending, if take() is interrupted
@@ -332,6 +371,7 @@ class BatchingScope:
                            compile_ms=compile_s * 1e3, repeated=repeated,
                            built=programs_built() - built,
                            checks=(checks_now - checks, (check_s_now - check_s) * 1e3))
+        return len(nodes), len(plan.steps)
 
     def abandon(self):
         """Drop what was recorded: its lazy values will raise when read."""

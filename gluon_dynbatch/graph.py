@@ -172,7 +172,7 @@ class LazyValue:
                         'this output of block %s was recorded by another thread\'s batching() '
                         'scope, which has not run it yet: read it in that thread, or after '
                         'that scope has closed.' % node.sig.block.name)
-                node.scope.flush()
+                node.scope.flush_to_read()
             if node.state == FAILED:
                 raise LazyValueError(
                     'this output of block %s (shape %s) was recorded in a batching() scope '

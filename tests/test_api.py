@@ -2835,3 +2835,42 @@ def test_cell_reset_by_its_trace_gives_no_state_warning():
             out = block(mx.nd.ones((1, 3, 3)), zeros, zeros)
     assert out.shape == (1, 3, 4)
     assert 'reset' not in vars(block.block.cell)
+
+
+@pytest.mark.parametrize('lock_step', [False, True])
+def test_reads_that_batch_nothing_warn_once(monkeypatch, lock_step):
+    """A greedy loop that reads each sample's value before it starts the
+    next runs one call a step, slower than plain Gluon, and two user trials
+    saw no sign why: after READ_FLUSHES such flushes a scope warns, once a
+    process, with the lock-step advice.  The same loop in lock-step (every
+    sample advanced, then all read) flushes as often with a step of every
+    sample, and does not warn.  Values are per-sample either way."""
+    from gluon_dynbatch import block as block_module
+    monkeypatch.setattr(block_module, '_READS_WARNED', False)
+    dense = dyb.DynBatchBlock(gluon.nn.Dense(3, in_units=3))
+    dense.initialize(mx.init.Uniform(0.5))
+    xs = [mx.nd.array(np.random.RandomState(i).uniform(-1, 1, (1, 3))) for i in range(8)]
+    want = [x for x in xs]
+    for _ in range(5):
+        want = [dense.block(x) for x in want]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        with dyb.batching('depth'):
+            states = list(xs)
+            for _ in range(5):
+                if lock_step:
+                    states = [dense(h) for h in states]
+                    states = [h.data for h in states]      # one flush: a step of 8
+                else:
+                    states = [dense(h).data for h in states]   # a flush per call
+    said = [w for w in caught if issubclass(w.category, dyb.PerSampleWarning)]
+    if lock_step:
+        assert not said
+    else:
+        assert len(said) == 1, [str(w.message) for w in said]
+        message = str(said[0].message)
+        assert 'ran 32 flushes' in message and '1.0 calls each' in message, message
+        assert 'Branch on values in lock-step' in message
+        assert said[0].filename == __file__
+    for got, expected in zip(states, want):
+        np.testing.assert_allclose(got.asnumpy(), expected.asnumpy(), rtol=1e-5)
