@@ -860,7 +860,7 @@ _SYMBOLS = {'broadcast_add': '+', 'broadcast_sub': '-', 'broadcast_mul': '*',
             'negative': 'unary -', 'abs': 'abs()', 'broadcast_lesser': '<',
             'broadcast_lesser_equal': '<=', 'broadcast_greater': '>',
             'broadcast_greater_equal': '>=', 'broadcast_equal': '==',
-            'broadcast_not_equal': '!=', 'BlockGrad': 'detach()'}
+            'broadcast_not_equal': '!='}
 
 
 def _operand_text(x):

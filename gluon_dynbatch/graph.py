@@ -107,8 +107,7 @@ class LazyValue:
     unary ``-``, ``abs()``) and comparisons (``< <= > >= == !=``, giving
     0/1 values as NDArray's do) with numbers, NDArrays and other lazy
     values are recorded as calls too, and batched
-    (:func:`~gluon_dynbatch.block.lazy_operator`), and so is
-    ``detach()``, which stops the gradient as NDArray's does; otherwise it is no
+    (:func:`~gluon_dynbatch.block.lazy_operator`); otherwise it is no
     NDArray: ``bool()``, indexing and NDArray methods raise a TypeError
     that says how to get one.
     Only the node and the output index are stored: one is made per output
@@ -216,10 +215,10 @@ class LazyValue:
     # ``v[0]``, ``np.asarray(v)``) says how to get one instead of failing
     # obscurely or making an object array.
     _HINT = ('a LazyValue (an output of %s recorded in a batching() scope) is not an '
-             'NDArray: arithmetic (+ - * / ** %%, unary -, abs()), comparisons and detach() '
-             'on it are batched, but for anything else do it inside a wrapped block, or read '
-             'value.data for one value or gluon_dynbatch.concat_rows(values) for many (one '
-             'gather), which runs the pending calls now')
+             'NDArray: arithmetic (+ - * / ** %%, unary -, abs()) and comparisons on it are '
+             'batched, but for anything else do it inside a wrapped block, or read value.data '
+             'for one value or gluon_dynbatch.concat_rows(values) for many (one gather), '
+             'which runs the pending calls now')
 
     def _hint(self):
         """:data:`_HINT` for this value, naming its maker: a block, or the
@@ -269,12 +268,6 @@ class LazyValue:
     __rmod__ = _operator('__rmod__', 'broadcast_mod', reflected=True)
     __neg__ = _operator('__neg__', 'negative', unary=True)
     __abs__ = _operator('__abs__', 'abs', unary=True)
-    # NDArray's detach() as a recorded call too: per-sample code stops a
-    # gradient inside its loop (an actor-critic's baseline), where
-    # ``value.data.detach()`` ran the pending calls at every sample (a
-    # user trial's 16 samples ran as 16 flushes) and ``value.detach()``
-    # raised
-    detach = _operator('detach', 'BlockGrad', unary=True)
     # comparisons give 0/1 arrays, as NDArray's do (``3 < v`` is ``v > 3``:
     # Python swaps a comparison, it has no reflected one), so that a mask
     # ``(v > 0) * v`` batches; ``if v > 0:`` still needs ``.data``, below

@@ -314,35 +314,3 @@ def test_number_rows_are_shared_read_only_but_not_for_nan_or_zero():
     assert np.isnan(got[:5]).all()
     expected = np.concatenate([(first(x) * -0.0).asnumpy(), (first(x) * 0.0).asnumpy()])
     np.testing.assert_array_equal(np.signbit(got[5:]), np.signbit(expected))
-
-
-@pytest.mark.parametrize('strategy', STRATEGIES)
-def test_detach_is_recorded_and_stops_the_gradient_as_per_sample(strategy):
-    """``h.detach()`` in the per-sample loop (an actor-critic's baseline) is a
-    recorded call: the scope runs once, not at every sample as with
-    ``h.data.detach()``, and the gradient stops there as NDArray's does."""
-    first, second = dense_pair()
-    rng = np.random.RandomState(0)
-    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 4))) for _ in range(6)]
-
-    def forward():
-        outs = []
-        for x in xs:
-            h = first(x)
-            outs.append(second(h) * (1.0 - h.detach()) + h.detach() * h)
-        return outs
-    dyb.reset_stats()
-    results = run_both(forward, [first, second], inputs=xs, strategy=strategy)
-    assert_same(results)
-    assert dyb.stats()['flushes'] == 1
-
-
-def test_detach_of_a_value_of_a_closed_scope_is_ndarrays():
-    """Outside a scope ``detach()`` runs at once, as the other operators do:
-    NDArray code given a value of a closed scope gets an NDArray."""
-    first, _ = dense_pair()
-    with dyb.batching('depth'):
-        h = first(mx.nd.ones((1, 4)))
-    detached = h.detach()
-    assert isinstance(detached, mx.nd.NDArray)
-    np.testing.assert_array_equal(detached.asnumpy(), h.asnumpy())
