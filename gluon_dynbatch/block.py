@@ -1210,12 +1210,12 @@ def _check_padding_is_neutral(dblock, sig, padded):
     lengths = short.lengths + long.lengths
     length_rng = np.random.RandomState(2)
     zero = {}
-    for low, high in PADDING_CHECK_RANGES:
+    for which, (low, high) in enumerate(PADDING_CHECK_RANGES):
         leaves = [mx.nd.array(rng.uniform(low, high, shape), ctx=sig.ctx, dtype=leaf_dtype)
                   for shape, leaf_dtype in zip(sig.in_shapes, sig.in_dtypes)]
         if lengths:
             leaves = _valid_lengths(dblock, sig, padded, lengths, leaves, length_rng, zero,
-                                    lambda: runs_in(kinds[0]).params)
+                                    lambda: runs_in(kinds[0]).params, which < 3)
         with mx.autograd.pause():
             longer = _pad_with_zeros(sig, padded, leaves, dtype, zero)
             try:
@@ -1315,6 +1315,47 @@ probability from a softmax over a ragged list read past the shorter list
 element, and a block neutral for every valid target was refused (a user
 trial)."""
 
+POSITION_COPIES = ('Cast', 'amp_cast', 'Reshape', 'expand_dims', 'squeeze', 'Flatten', '_copy',
+                   'BlockGrad', 'broadcast_like', 'reshape_like', 'broadcast_to',
+                   'broadcast_axis')
+"""Ops through whose input 0 ``pick`` reads an argument's values as its
+positions, unchanged but for dtype and shape: only such arguments are
+drawn as positions (:func:`_drawn_arguments`).  The user promises valid
+positions, not valid scores: an argument reached otherwise (the list's
+scores under ``argmax``, or under ``zeros_like`` or ``broadcast_like``'s
+shape input) was drawn as whole numbers from 0, never negative, and a
+block whose ``max`` over the list padding changes for negative scores
+passed the check and batched wrong values (a fuzzer's case)."""
+
+SHAPE_INPUTS = {'broadcast_like': (1,), 'reshape_like': (1,), 'zeros_like': (0,),
+                'ones_like': (0,), 'shape_array': (0,), 'size_array': (0,)}
+"""Inputs of ops whose values the output does not read, only their shape:
+lengths computed through them do not make those arguments lengths (a
+length ``broadcast_like(n, scores)`` drew the list's scores as whole
+numbers from 1, and a ``min`` over the list passed the check)."""
+
+
+def _drawn_arguments(nodes, entry, positions):
+    """The names of the arguments whose values reach the graph entry
+    ``entry``: for ``positions``, only through :data:`POSITION_COPIES`;
+    for lengths, through any input but :data:`SHAPE_INPUTS`."""
+    found, seen, todo = set(), set(), [entry]
+    while todo:
+        index = todo.pop()
+        if index in seen:
+            continue
+        seen.add(index)
+        node = nodes[index]
+        if node['op'] == 'null':
+            found.add(node['name'])
+        elif positions:
+            if node['op'] in POSITION_COPIES:
+                todo.append(node['inputs'][0][0])
+        else:
+            skip = SHAPE_INPUTS.get(node['op'], ())
+            todo += [inp[0] for k, inp in enumerate(node['inputs']) if k not in skip]
+    return found
+
 
 def _length_inputs(dblock, symbol, one):
     """``[(op, length symbol, axis size, data names, one)]`` for each op of
@@ -1339,9 +1380,13 @@ def _length_inputs(dblock, symbol, one):
         if spec is None or len(node['inputs']) < 2 or (
                 kind == 'lengths' and attrs.get(spec[0], 'False').lower() not in ('true', '1')):
             continue
-        data = [name for name in below[node['inputs'][1][0]] if name in one.data_names]
-        if not data:
+        if not any(name in one.data_names for name in below[node['inputs'][1][0]]):
             continue
+        # (the arguments drawn: may be none, the values then still checked)
+        drawn = _drawn_arguments(nodes, node['inputs'][1][0], kind == 'positions')
+        data = [name for name in one.data_names if name in drawn]
+        if not data and kind == 'positions':
+            continue    # (positions computed: the check runs them as they come)
         # the op's data and lengths, each exactly the entry it reads (by
         # the graph: an op's outputs are not all named '<op>_output<i>')
         source, length = (load_graph(dict(graph), nodes, [entry])
@@ -1361,7 +1406,8 @@ def _length_inputs(dblock, symbol, one):
     return found
 
 
-def _valid_lengths(dblock, sig, padded, lengths, leaves, rng, zero, random_parameters):
+def _valid_lengths(dblock, sig, padded, lengths, leaves, rng, zero, random_parameters,
+                   whole=False):
     """``leaves`` with the arguments that lengths are computed from
     (``lengths``, :func:`_length_inputs`) drawn as whole numbers from 1 to
     the shortest axis those lengths run along (0 is no length of a real
@@ -1376,20 +1422,40 @@ def _valid_lengths(dblock, sig, padded, lengths, leaves, rng, zero, random_param
     ``max`` drawn positive passed a false claim).  Lengths computed with
     parameters are checked with the block's own and with the random values
     the symbols run with (``random_parameters()``, by name): unchecked, a
-    length argument scaled by a parameter aborted the process."""
-    limit = min(size for _, _, size, _, _, _ in lengths)
-    # whole numbers from 1, or from 0 where only positions read them
-    low = min(limit, 1 if any(kind == 'lengths' for *_, kind in lengths) else 0)
+    length argument scaled by a parameter aborted the process.  With
+    ``whole``, each is drawn at its largest value (the whole shorter list,
+    its last position), as a list told its own length is at run time:
+    drawn at random only, a ``min`` over a list masked past its length
+    passed the check wherever no draw was the whole list (a fuzzer's
+    case)."""
     # the padded signature's name -> the shorter one's, None for padding
     short_name = dict(zip(padded.data_names, pad_leaves(sig.fmt, list(sig.data_names),
                                                         padded.fmt, lambda item: None)))
-    names = {name if one is sig else short_name.get(name)
-             for _, _, _, data, one, _ in lengths for name in data} - {None}
-    leaves = [mx.nd.array(rng.randint(low, limit + 1, leaf.shape), ctx=leaf.context,
-                          dtype=leaf.dtype) if name in names else leaf
+    # name -> (lowest, highest) whole number drawn: from 1 to the shortest
+    # axis for lengths, from 0 to its last position for positions, both
+    # for an argument read as both.  (One range for all, the least of
+    # their largest values, drew lengths short of a list of n, or of 0
+    # beside a position along an axis of 1, where a softmax gave NaN alike
+    # padded or not: false claims passed, a fuzzer's case.)
+    ranges = {}
+    for _, _, size, data, one, kind in lengths:
+        for name in data:
+            name = name if one is sig else short_name.get(name)
+            if name is not None:
+                low, high = ranges.get(name, (0, size))
+                ranges[name] = (max(low, kind == 'lengths'), min(high, size))
+    ranges = {name: (min(low, high), high) for name, (low, high) in ranges.items()}
+    names = set(ranges)
+    leaves = [mx.nd.array(np.full(leaf.shape, ranges[name][1]) if whole else
+                          rng.randint(ranges[name][0], ranges[name][1] + 1, leaf.shape),
+                          ctx=leaf.context, dtype=leaf.dtype) if name in names else leaf
               for name, leaf in zip(sig.data_names, leaves)]
     longer = _pad_with_zeros(sig, padded, leaves, sig.dtype, zero)
-    for node, length, size, _, one, kind in lengths:
+    for node, length, size, data, one, kind in lengths:
+        drawn = [ranges[name] for name in {name if one is sig else short_name.get(name)
+                                           for name in data} - {None}]
+        low = min((low for low, _ in drawn), default=0)
+        limit = max((high for _, high in drawn), default=size)
         given = dict(zip(one.data_names, leaves if one is sig else longer))
         needed = length.list_inputs()
         if set(needed) <= set(given):

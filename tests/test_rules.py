@@ -2732,3 +2732,47 @@ def test_open_rows_read_on_host_rows_and_the_batch(strategy):
     assert_same(run_both(lambda: [out for i, x in zip(ids, xs) for out in block(i, x)],
                          [block], xs, strategy=strategy))
     assert _verdict(block) == (True, '')
+
+
+class PickBest(gluon.HybridBlock):
+    """The best score of a ragged list, read by ``pick`` at its ``argmax``:
+    padding with zeros changes it wherever every real score is negative."""
+    dynbatch_pad_lists = True
+
+    def hybrid_forward(self, F, items):
+        scores = F.concat(*[F.sum(item, axis=1, keepdims=True) for item in items], dim=1)
+        return F.pick(scores, F.argmax(scores, axis=1), axis=1)
+
+
+class MaskedMinAndPoint(gluon.HybridBlock):
+    """A target position's score plus the ``min`` over the list masked past
+    its length (to 0): padding changes the min where the length is the
+    whole list and every score is positive."""
+    dynbatch_pad_lists = True
+
+    def hybrid_forward(self, F, length, target, items):
+        scores = F.concat(*[F.sum(item, axis=1, keepdims=True) for item in items], dim=1)
+        masked = F.SequenceMask(scores, length, use_sequence_length=True, axis=1)
+        return F.pick(scores, target, axis=1) + F.min(masked, axis=1)
+
+
+@pytest.mark.parametrize('which', ['argmax', 'whole list'])
+def test_pad_lists_positions_drawn_keep_the_check_whole(which):
+    """Drawing pick's positions as whole numbers must not weaken the rest of
+    the check (a fuzzer's cases, both batched wrong values): the list's
+    scores, under pick through ``argmax``, were drawn as whole numbers from 0,
+    never negative, so a pick at the argmax passed; and one range for
+    lengths and positions, the least of their largest values, never drew the
+    whole list's length (nor any, 0, beside a list of 1), so a min over a
+    list masked past its length passed.  Both are now refused."""
+    block = dyb.DynBatchBlock(PickBest() if which == 'argmax' else MaskedMinAndPoint())
+    block.initialize()
+    rng = np.random.RandomState(0)
+    low = -2 if which == 'argmax' else 0.5
+    lists = [[mx.nd.array(rng.uniform(low, low + 1, (1, 3))) for _ in range(n)]
+             for n in (1, 3, 2, 4)]
+    with pytest.raises(dyb.InputError, match=r'declares pad_lists.*changes its output 0'):
+        with dyb.batching('depth'):
+            for items in lists:
+                n = np.array([len(items)], np.float32)
+                block(items) if which == 'argmax' else block(n, n - 1, items)
