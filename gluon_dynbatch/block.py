@@ -138,7 +138,8 @@ def _warn_reads(reads):
         'what was recorded before it, so a loop that reads a sample\'s values before it starts '
         'the next sample batches nothing. Advance every sample by a call, then read all their '
         'values (lock-step: docs/performance.rst, "Branch on values in lock-step"), or read '
-        'them after the scope.' % (reads[0], reads[1] / reads[2])),
+        'them after the scope; a single sample\'s loop that must read after every call cannot '
+        'batch, and runs faster outside a scope.' % (reads[0], reads[1] / reads[2])),
         stacklevel=user_stacklevel())
 
 
@@ -1374,6 +1375,11 @@ def _length_inputs(dblock, symbol, one):
     for node in nodes:
         attrs = node.get('attrs', {})
         if node['op'] in INDEX_INPUTS:
+            if attrs.get('mode', 'clip') == 'wrap':
+                # (a negative position is valid there, the list's last
+                # element per sample and padding batched: drawn as any
+                # argument, negatives too, so such a block is refused)
+                continue
             spec, kind = (None,) + INDEX_INPUTS[node['op']], 'positions'
         else:
             spec, kind = LENGTH_INPUTS.get(node['op']), 'lengths'

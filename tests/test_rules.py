@@ -499,9 +499,9 @@ class PointAt(gluon.HybridBlock):
     false)."""
     dynbatch_pad_lists = True
 
-    def __init__(self, lengths=True):
+    def __init__(self, lengths=True, mode='clip'):
         super().__init__()
-        self.lengths = lengths
+        self.lengths, self.mode = lengths, mode
         with self.name_scope():
             self.dense = gluon.nn.Dense(1, in_units=3)
 
@@ -509,7 +509,7 @@ class PointAt(gluon.HybridBlock):
         scores = F.concat(*[self.dense(item) for item in items], dim=1)     # (1, M)
         p = F.softmax(scores, length, axis=1, use_length=True) if self.lengths else \
             F.softmax(scores, axis=1)
-        return F.log(F.pick(p, target, axis=1) + 1e-6)
+        return F.log(F.pick(p, target, axis=1, mode=self.mode) + 1e-6)
 
 
 def _point_calls(block, items):
@@ -534,6 +534,19 @@ def test_pad_lists_pick_of_a_target_position_draws_valid_positions():
 def test_pad_lists_pick_from_a_softmax_without_lengths_still_refused():
     """Valid positions do not hide padding that changes what is picked."""
     block = dyb.DynBatchBlock(PointAt(lengths=False))
+    block.initialize(mx.init.Uniform(0.5))
+    items = [mx.nd.ones((1, 3)) * k for k in range(4)]
+    with pytest.raises(dyb.InputError, match=r'declares pad_lists.*changes its output 0'):
+        with dyb.batching('depth'):
+            _point_calls(block, items)
+
+
+def test_pad_lists_pick_that_wraps_positions_is_refused():
+    """With mode='wrap' a negative position is valid: per sample -1 picks
+    the list's last element, padded a padding element's.  Such positions
+    are drawn as any argument, negatives too, so the claim is refused (a
+    review's case; drawn within the list, it passed)."""
+    block = dyb.DynBatchBlock(PointAt(mode='wrap'))
     block.initialize(mx.init.Uniform(0.5))
     items = [mx.nd.ones((1, 3)) * k for k in range(4)]
     with pytest.raises(dyb.InputError, match=r'declares pad_lists.*changes its output 0'):
