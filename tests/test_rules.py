@@ -2672,16 +2672,22 @@ def test_open_rows_count_as_batched_where_they_follow_the_batch(how, safe):
     the per-sample input make a sum over every axis of them a sum over the
     batch axis, which its rule refuses (batched, it would grow with the
     rows).  Per-sample values either way."""
-    block = dyb.DynBatchBlock(OpenRows(how))
+    batch_safe, reason = _open_rows_verdict(OpenRows(how))
+    assert batch_safe == safe, reason
+    if not safe:
+        assert 'sum' in reason, reason
+
+
+def _open_rows_verdict(inner):
+    """The verdict on hybridized ``inner``, after checking per-sample values
+    and gradients on three calls."""
+    block = dyb.DynBatchBlock(inner)
     block.initialize(mx.init.Uniform(0.5))
     block.hybridize()
     rng = np.random.RandomState(6)
     xs = [mx.nd.array(rng.uniform(-1, 1, (1, 3))) for _ in range(3)]
     assert_same(run_both(lambda: [block(x) for x in xs], [block], xs))
-    batch_safe, reason = _verdict(block)
-    assert batch_safe == safe, reason
-    if not safe:
-        assert 'sum' in reason, reason
+    return _verdict(block)
 
 
 class OpenRowsOfTwo(gluon.HybridBlock):
@@ -2705,13 +2711,7 @@ def test_open_rows_of_a_parameter_of_two_rows_stay_shared(rows):
     input of shape (2, 3)'), as those of (1, 3) or (3, 3) did not.  One
     row per sample is asked too: every row count batches, with per-sample
     values and gradients."""
-    block = dyb.DynBatchBlock(OpenRowsOfTwo(rows))
-    block.initialize(mx.init.Uniform(0.5))
-    block.hybridize()
-    rng = np.random.RandomState(7)
-    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 3))) for _ in range(3)]
-    assert_same(run_both(lambda: [block(x) for x in xs], [block], xs))
-    assert _verdict(block) == (True, '')
+    assert _open_rows_verdict(OpenRowsOfTwo(rows)) == (True, '')
 
 
 class OpenRowsOnHostAndDevice(gluon.HybridBlock):
