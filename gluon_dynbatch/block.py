@@ -1452,8 +1452,13 @@ def _valid_lengths(dblock, sig, padded, lengths, leaves, rng, zero, random_param
                 ranges[name] = (max(low, kind == 'lengths'), min(high, size))
     ranges = {name: (min(low, high), high) for name, (low, high) in ranges.items()}
     names = set(ranges)
-    leaves = [mx.nd.array(np.full(leaf.shape, ranges[name][1]) if whole else
-                          rng.randint(ranges[name][0], ranges[name][1] + 1, leaf.shape),
+    # (drawn at random in every range, whole or not: skipped in the whole
+    # ranges, the random range drew other lengths than before they were
+    # added, and a max masked to 0 over lists of 3 that it had refused
+    # passed, a fuzzer's case; so drawn, the random range draws as before)
+    draws = {name: rng.randint(ranges[name][0], ranges[name][1] + 1, leaf.shape)
+             for name, leaf in zip(sig.data_names, leaves) if name in names}
+    leaves = [mx.nd.array(np.full(leaf.shape, ranges[name][1]) if whole else draws[name],
                           ctx=leaf.context, dtype=leaf.dtype) if name in names else leaf
               for name, leaf in zip(sig.data_names, leaves)]
     longer = _pad_with_zeros(sig, padded, leaves, sig.dtype, zero)

@@ -2789,3 +2789,34 @@ def test_pad_lists_positions_drawn_keep_the_check_whole(which):
             for items in lists:
                 n = np.array([len(items)], np.float32)
                 block(items) if which == 'argmax' else block(n, n - 1, items)
+
+
+class MaskedMaxOfProducts(gluon.HybridBlock):
+    """The ``max`` over a list of ``item * x`` masked past its length (to 0):
+    padding changes it where the length is the whole list and every product
+    of a column is negative."""
+    dynbatch_pad_lists = True
+
+    def hybrid_forward(self, F, x, length, items):
+        products = F.stack(*[item * x for item in items], axis=1)
+        masked = F.SequenceMask(products, F.cast(length, 'int32'), use_sequence_length=True,
+                                axis=1, value=0)
+        return F.max(masked, axis=1) + x
+
+
+def test_pad_lists_whole_lengths_keep_the_random_draws():
+    """Lengths drawn at their largest in three ranges must not change what
+    the random range draws: skipped there, the random range's lengths were
+    other than before those ranges came, and this block over lists of 3 and
+    4 (width 4), refused before, passed the check and batched wrong values
+    (a fuzzer's case).  Drawn and set aside, the check refuses every pair of
+    list lengths it refused before, and more."""
+    block = dyb.DynBatchBlock(MaskedMaxOfProducts())
+    block.initialize()
+    rng = np.random.RandomState(0)
+    x = mx.nd.array(rng.uniform(-1, 1, (1, 4)))
+    with pytest.raises(dyb.InputError, match=r'declares pad_lists.*changes its output 0'):
+        with dyb.batching('depth'):
+            for n in (3, 4):
+                block(x, mx.nd.array([n]), [mx.nd.array(rng.uniform(-1, 1, (1, 4)))
+                                           for _ in range(n)])
