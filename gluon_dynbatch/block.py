@@ -1415,10 +1415,12 @@ def _length_inputs(dblock, symbol, one):
 def _valid_lengths(dblock, sig, padded, lengths, leaves, rng, zero, random_parameters,
                    whole=False):
     """``leaves`` with the arguments that lengths are computed from
-    (``lengths``, :func:`_length_inputs`) drawn as whole numbers from 1 to
-    the shortest axis those lengths run along (0 is no length of a real
-    list: a masked fill of every step, ``SequenceMask(value=-1e9)``, then
-    makes a softmax over the padding uniform); raise if the lengths so
+    (``lengths``, :func:`_length_inputs`; and those ``pick`` reads as
+    positions, drawn from 0 to the shorter list's last position) drawn as
+    whole numbers from 1 to the shortest axis those lengths run along (0
+    is no length of a real list: a masked fill of every step,
+    ``SequenceMask(value=-1e9)``, then makes a softmax over the padding
+    uniform); raise if the lengths so
     computed still fall outside it (computed otherwise than copied or
     cast), since MXNet would read out of bounds.  The padded symbol's
     names are mapped to the shorter signature's by position (a padding
