@@ -55,7 +55,6 @@ it on each flush's distinct host rows (their number follows the data; the
 row layout of every output does not).
 """
 import json
-import re
 import threading
 import time
 import weakref
@@ -65,7 +64,7 @@ import numpy as np
 
 from .lanes import CUT, PADDED, SEGMENT, vectorize_lists
 from .rules import NOT_FUNCTIONS, draws_random
-from .trace import (EXACT, OPEN_SHAPE_OPS, graph_readers, leaf_count, load_graph,
+from .trace import (EXACT, constant_shape, graph_readers, leaf_count, load_graph,
                     may_batch_on_axis_1, moved_entry, own_forms, symbol_json)
 
 __all__ = ['make_cached_op', 'ThreadCachedOp', 'StepProgram', 'step_program', 'element_major',
@@ -549,12 +548,7 @@ def adds_by_broadcast(symbol):
     # RNN's default begin state, ``zeros(shape=(0, H))``, through its h2h
     # layer) keeps elemwise_add: only it tells that 0 dimension from the
     # other operand, which broadcast_add cannot
-    open_shape = []
-    for node in nodes:
-        shape = node.get('attrs', {}).get('shape', '') if node['op'] in OPEN_SHAPE_OPS else ''
-        open_shape.append(bool(re.search(r'[(,\s]0\s*[,)L]', shape)) or
-                          any(open_shape[entry[0]] for entry in node['inputs']))
-    for node, opened in zip(nodes, open_shape):    # (``a + b``, ``_plus`` and ``_Plus``
+    for node, opened in zip(nodes, _open_shaped(nodes)):    # (``a + b``, ``_plus`` and ``_Plus``
         if node['op'] == 'elemwise_add' and not opened:    # are saved as elemwise_add)
             node['op'] = 'broadcast_add'    # neither has parameters: attributes stay
     return load_graph(graph, nodes, graph['heads'])
@@ -678,6 +672,20 @@ def _host_kinds(nodes, heads, host, shared):
         cut |= more
 
 
+def _open_shaped(nodes, among=None):
+    """Per node of a symbol's JSON, whether its value has a shape left open
+    for MXNet to infer: a constant with a 0 in its shape
+    (:func:`~.trace.constant_shape`), or an op reading such a value; only
+    the nodes that ``among`` (per node, default all) admits count."""
+    opened = []
+    for number, node in enumerate(nodes):
+        shape = constant_shape(node)
+        opened.append((among is None or among[number]) and (
+            (shape is not None and 0 in shape) or
+            any(opened[entry[0]] for entry in node['inputs'])))
+    return opened
+
+
 def _open_shared_of_both(nodes, kinds, handed):
     """The ``'shared'`` nodes of a shape left open (a constant of open
     rows, ``zeros(shape=(0, H))``, a cell's default begin state, or a value
@@ -686,12 +694,7 @@ def _open_shared_of_both(nodes, kinds, handed):
     infers from its readers, would need the distinct host rows' count for
     the one and the batch's for the other (MXNet failed, 'expected [12,3],
     got [2,3]').  Cut, the host ops that read it leave the part."""
-    open_shape = []
-    for node, kind in zip(nodes, kinds):
-        shape = node.get('attrs', {}).get('shape', '') if node['op'] in OPEN_SHAPE_OPS else ''
-        open_shape.append(kind == 'shared' and (
-            bool(re.search(r'[(,\s]0\s*[,)L]', shape)) or
-            any(open_shape[entry[0]] for entry in node['inputs'])))
+    open_shape = _open_shaped(nodes, [kind == 'shared' for kind in kinds])
     by_host = {entry[0] for node, kind in zip(nodes, kinds) if kind == 'host'
                for entry in node['inputs']}
     return {old for old in handed if open_shape[old] and old in by_host}

@@ -22,7 +22,7 @@ from .rules import (JOIN_ADVICE, NOT_FUNCTIONS, RANDOM_LIKE, UNBATCHABLE, OpView
                     draws_random)
 
 __all__ = ['symbol_json', 'flatten', 'regroup', 'leaf_count', 'TracedSignature', 'trace_signature',
-           'prelu_by_ops', 'reshapes_keeping_rows', 'may_batch_on_axis_1',
+           'prelu_by_ops', 'reshapes_keeping_rows', 'may_batch_on_axis_1', 'constant_shape',
            'fast_forms', 'own_forms', 'load_graph', 'inputs_below', 'moved_entry',
            'graph_readers', 'is_function_of_inputs', 'error_line', 'blocks_of']
 
@@ -1071,13 +1071,8 @@ def _open_rows(node):
     """Whether ``node`` makes a constant whose rows (axis 0) are left open
     (0), for MXNet to infer from what reads it, as Gluon's cells make their
     default begin states."""
-    if node['op'] not in OPEN_SHAPE_OPS or node['inputs']:
-        return False
-    try:
-        shape = ast.literal_eval(node.get('attrs', {}).get('shape', '()'))
-    except (ValueError, SyntaxError):
-        return False
-    return isinstance(shape, tuple) and len(shape) >= 1 and shape[0] == 0 and 0 not in shape[1:]
+    shape = constant_shape(node)
+    return bool(shape) and not node['inputs'] and shape[0] == 0 and 0 not in shape[1:]
 
 
 def _open_rows_following_batch(symbol, known, data_names, nodes, opened, single):
@@ -1316,15 +1311,22 @@ def _open_batch_dim(node):
     """Whether ``node`` makes a constant whose axis 1 is left open (0), for
     MXNet to infer from what reads it: an ``RNN``'s default begin state,
     ``zeros(shape=(L, 0, H))``, which batched takes the step's rows."""
-    if node['op'] not in OPEN_SHAPE_OPS:
-        return False
-    try:
-        shape = ast.literal_eval(node.get('attrs', {}).get('shape', '()'))
-    except (ValueError, SyntaxError):
-        return False
-    return isinstance(shape, tuple) and len(shape) == 3 and shape[1] == 0
+    shape = constant_shape(node)
+    return shape is not None and len(shape) == 3 and shape[1] == 0
 
 
 OPEN_SHAPE_OPS = ('_zeros', '_ones', '_full', '_zeros_without_dtype')
 """Ops that make a constant whose shape may hold a 0 (a dimension MXNet
 infers from how the value is used)."""
+
+
+def constant_shape(node):
+    """The shape attribute of graph node ``node`` when it is an op of
+    :data:`OPEN_SHAPE_OPS` (a 0 for each dimension left open), else None."""
+    if node['op'] not in OPEN_SHAPE_OPS:
+        return None
+    try:
+        shape = ast.literal_eval(node.get('attrs', {}).get('shape', '()'))
+    except (ValueError, SyntaxError):
+        return None
+    return tuple(shape) if isinstance(shape, (tuple, list)) else None
