@@ -74,7 +74,7 @@ static PyObject *s_out_info, *s_batch_safe, *s_group_key, *s_out_fmt,
     *s_signatures, *s_trace, *s_pending, *s_flush_at, *s_pipeline,
     *s_shape, *s_dtype, *s_type, *s_context, *s_device_typeid, *s_device_id, *s_sig_id,
     *s_arrays, *s_value, *s___dict__, *s_tape, *s_repeatable, *s_itemsize, *s_isnative,
-    *s_passthrough, *s_grad;
+    *s_passthrough, *s_grad, *s_inference;
 
 enum { PENDING = 0, DONE = 1, FAILED = 2 };
 
@@ -252,6 +252,7 @@ typedef struct {
     int safe;
     int repeatable;         /* TracedSignature.repeatable (absent: no) */
     int results;            /* what a call returns: RESULTS_ONE, RESULTS_PAIR, RESULTS_OTHER */
+    PyObject *inference;    /* TracedSignature.inference, NULL where None */
 } SigInfo;
 
 /* A call's results (graph.lazy_results): one lazy value, a tuple of two,
@@ -313,6 +314,11 @@ static SigInfo *sig_info(PyObject *sig)
     info->repeatable = repeatable != NULL && PyObject_IsTrue(repeatable) == 1;
     Py_XDECREF(repeatable);
     PyErr_Clear();
+    PyObject *inference = PyObject_GetAttr(sig, s_inference);
+    if (inference == Py_None)
+        Py_CLEAR(inference);
+    PyErr_Clear();
+    Py_XSETREF(info->inference, inference);
     return info;
 }
 
@@ -1250,6 +1256,16 @@ have_signature:
 
     SigInfo *info = sig_info(sig);
     if (info == NULL) BAIL(error);
+    if (info->inference != NULL) {
+        /* calls made outside autograd have a signature of their own, where
+         * their verdict differs (BatchNorm's): block.BatchingScope.record */
+        bool recording = true, training = true;
+        if (autograd_flags(&recording, &training) != 0) BAIL(fallback);
+        if (!recording && !training) {
+            Py_SETREF(sig, Py_NewRef(info->inference));
+            if ((info = sig_info(sig)) == NULL) BAIL(error);
+        }
+    }
     /* copied now: any allocation below may start a collection whose
      * finalizers (or another thread) replace this sig_cache entry */
     const long sig_id = info->sig_id;
@@ -3179,7 +3195,7 @@ static struct PyModuleDef module = {
 /* Bumped whenever a function's arguments or results change meaning
  * (accel.ABI must match, else the pure-Python path runs): an extension
  * built from older sources would otherwise still load, and fail. */
-#define ABI 9
+#define ABI 10
 
 PyMODINIT_FUNC PyInit__speedups(void)
 {
@@ -3190,6 +3206,7 @@ PyMODINIT_FUNC PyInit__speedups(void)
     INTERN(s_flush_at, "flush_at"); INTERN(s_pipeline, "pipeline");
     INTERN(s_tape, "tape"); INTERN(s_repeatable, "repeatable");
     INTERN(s_passthrough, "passthrough"); INTERN(s_grad, "grad");
+    INTERN(s_inference, "inference");
     INTERN(s_itemsize, "itemsize"); INTERN(s_isnative, "isnative");
     INTERN(s_shape, "shape"); INTERN(s_dtype, "dtype"); INTERN(s_type, "type");
     INTERN(s_context, "context"); INTERN(s_device_typeid, "device_typeid");

@@ -74,7 +74,7 @@ __all__ = ['record', 'count_groups', 'depth_groups', 'agenda_groups', 'structure
            'gather_index', 'gather_item', 'host_rows', 'host_item', 'finish_nodes', 'wrap_host',
            'push_marker', 'marker_done', 'memo_clear', 'enable', 'STATUS']
 
-ABI = 9
+ABI = 10
 """The interface of ``_speedups`` this code expects (its ``ABI``; 2:
 ``gather_item`` returns each list's length too; 3: ``gather_item`` gathers
 a ragged step's elements only when asked: ``compact``; 4: ``record``
@@ -86,7 +86,8 @@ returns an argument unchanged has Python build its results,
 ``TracedSignature.passthrough``; 8: ``record`` refuses a value of a scope
 that failed, ``BatchingScope.failure``, and :func:`memo_clear`; 9: it
 defers a call given a lazy value whose ``.data`` has a gradient attached,
-which Python records as that array).  An extension
+which Python records as that array; 10: it records a call made outside
+autograd under the signature's ``inference`` where it has one).  An extension
 built from older sources still has every function, so its names alone
 cannot tell."""
 

@@ -219,6 +219,8 @@ class BatchingScope:
         sig = dblock._signatures.get(key)
         if sig is None:
             sig = dblock._trace(key, fmt, ctx)
+        if sig.inference is not None and mode == 0:
+            sig = sig.inference
         repeat = None
         if sig.repeatable and self.repeats is not None:
             repeat = repeat_key(sig, leaves)
@@ -2112,14 +2114,17 @@ class DynBatchBlock(Block):
             # a copy: a Context keeps the one it replaces on itself, so
             # entering the user's own current Context again would lose theirs
             with mx.Context(ctx):
-                sig = trace_signature(next(_SIG_IDS), self.block, fmt, shapes, dtypes)
-            sig.ctx, sig.fmt, sig.dblock, sig.in_shapes, sig.key = ctx, fmt, self, shapes, key
-            sig.in_dtypes, sig.dtype = dtypes, common_dtype(dtypes)
+                sig = trace_signature(_SIG_IDS, self.block, fmt, shapes, dtypes)
             widths = [leaf_count(nesting) for nesting in fmt]
-            sig.spans = tuple((sum(widths[:item]), width) for item, width in enumerate(widths))
-            sig.out_info = [(shape, dtype, ctx)
-                            for shape, dtype in zip(sig.out_shapes, sig.out_dtypes)]
-            sig.group_key = self._family_id(key, fmt) if sig.batch_safe else -1 - sig.sig_id
+            for each in filter(None, (sig, sig.inference)):
+                each.ctx, each.fmt, each.dblock, each.in_shapes = ctx, fmt, self, shapes
+                each.key, each.in_dtypes, each.dtype = key, dtypes, common_dtype(dtypes)
+                each.spans = tuple((sum(widths[:item]), width)
+                                   for item, width in enumerate(widths))
+                each.out_info = [(shape, dtype, ctx)
+                                 for shape, dtype in zip(each.out_shapes, each.out_dtypes)]
+                each.group_key = self._family_id(key, fmt) if each.batch_safe \
+                    else -1 - each.sig_id
             if self._traced_blocks is None:
                 self._traced_blocks = blocks_of(self.block)
                 _TRACED.add(self)
@@ -2128,7 +2133,9 @@ class DynBatchBlock(Block):
             if sparse:      # (those its graphs read: one that none reads retraced every scope)
                 self._sparse_params = tuple(set(self._sparse_params).union(sparse))
             self._signatures[key] = sig
-        if not sig.batch_safe and not self._warned:
+        # (a signature whose calls batch in inference warns when traced under autograd)
+        if not (sig.inference if sig.inference and autograd_mode() == 0
+                else sig).batch_safe and not self._warned:
             self._warned = True
             warnings.warn(PerSampleWarning(
                 'block %s runs per sample (correct, but one call at a time): %s. %s'
@@ -2200,6 +2207,8 @@ class DynBatchBlock(Block):
         sig = self._signatures.get(key)
         if sig is None:
             sig = self._trace(key, fmt, first.ctx)
+        if sig.inference is not None and autograd_mode() == 0:
+            sig = sig.inference     # (plans run under their calls' autograd state)
         for other in sigs:
             if other is not sig and (other.key, key) not in self._pad_checked:
                 start = time.perf_counter()
@@ -2215,8 +2224,10 @@ class DynBatchBlock(Block):
 
     def signatures(self):
         """Traced signatures so far: one per distinct call signature, and
-        the padded signatures of steps that mix list lengths."""
-        return list(self._signatures.values())
+        the padded signatures of steps that mix list lengths; after each,
+        its :attr:`~.trace.TracedSignature.inference` where it has one."""
+        return [each for sig in self._signatures.values()
+                for each in (sig, sig.inference) if each is not None]
 
     def collect_params(self, select=None):
         return self.block.collect_params(select)

@@ -145,12 +145,18 @@ def draws_random(op_name, attrs=None):
 
 
 class OpView:
-    """What a rule may look at: op name, parsed attributes, and per input
-    whether it is batched and its per-sample shape (None when unknown)."""
-    __slots__ = ('op', 'attrs', 'batched', 'shapes')
+    """What a rule may look at: op name, parsed attributes, per input
+    whether it is batched and its per-sample shape (None when unknown), and
+    ``inference``: whether the calls are made outside autograd (neither
+    recording nor in training).  A rule that refuses only under autograd
+    (``BatchNorm``'s) reads it: a signature is checked for calls under
+    autograd first, and where that refuses, for inference too
+    (:attr:`~.trace.TracedSignature.inference`)."""
+    __slots__ = ('op', 'attrs', 'batched', 'shapes', 'inference')
 
-    def __init__(self, op, attrs, batched, shapes):
+    def __init__(self, op, attrs, batched, shapes, inference=False):
         self.op, self.attrs, self.batched, self.shapes = op, attrs, batched, shapes
+        self.inference = inference
 
     def attr(self, key, default=None):
         raw = self.attrs.get(key)
@@ -548,15 +554,18 @@ def _layer_norm(op):
 
 @register_batching_rule('BatchNorm')
 def _batch_norm(op):
-    """Only with ``use_global_stats``, which normalises each row by the
-    running statistics (shared inputs): otherwise, in training, a step's
-    mean and variance would be taken over every sample's rows.  (A
-    signature serves calls made in and out of training alike.)  Not over
+    """With ``use_global_stats``, or in inference, it normalises each row by
+    the running statistics (shared inputs).  In training a step's mean and
+    variance would be taken over every sample's rows, and the running
+    statistics moved once where per sample every call moves them; and under
+    ``autograd.record(train_mode=False)`` its backward (which runs in
+    training unless told) still takes the batch's statistics.  Not over
     channels of axis 0, the batch axis."""
-    if not op.flag('use_global_stats'):
+    if not op.inference and not op.flag('use_global_stats'):
         return ('BatchNorm normalises over the batch axis in training, so a sample\'s '
-                'statistics would be the whole step\'s: give it use_global_stats=True, or '
-                'normalise each sample on its own (nn.LayerNorm, nn.InstanceNorm)')
+                'statistics would be the whole step\'s (in inference, outside autograd, it '
+                'batches): give it use_global_stats=True, or normalise each sample on its own '
+                '(nn.LayerNorm, nn.InstanceNorm)')
     if op.axis_is_batch('axis', 1):
         # (batched, the channels would be the N samples where the statistics
         # hold one: MXNet 1.9.1 read past them, silently)

@@ -134,6 +134,12 @@ class TracedSignature:
         self.table_reads = {}   # host items -> embeddings they index (execute.FlushTables)
         self.host_splits = {}   # host items -> lower.HostSplit or None (execute.FlushHoist)
         self.ragged = None      # whether its lists can run ragged (lower.ragged_lists)
+        # the signature of the calls made in inference (outside autograd:
+        # neither recording nor in training), where its verdict differs: a
+        # BatchNorm's calls batch there (they read the running statistics),
+        # under autograd they run per sample.  Recording picks it by the
+        # autograd state (block.autograd_mode).
+        self.inference = None
         self._grad_free = {}    # see grad_free_outputs
         self._reads = None
 
@@ -305,9 +311,11 @@ def common_dtype(dtypes):
     return next(iter(distinct)) if len(distinct) == 1 else None
 
 
-def trace_signature(sig_id, block, fmt, shapes, dtypes):
+def trace_signature(ids, block, fmt, shapes, dtypes):
     """Trace ``block`` for arguments of nesting ``fmt`` and per-sample leaf
-    ``shapes``/``dtypes``; see :class:`TracedSignature`."""
+    ``shapes``/``dtypes``; see :class:`TracedSignature`.  Signature ids are
+    drawn from the iterator ``ids`` (two where the verdict differs in
+    inference: :attr:`TracedSignature.inference`)."""
     data_names = ['dynbatch_in%d' % i for i in range(len(shapes))]
     variables = [mx.sym.var(n) for n in data_names]
     sym_args, _ = regroup(fmt, variables)
@@ -400,12 +408,20 @@ def trace_signature(sig_id, block, fmt, shapes, dtypes):
     written = symbol
     symbol = reshapes_keeping_rows(prelu_by_ops(symbol, known), known)
     batch_safe, reason = check_batch_safe(symbol, set(data_names), known)
+    # (a BatchNorm that refuses under autograd batches in inference)
+    inference = not batch_safe and \
+        check_batch_safe(symbol, set(data_names), known, inference=True)[0]
     if not batch_safe:
         reason = _prelu_reason(written, reason)
     symbol = fast_forms(symbol, known, types)
-    return TracedSignature(sig_id, block, symbol, data_names, out_fmt, out_shapes,
-                           out_dtypes, batch_safe, reason,
-                           batch_safe and is_function_of_inputs(symbol), passthrough)
+    sig = TracedSignature(next(ids), block, symbol, data_names, out_fmt, out_shapes,
+                          out_dtypes, batch_safe, reason,
+                          batch_safe and is_function_of_inputs(symbol), passthrough)
+    if inference:
+        sig.inference = TracedSignature(
+            next(ids), block, symbol, data_names, out_fmt, out_shapes, out_dtypes, True, '',
+            False, passthrough)   # (not repeatable: it reads BatchNorm's running statistics)
+    return sig
 
 
 def _dtypes_text(dtypes):
@@ -1039,9 +1055,10 @@ def _draw_advice(op_name):
             'F.random.%s(x)' % like[len('_random_'):])
 
 
-def check_batch_safe(symbol, data_names, known):
+def check_batch_safe(symbol, data_names, known, inference=False):
     """``(True, '')`` when every op touching a batched tensor has a rule that
-    accepts it, no op draws random numbers for shared tensors (see
+    accepts it (for calls made under autograd, or with ``inference`` outside
+    it: see :class:`~.rules.OpView`), no op draws random numbers for shared tensors (see
     :func:`~.rules.draws_random`) and every output is batched on axis 0;
     else ``(False, reason)``.  A value may also be batched on axis 1 (see
     :func:`_time_major`): that of ``swapaxes(x, 0, 1)``, and Gluon's fused
@@ -1064,7 +1081,7 @@ def check_batch_safe(symbol, data_names, known):
                                             by_name)
     else:
         opened = set()
-    return _batch_safe(nodes, heads, by_name, readers, data_names, opened)
+    return _batch_safe(nodes, heads, by_name, readers, data_names, opened, inference)
 
 
 def _open_rows(node):
@@ -1094,7 +1111,7 @@ def _open_rows_following_batch(symbol, known, data_names, nodes, opened, single)
             (_entry_shape(nodes, (number, 0), by_name) or (None,))[0] == 2}
 
 
-def _batch_safe(nodes, heads, by_name, readers, data_names, opened):
+def _batch_safe(nodes, heads, by_name, readers, data_names, opened, inference):
     """:func:`check_batch_safe`'s verdict, with the nodes ``opened``
     (constants of open rows) batched on axis 0."""
     batched = []    # per node: its outputs' batch axis (0 or 1), None where shared
@@ -1131,7 +1148,7 @@ def _batch_safe(nodes, heads, by_name, readers, data_names, opened):
             if flag and (shape is None or not shape or shape[0] != 1):
                 return False, 'op %s (%s) sees a batched input of shape %s' % (
                     node['op'], node['name'], shape)
-        reason = rule(OpView(node['op'], node.get('attrs', {}), flags, shapes))
+        reason = rule(OpView(node['op'], node.get('attrs', {}), flags, shapes, inference))
         if reason is not None and not isinstance(reason, str):
             # (True became the reason 'True', and False, meant as 'no', read as safe)
             raise InputError('the batching rule %s for op %s returned %r: a rule returns None '

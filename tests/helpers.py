@@ -183,8 +183,9 @@ def param_grads(*blocks):
 
 
 def run_both(forward, blocks, inputs=(), strategy='depth', flush_every='auto',
-             merge_repeats=True):
-    """Run ``forward(batched)`` per sample and batched under autograd.
+             merge_repeats=True, train_mode=True):
+    """Run ``forward(batched)`` per sample and batched under autograd
+    (``autograd.record(train_mode)``).
 
     ``forward`` returns a list of output NDArrays (batched: ``.data`` of lazy
     values is taken here).  Returns ``[(outputs, grads, input_grads)]`` for the
@@ -194,7 +195,7 @@ def run_both(forward, blocks, inputs=(), strategy='depth', flush_every='auto',
     for batched in (False, True):
         for x in inputs:
             x.attach_grad()
-        with autograd.record():
+        with autograd.record(train_mode):
             if batched:
                 with dyb.batching(strategy, flush_every=flush_every,
                                   merge_repeats=merge_repeats):

@@ -3,6 +3,7 @@ output shapes decide whether calls may be merged.  Each block's verdict is
 checked, and so are its results and gradients against per-sample execution:
 a block the rules wrongly accepted would differ."""
 import json
+import warnings
 
 import mxnet as mx
 import numpy as np
@@ -1376,25 +1377,105 @@ class Normed(gluon.HybridBlock):
         return self.norm(self.dense(x))
 
 
+def _normed_calls(count=4, **kwargs):
+    """A DynBatchBlock of :class:`Normed` with running statistics of its
+    own, and ``count`` per-sample inputs (1, 3, 6)."""
+    net = Normed(**kwargs)
+    net.initialize(mx.init.Uniform(0.5))
+    net.norm.running_mean.set_data(mx.nd.array([0.1, -0.2, 0.3]))
+    net.norm.running_var.set_data(mx.nd.array([1.5, 2.0, 0.5]))
+    rng = np.random.RandomState(3)
+    return dyb.DynBatchBlock(net), [mx.nd.array(rng.uniform(-1, 1, (1, 3, 6)))
+                                    for _ in range(count)]
+
+
 @pytest.mark.parametrize('global_stats', [True, False])
-def test_batch_norm_batches_with_global_statistics_only(global_stats):
+def test_batch_norm_batches_in_training_with_global_statistics_only(global_stats):
     """In training BatchNorm normalises by the batch's statistics: a step's
     would mix every sample's rows, so it runs per sample, told to use
     ``use_global_stats=True``; with it, a sample's rows are normalised by
     the running statistics alone, and batch (a user trial found no rule)."""
-    net = Normed(use_global_stats=global_stats)
-    net.initialize(mx.init.Uniform(0.5))
-    net.norm.running_mean.set_data(mx.nd.array([0.1, -0.2, 0.3]))
-    net.norm.running_var.set_data(mx.nd.array([1.5, 2.0, 0.5]))
-    block = dyb.DynBatchBlock(net)
-    rng = np.random.RandomState(3)
-    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 3, 6))) for _ in range(4)]
+    block, xs = _normed_calls(use_global_stats=global_stats)
     assert_same(run_both(lambda: [block(x) for x in xs], [block], xs))
-    batch_safe, reason = _verdict(block)
-    assert batch_safe == global_stats, reason
+    sig = block.signatures()[0]
+    assert sig.batch_safe == global_stats, sig.reason
+    assert (sig.inference is None) == global_stats
     if not global_stats:
-        assert 'BatchNorm normalises over the batch axis in training' in reason, reason
-        assert 'use_global_stats=True' in reason, reason
+        assert 'BatchNorm normalises over the batch axis in training' in sig.reason
+        assert 'use_global_stats=True' in sig.reason
+        assert dyb.stats()['last']['batch_sizes'] == [1] * len(xs)
+
+
+@pytest.mark.parametrize('strategy', ['depth', 'agenda', 'cached'])
+def test_batch_norm_batches_in_inference(recorder, strategy):
+    """In inference (outside autograd) BatchNorm normalises each row by the
+    running statistics, so there its calls batch; under autograd they run
+    per sample.  The signature has one of its own for inference, which
+    recording picks by the autograd state.  The values equal per-sample
+    ones, the running statistics stay as they were, and no warning says
+    it runs per sample.  (It ran per sample in every mode.)"""
+    block, xs = _normed_calls()
+    stats = [p.data().asnumpy() for p in (block.norm.running_mean, block.norm.running_var)]
+    want = [block.block(x).asnumpy() for x in xs]
+    for _ in range(2):      # (a cached plan is reused the second time)
+        with warnings.catch_warnings():
+            warnings.simplefilter('error', dyb.PerSampleWarning)
+            with dyb.batching(strategy):
+                got = [block(x) for x in xs]
+        assert dyb.stats()['last']['batch_sizes'] == [len(xs)]
+        for value, expected in zip(got, want):
+            np.testing.assert_allclose(value.asnumpy(), expected, rtol=1e-5, atol=1e-6)
+    with autograd.predict_mode():   # (the default, said)
+        with dyb.batching(strategy):
+            got = [block(x) for x in xs]
+        assert dyb.stats()['last']['batch_sizes'] == [len(xs)]
+    for param, before in zip((block.norm.running_mean, block.norm.running_var), stats):
+        np.testing.assert_array_equal(param.data().asnumpy(), before)
+    primary = block.signatures()[0]
+    assert not primary.batch_safe and primary.inference.batch_safe
+    assert block.signatures() == [primary, primary.inference]
+
+
+def test_batch_norm_under_record_outside_training_runs_per_sample(recorder):
+    """Under ``autograd.record(train_mode=False)`` BatchNorm's forward reads
+    the running statistics, but its backward runs in training (as
+    ``backward()`` does unless told) and takes the batch's: batched, a
+    sample's gradients were the whole step's.  There it runs per sample."""
+    block, xs = _normed_calls()
+    assert_same(run_both(lambda: [block(x) for x in xs], [block], xs, train_mode=False))
+    assert dyb.stats()['last']['batch_sizes'] == [1] * len(xs)
+
+
+def test_batch_norm_in_and_out_of_autograd_in_one_scope(recorder):
+    """Calls of one signature recorded in training, then in inference, then
+    in training again, in one scope: each part runs under its own state (a
+    change of state runs the pending calls), the one in inference batched.
+    Per sample, the calls in training move the running statistics, which
+    the later calls read: so they do batched."""
+    block, xs = _normed_calls(6)
+    parts = ((True, xs[:2]), (False, xs[2:4]), (True, xs[4:]))
+
+    def run(wrapped):
+        outs = []
+        for train, part in parts:
+            if train:
+                with autograd.record():
+                    outs += [wrapped(x) for x in part]
+            else:
+                outs += [wrapped(x) for x in part]
+        return outs
+    want = [value.asnumpy() for value in run(block.block)]
+    mean = block.norm.running_mean.data().asnumpy()
+    block.norm.running_mean.set_data(mx.nd.array([0.1, -0.2, 0.3]))
+    block.norm.running_var.set_data(mx.nd.array([1.5, 2.0, 0.5]))
+    dyb.reset_stats()
+    with dyb.batching('depth'):
+        got = run(block)
+    for value, expected in zip(got, want):
+        np.testing.assert_allclose(value.asnumpy(), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(block.norm.running_mean.data().asnumpy(), mean, rtol=1e-6)
+    assert dyb.stats()['flushes'] == 3
+    assert dyb.stats()['last']['batch_sizes'] == [1, 1]
 
 
 @pytest.mark.parametrize('axis', [0, -3])

@@ -340,7 +340,9 @@ EXAMPLES = int(os.environ.get('RULES_PROPERTY_EXAMPLES', '40'))
 def test_rules_agree_with_per_sample_execution(name):
     """Batched under 'depth' or refused (then run per sample), four calls
     give the per-sample results and gradients; each op is both accepted
-    and refused among the draws (:data:`ALWAYS_BATCHED`'s always accepted)."""
+    and refused among the draws (:data:`ALWAYS_BATCHED`'s always accepted).
+    A signature refused under autograd that batches in inference gives the
+    per-sample values there too."""
     verdicts = {True: 0, False: 0}
 
     @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
@@ -366,8 +368,15 @@ def test_rules_agree_with_per_sample_execution(name):
         flat = [x for xs in calls for x in xs]
         assert_same(run_both(lambda: [wrapper(*xs) for xs in calls], [wrapper], flat, 'depth'))
         sigs = wrapper.signatures()
-        assert len(sigs) == 1
+        assert len(sigs) == 1 + (sigs[0].inference is not None)
         verdicts[sigs[0].batch_safe] += 1
+        if sigs[0].inference is not None:   # (BatchNorm: batched in inference alone)
+            with dyb.batching('depth'):
+                got = [wrapper(*xs) for xs in calls]
+            assert dyb.stats()['last']['batch_sizes'] == [len(calls)]
+            for value, xs in zip(got, calls):
+                np.testing.assert_allclose(value.asnumpy(), block(*xs).asnumpy(),
+                                           rtol=1e-5, atol=1e-6)
 
     check()
     assert verdicts[True] and (verdicts[False] or name in ALWAYS_BATCHED), verdicts
