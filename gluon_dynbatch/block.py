@@ -1159,9 +1159,31 @@ def check_padding_is_neutral(dblock, sig, padded):
                 more += (' Its softmax (or log_softmax) without lengths spreads weight over '
                          "the padding: given the list's length, F.softmax(x, length, "
                          'axis=..., use_length=True), it leaves the padding out.')
+            if advice and ' changes ' in message and _padding_read_as_ids(sig, padded):
+                # (a user trial's bag of words over a ragged list of token
+                # ids: a sum, which looks neutral, refused with no reason)
+                more += (' It looks up ids from a list element (Embedding or take): a zero '
+                         'padding element is id 0, a row of the table like any other, '
+                         "unless the rows looked up past the list's length are masked, "
+                         'F.SequenceMask(rows, length, use_sequence_length=True, axis=...).')
             if not more:
                 raise
             raise InputError(message[:len(message) - len(advice)] + more + advice) from None
+
+
+def _padding_read_as_ids(sig, padded):
+    """Whether an op that looks rows up in a table (``Embedding``,
+    ``take``) reads ids computed from a padding element of ``padded``'s
+    lists (those ``sig``'s lists lack): a zero there is id 0, a real row,
+    which no block's arithmetic can tell from a token."""
+    padding = {name for name, short in zip(
+        padded.data_names, pad_leaves(sig.fmt, list(sig.data_names), padded.fmt,
+                                      lambda item: None)) if short is None}
+    nodes = json.loads(symbol_json(padded.symbol))['nodes']
+    below = inputs_below(nodes)
+    return any(padding & below[node['inputs'][ID_INPUTS[node['op']]][0]] for node in nodes
+               if node['op'] in INDEXED_OPS + ('take',) and
+               len(node['inputs']) > ID_INPUTS[node['op']])
 
 
 def _softmax_without_lengths(symbol):

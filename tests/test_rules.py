@@ -493,6 +493,63 @@ def test_pad_lists_with_lengths_still_checked(scale, mean_too, match):
             _attend_calls(block, keys)
 
 
+class BagOfIds(gluon.HybridBlock):
+    """A bag of words over a ragged list of token ids: the sum of their
+    embeddings, masked past the list's length (``masked``) or not (then a
+    zero padding element is id 0, a real row, and the claim is false)."""
+    dynbatch_pad_lists = True
+
+    def __init__(self, masked):
+        super().__init__()
+        self.masked = masked
+        with self.name_scope():
+            self.embed = gluon.nn.Embedding(10, 3)
+
+    def hybrid_forward(self, F, length, ids):
+        rows = F.reshape(self.embed(F.stack(*ids, axis=1)), shape=(0, 0, -1))     # (1, K, 3)
+        if self.masked:
+            rows = F.SequenceMask(rows, length, use_sequence_length=True, axis=1)
+        return F.sum(rows, axis=1)
+
+
+def _bag_calls(block):
+    return [block(np.array([n], np.float32), [np.array([k + 1.], np.float32) for k in range(n)])
+            for n in (1, 3, 2)]
+
+
+@pytest.mark.parametrize('masked', [False, True])
+def test_pad_lists_refusal_of_ids_read_from_padding_says_to_mask_them(masked):
+    """Zero padding of a list of token ids looks up row 0 of the table: a
+    sum of embeddings looks neutral, yet the check refuses it, and the
+    refusal said no more than pad_lists=False (a user trial's bag of
+    words).  It now says that padding is id 0 and how to mask it; masked,
+    the lists of 1 to 3 ids run as one step, as per sample."""
+    block = dyb.DynBatchBlock(BagOfIds(masked))
+    block.initialize(mx.init.Uniform(0.5))
+    if masked:
+        dyb.reset_stats()
+        assert_same(run_both(lambda: _bag_calls(block), [block]))
+        assert dyb.stats()['last']['batch_sizes'] == [3]
+        return
+    with pytest.raises(dyb.InputError, match=r'declares pad_lists.*changes its output 0') as err:
+        with dyb.batching('depth'):
+            _bag_calls(block)
+    assert 'a zero padding element is id 0' in str(err.value), str(err.value)
+    assert 'F.SequenceMask(rows, length' in str(err.value)
+
+
+def test_pad_lists_refusal_without_ids_in_the_padding_gives_no_ids_advice():
+    """A block refused for another reason (a mean over its keys) reads no
+    ids from the padding, and is not told about ids."""
+    block = dyb.DynBatchBlock(AttendWithLength(how='softmax', mean_too=True))
+    block.initialize(mx.init.Uniform(0.5))
+    keys = [mx.nd.ones((1, 3)) * k for k in range(3)]
+    with pytest.raises(dyb.InputError, match=r'changes its output 0') as err:
+        with dyb.batching('depth'):
+            _attend_calls(block, keys)
+    assert 'padding element is id 0' not in str(err.value)
+
+
 class PointAt(gluon.HybridBlock):
     """A pointer network's loss: the probability of the target position
     under a softmax over a ragged list of scores, told its length (or not,
