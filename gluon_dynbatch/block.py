@@ -355,6 +355,8 @@ class BatchingScope:
             start = time.perf_counter()
             plan = self.strategy.plan(nodes, summary)
             check_plan(plan, nodes, self.strategy)
+            if _UNWARNED and self.mode:
+                _warn_under_autograd(plan)
             planned = time.perf_counter()
             timed = not threaded_engine() or self.strategy.wants_step_times(TIMED_EVERY)
             mark = _Mark(plan) if self.follow_engine else None
@@ -596,6 +598,18 @@ _COLLECTOR_LOCK = threading.Lock()
 
 _TRACED = weakref.WeakSet()
 """The DynBatchBlocks holding traced signatures (see :func:`_forget_stale_traces`)."""
+_UNWARNED = weakref.WeakSet()
+"""Wrappers first traced in inference whose signatures batch there and run
+per sample under autograd (``BatchNorm``'s, see
+:attr:`~.trace.TracedSignature.inference`): the first flush under
+autograd that runs one of them warns (:func:`_warn_under_autograd`)."""
+
+
+def _warn_under_autograd(plan):
+    for step in plan.steps:
+        dblock = getattr(step.sig, 'dblock', None)
+        if dblock in _UNWARNED and not step.sig.batch_safe:
+            dblock.warn_per_sample(step.sig)
 
 
 def _is_flag(value):
@@ -2155,16 +2169,25 @@ class DynBatchBlock(Block):
             if sparse:      # (those its graphs read: one that none reads retraced every scope)
                 self._sparse_params = tuple(set(self._sparse_params).union(sparse))
             self._signatures[key] = sig
-        # (a signature whose calls batch in inference warns when traced under autograd)
-        if not (sig.inference if sig.inference and autograd_mode() == 0
-                else sig).batch_safe and not self._warned:
-            self._warned = True
-            warnings.warn(PerSampleWarning(
-                'block %s runs per sample (correct, but one call at a time): %s. %s'
-                'DYNBATCH_DEBUG=2 prints each flush\'s plan.'
-                % (self.block.name, sig.reason, _per_sample_advice(sig.reason))),
-                stacklevel=user_stacklevel())
+        if not sig.batch_safe and not self._warned:
+            if sig.inference is not None and autograd_mode() == 0:
+                _UNWARNED.add(self)     # (its calls batch here: warned if run under autograd)
+            else:
+                self.warn_per_sample(sig)
         return sig
+
+    def warn_per_sample(self, sig):
+        """Say, once a wrapper, that ``sig``'s calls run per sample, why,
+        and what to do."""
+        if self._warned:
+            return
+        self._warned = True
+        _UNWARNED.discard(self)
+        warnings.warn(PerSampleWarning(
+            'block %s runs per sample (correct, but one call at a time): %s. %s'
+            'DYNBATCH_DEBUG=2 prints each flush\'s plan.'
+            % (self.block.name, sig.reason, _per_sample_advice(sig.reason))),
+            stacklevel=user_stacklevel())
 
     def _family_id(self, key, fmt):
         """Calls with equal family ids may merge.  With ``pad_lists`` the

@@ -1535,6 +1535,28 @@ def test_batch_norm_in_and_out_of_autograd_in_one_scope(recorder):
     assert dyb.stats()['last']['batch_sizes'] == [1, 1]
 
 
+def test_batch_norm_traced_in_inference_warns_when_trained(recorder):
+    """A wrapper first traced in inference, where BatchNorm batches, gives no
+    warning there; its first calls under autograd, which run per sample,
+    do (once), as its first trace would have under autograd."""
+    block, xs = _normed_calls()
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', dyb.PerSampleWarning)
+        with dyb.batching():
+            [block(x) for x in xs]
+    for first in (True, False):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            with autograd.record(), dyb.batching():
+                [block(x) for x in xs]
+        said = [w for w in caught if issubclass(w.category, dyb.PerSampleWarning)]
+        assert len(said) == (1 if first else 0), [str(w.message) for w in said]
+        if first:
+            assert 'BatchNorm normalises over the batch axis in training' in \
+                str(said[0].message)
+    assert dyb.stats()['last']['batch_sizes'] == [1] * len(xs)
+
+
 @pytest.mark.parametrize('axis', [0, -3])
 def test_batch_norm_over_channels_of_the_batch_axis_runs_per_sample(axis):
     """Found by a fuzzer: BatchNorm with ``axis=0`` (a sample's one channel)
