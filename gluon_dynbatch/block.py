@@ -1149,7 +1149,9 @@ def check_padding_is_neutral(dblock, sig, padded):
     unless the outputs agree, and, for the symbols, the gradients of the
     parameters and of the real list elements for one random head gradient
     (a zero row may leave the values alone and still make a gradient NaN:
-    the norm of a child's ``W h`` is 0 there, its gradient 0/0).  The
+    the norm of a child's ``W h`` is 0 there, its gradient 0/0), but for an
+    inference signature's (:attr:`~.trace.TracedSignature.in_inference`),
+    whose calls take none.  The
     parameters as they stand can hide a block that padding changes: Gluon
     starts biases at zero, and ``tanh(W 0 + b)`` is zero only while ``b``
     is (its gradient, and after a step its output, would differ,
@@ -1267,6 +1269,11 @@ def _check_padding_is_neutral(dblock, sig, padded):
                     break
             runs.append(symbol_runs + ('random parameters', kind is not dtype))
         _check_padded_outputs(dblock, sig, padded, runs, (low, high))
+        if padded.in_inference:
+            # calls made outside autograd take no gradient; and BatchNorm's
+            # backward (which runs in training) takes the batch's statistics,
+            # padding rows and all, where its calls read the running ones
+            continue
         for kind in list(gradient_kinds):
             grads = runs_in(kind).gradients(leaves, ids, rng)
             if grads is not None:
@@ -2255,7 +2262,9 @@ class DynBatchBlock(Block):
         if sig.inference is not None and autograd_mode() == 0:
             sig = sig.inference     # (plans run under their calls' autograd state)
         for other in sigs:
-            if other is not sig and (other.key, key) not in self._pad_checked:
+            # (an inference signature's check compares no gradients: apart)
+            checked = (other.key, key, sig.in_inference)
+            if other is not sig and checked not in self._pad_checked:
                 start = time.perf_counter()
                 try:
                     check_padding_is_neutral(self, other, sig)
@@ -2263,7 +2272,7 @@ class DynBatchBlock(Block):
                     count, seconds = padding_checks()
                     _CHECKS.count, _CHECKS.seconds = \
                         count + 1, seconds + time.perf_counter() - start
-                self._pad_checked.add((other.key, key))
+                self._pad_checked.add(checked)
         ragged_lists(sig)       # sets sig.ragged, which plans read
         return sig
 

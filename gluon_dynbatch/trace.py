@@ -140,6 +140,10 @@ class TracedSignature:
         # under autograd they run per sample.  Recording picks it by the
         # autograd state (block.autograd_mode).
         self.inference = None
+        # whether it is another's ``inference``: its calls take no gradient,
+        # so padding its lists need only leave the values alone
+        # (block.check_padding_is_neutral)
+        self.in_inference = False
         self._grad_free = {}    # see grad_free_outputs
         self._reads = None
 
@@ -421,6 +425,7 @@ def trace_signature(ids, block, fmt, shapes, dtypes):
         sig.inference = TracedSignature(
             next(ids), block, symbol, data_names, out_fmt, out_shapes, out_dtypes, True, '',
             False, passthrough)   # (not repeatable: it reads BatchNorm's running statistics)
+        sig.inference.in_inference = True
     return sig
 
 

@@ -1557,6 +1557,49 @@ def test_batch_norm_traced_in_inference_warns_when_trained(recorder):
     assert dyb.stats()['last']['batch_sizes'] == [1] * len(xs)
 
 
+class MaskedNormedBag(gluon.HybridBlock):
+    """``BatchNorm`` over each element of a list, masked past the list's
+    ``length`` and summed: zero padding leaves its values alone, and (in
+    training, where the statistics take the padding rows) not its
+    gradients."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.norm = gluon.nn.BatchNorm(axis=-1, in_channels=3)
+
+    def hybrid_forward(self, F, length, elems):
+        rows = self.norm(F.stack(*elems, axis=1))
+        return F.sum(F.SequenceMask(rows, length, use_sequence_length=True, axis=1), axis=1)
+
+
+def test_batch_norm_pads_lists_in_inference_by_its_values(recorder):
+    """Found by a fuzzer: with ``pad_lists`` the inference signature's
+    padding check compared gradients too, under a backward that runs
+    BatchNorm in training, where the padding rows enter the statistics:
+    it refused (InputError) a block whose calls, taking no gradient there,
+    pad neutrally, and that ran per sample before they batched.  Outside
+    autograd they pad and batch; under autograd they run per sample."""
+    net = MaskedNormedBag()
+    net.initialize(mx.init.Uniform(0.5))
+    net.norm.running_mean.set_data(mx.nd.array([0.1, -0.2, 0.3]))
+    net.norm.running_var.set_data(mx.nd.array([1.5, 2.0, 0.5]))
+    rng = np.random.RandomState(0)
+    calls = [(mx.nd.array([k]), [mx.nd.array(rng.uniform(-1, 1, (1, 3))) for _ in range(k)])
+             for k in (1, 2, 3, 2)]
+    want = [net(length, elems).asnumpy() for length, elems in calls]
+    block = dyb.DynBatchBlock(net, pad_lists=True)
+    with dyb.batching('depth'):
+        got = [block(length, elems) for length, elems in calls]
+    assert dyb.stats()['last']['batch_sizes'] == [len(calls)]
+    for value, expected in zip(got, want):
+        np.testing.assert_allclose(value.asnumpy(), expected, rtol=1e-5, atol=1e-6)
+    lengths = [length for length, _ in calls]
+    assert_same(run_both(lambda: [block(length, elems) for length, elems in calls], [block],
+                         lengths))
+    assert dyb.stats()['last']['batch_sizes'] == [1] * len(calls)
+
+
 @pytest.mark.parametrize('axis', [0, -3])
 def test_batch_norm_over_channels_of_the_batch_axis_runs_per_sample(axis):
     """Found by a fuzzer: BatchNorm with ``axis=0`` (a sample's one channel)
