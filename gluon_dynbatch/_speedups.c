@@ -252,7 +252,8 @@ typedef struct {
     int safe;
     int repeatable;         /* TracedSignature.repeatable (absent: no) */
     int results;            /* what a call returns: RESULTS_ONE, RESULTS_PAIR, RESULTS_OTHER */
-    PyObject *inference;    /* TracedSignature.inference, NULL where None */
+    PyObject *inference;    /* TracedSignature.inference by weak reference (the entry
+                             * keeps no model alive), NULL where None */
 } SigInfo;
 
 /* A call's results (graph.lazy_results): one lazy value, a tuple of two,
@@ -318,6 +319,13 @@ static SigInfo *sig_info(PyObject *sig)
     if (inference == Py_None)
         Py_CLEAR(inference);
     PyErr_Clear();
+    if (inference != NULL) {    /* (the signature holds it: alive while it is) */
+        Py_SETREF(inference, PyWeakref_NewRef(inference, NULL));
+        if (inference == NULL) {
+            Py_CLEAR(info->ref);    /* (no entry half written) */
+            return NULL;
+        }
+    }
     Py_XSETREF(info->inference, inference);
     return info;
 }
@@ -1262,7 +1270,9 @@ have_signature:
         bool recording = true, training = true;
         if (autograd_flags(&recording, &training) != 0) BAIL(fallback);
         if (!recording && !training) {
-            Py_SETREF(sig, Py_NewRef(info->inference));
+            PyObject *twin = PyWeakref_GET_OBJECT(info->inference);
+            if (twin == Py_None) BAIL(fallback);
+            Py_SETREF(sig, Py_NewRef(twin));
             if ((info = sig_info(sig)) == NULL) BAIL(error);
         }
     }

@@ -511,6 +511,35 @@ def test_recording_keeps_no_model_alive(make_input):
     assert alive() is None
 
 
+
+def test_recording_in_inference_keeps_no_batch_norm_model_alive():
+    """Found by a review: a BatchNorm block's signature has a second one
+    for inference (``TracedSignature.inference``), which the C recorder's
+    cache of signatures held by strong reference, keeping the model of
+    every such signature it had seen alive after the user deleted it.  It
+    holds it by weak reference, as it holds the signature."""
+    import weakref
+
+    class Normed(gluon.HybridBlock):
+        def __init__(self):
+            super().__init__()
+            with self.name_scope():
+                self.norm = gluon.nn.BatchNorm(in_channels=3)
+
+        def hybrid_forward(self, F, x):
+            return self.norm(x)
+    block = dyb.DynBatchBlock(Normed())
+    block.initialize()
+    for _ in range(2):
+        with dyb.batching():
+            outs = [block(mx.nd.ones((1, 3, 2)) * k) for k in range(3)]
+    assert block.signatures()[-1] is block.signatures()[0].inference
+    assert dyb.stats()['last']['batch_sizes'] == [3]
+    alive = weakref.ref(block.block)
+    del block, outs
+    gc.collect()
+    assert alive() is None
+
 @needs_extension
 def test_groups_of_long_chains_and_many_families_match_python():
     """Depth grouping's and counting's C tables start small and grow when
