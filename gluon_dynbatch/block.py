@@ -1252,7 +1252,7 @@ def _check_padding_is_neutral(dblock, sig, padded):
     length_rng = np.random.RandomState(2)
     zero = {}
     for which, (low, high) in enumerate(PADDING_CHECK_RANGES):
-        leaves = [mx.nd.array(rng.uniform(low, high, shape), ctx=sig.ctx, dtype=leaf_dtype)
+        leaves = [_drawn_array(rng.uniform(low, high, shape), sig.ctx, leaf_dtype)
                   for shape, leaf_dtype in zip(sig.in_shapes, sig.in_dtypes)]
         if lengths:
             leaves = _valid_lengths(dblock, sig, padded, lengths, leaves, length_rng, zero,
@@ -1457,6 +1457,20 @@ def _length_inputs(dblock, symbol, one):
     return found
 
 
+def _drawn_array(values, ctx, dtype):
+    """``mx.nd.array(values, ctx=ctx, dtype=dtype)`` for a numpy array the
+    padding check has just drawn (fresh, never written afterwards, as
+    :func:`~.execute.to_device` asks): the same values, converted by numpy
+    as ``mx.nd.array`` converts them, without its slice assignment's ~0.2
+    ms of Python checks (~50 arrays a check of a SICK node: inputs, head
+    gradients, random parameters).  ``mx.nd.array`` itself for a 0-d or
+    empty array, which it makes otherwise."""
+    dtype = np.float32 if dtype is None else dtype      # (mx.nd.array's default)
+    if values.ndim == 0 or values.size == 0:
+        return mx.nd.array(values, ctx=ctx, dtype=dtype)
+    return to_device(np.asarray(values, dtype=dtype), ctx)
+
+
 def _valid_lengths(dblock, sig, padded, lengths, leaves, rng, zero, random_parameters,
                    whole=False):
     """``leaves`` with the arguments that lengths are computed from
@@ -1505,8 +1519,8 @@ def _valid_lengths(dblock, sig, padded, lengths, leaves, rng, zero, random_param
     # passed, a fuzzer's case; so drawn, the random range draws as before)
     draws = {name: rng.randint(ranges[name][0], ranges[name][1] + 1, leaf.shape)
              for name, leaf in zip(sig.data_names, leaves) if name in names}
-    leaves = [mx.nd.array(np.full(leaf.shape, ranges[name][1]) if whole else draws[name],
-                          ctx=leaf.context, dtype=leaf.dtype) if name in names else leaf
+    leaves = [_drawn_array(np.full(leaf.shape, ranges[name][1]) if whole else draws[name],
+                           leaf.context, leaf.dtype) if name in names else leaf
               for name, leaf in zip(sig.data_names, leaves)]
     longer = _pad_with_zeros(sig, padded, leaves, sig.dtype, zero)
     for node, length, size, data, one, kind in lengths:
@@ -1735,8 +1749,8 @@ def _random_parameters(signatures, dtype, rng, ctx):
         names = symbol.list_arguments() + symbol.list_auxiliary_states()
         for name, shape in zip(names, arg_shapes + aux_shapes):
             if name not in one.data_names and name not in values:
-                values[name] = mx.nd.array(rng.uniform(-0.5, 0.5, shape), ctx=ctx,
-                                           dtype=dtype or own.get(name, np.float32))
+                values[name] = _drawn_array(rng.uniform(-0.5, 0.5, shape), ctx,
+                                            dtype or own.get(name, np.float32))
     return values
 
 
@@ -1806,7 +1820,7 @@ def _symbol_gradients(op, sig, leaves, real, params, rng):
         value.attach_grad()
     with mx.autograd.record(train_mode=False):     # (Dropout: no mask to differ)
         outputs = _run_symbol(op, sig, copies, params)
-    heads = [mx.nd.array(rng.uniform(-1, 1, out.shape), ctx=out.context, dtype=out.dtype)
+    heads = [_drawn_array(rng.uniform(-1, 1, out.shape), out.context, out.dtype)
              for out in outputs]
     rng.set_state(state)
     mx.autograd.backward(outputs, heads)
