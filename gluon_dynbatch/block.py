@@ -1634,8 +1634,33 @@ def _close(a, b, wide=False):
     (a mean over the list beside a value of 1e6), so the symbols run in
     float64 where they can (``wide``: see :func:`_runs_wide`), compared
     within 1e-9 of the largest value.  NaNs in the same places are the
-    block's own."""
+    block's own.
+
+    Computed as ``np.allclose`` computes it, but where both are float
+    arrays of one shape with no NaN or infinity (the largest magnitude of
+    each is finite), ``np.allclose``'s general path is ``abs(a - b) <= atol
+    + rtol * abs(b)`` everywhere, computed here in place without its ~60
+    us of dispatch, ``isfinite`` and ``errstate`` a call (~60 calls a
+    check, some of a parameter's gradient of 135,000 values), and
+    ``nanmax`` is ``max`` where no NaN is.  (The same values: a sum and a
+    product are the same whichever operand comes first.)  Equal finite
+    arrays are close whatever the tolerance (it is never negative): a
+    zero row added to a sum leaves it as it was, so most pairs are equal,
+    and one comparison then decides."""
     scale = 1e-9 if wide else 1e-5
+    if type(a) is np.ndarray and type(b) is np.ndarray and a.shape == b.shape and \
+            a.dtype.kind == 'f' and b.dtype.kind == 'f':
+        top = np.abs(a).max(initial=0.1)
+        if np.isfinite(top) and np.equal(a, b).all():
+            return True
+        tolerance = np.abs(b)
+        if np.isfinite(top) and np.isfinite(tolerance.max(initial=0)):
+            atol = scale * top
+            np.multiply(tolerance, scale, out=tolerance)
+            np.add(tolerance, atol, out=tolerance)
+            difference = a - b
+            np.abs(difference, out=difference)
+            return bool(np.less_equal(difference, tolerance).all())
     atol = scale * np.nanmax(np.abs(a), initial=0.1)
     return np.allclose(a, b, rtol=scale, atol=atol, equal_nan=True)
 

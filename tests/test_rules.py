@@ -2138,6 +2138,46 @@ def test_padding_check_tolerance_scales_with_the_outputs():
     assert not _close(a, np.array([[14.95, -0.030570239]], dtype=np.float32))
 
 
+def test_padding_check_tolerance_answers_as_allclose_does():
+    """``_close`` takes a shorter path for finite float arrays of one
+    shape: it answers as the ``np.allclose`` it was written with, for
+    equal and near values, NaNs and infinities, mixed dtypes and shapes,
+    and leaves its arguments as they were."""
+    from gluon_dynbatch.block import _close
+
+    def reference(a, b, wide):
+        scale = 1e-9 if wide else 1e-5
+        atol = scale * np.nanmax(np.abs(a), initial=0.1)
+        return np.allclose(a, b, rtol=scale, atol=atol, equal_nan=True)
+    rng = np.random.RandomState(3)
+    kinds = [np.float32, np.float64, np.float16]
+    answers = set()
+    for trial in range(3000):
+        shape = [(1, 5), (3,), (0, 4), (2, 3, 2), (), (7,)][rng.randint(6)]
+        a = (rng.uniform(-1, 1, shape) * 10 ** rng.uniform(-8, 6)).astype(kinds[trial % 3])
+        near = rng.choice([0, 1e-10, 1e-9, 3e-9, 1e-7, 1e-6, 1e-5, 3e-5, 1e-3])
+        b = a.astype(np.float64) * (1 + near * rng.uniform(-1, 1, shape)) \
+            + near * rng.uniform(-1, 1, shape) * rng.choice([0, 0.1, 1])
+        b = b.astype(kinds[rng.randint(3)] if trial % 7 == 0 else a.dtype)
+        if rng.rand() < 0.1 and a.size:
+            a.flat[0] = rng.choice([np.nan, np.inf, -np.inf])
+        if rng.rand() < 0.1 and b.size:
+            b.flat[-1] = rng.choice([np.nan, np.inf, -np.inf])
+        if rng.rand() < 0.03:
+            b = b.astype(np.int32)
+        if rng.rand() < 0.03 and b.ndim:
+            b = b[..., :1]
+        before = a.copy(), b.copy()
+        for wide in (False, True):
+            with np.errstate(all='ignore'):
+                want = reference(a, b, wide)
+                assert _close(a, b, wide) == want, (a, b, wide)
+            answers.add(want)
+        np.testing.assert_array_equal(a, before[0])
+        np.testing.assert_array_equal(b, before[1])
+    assert answers == {True, False}
+
+
 class MeanBesideLarge(gluon.HybridBlock):
     """``concat(1e6 (W x + sum_k h_k), mean_k h_k)``: with ``mean`` the
     pad_lists claim is false (a zero child changes the mean), with a sum
