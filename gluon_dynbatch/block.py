@@ -1239,16 +1239,16 @@ def _check_padding_is_neutral(dblock, sig, padded):
     def runs_in(kind):
         if kind not in made:
             try:
-                made[kind] = _SymbolRuns(short, long, kind, kind is not dtype)
+                made[kind] = _SymbolRuns(short, long, kind, kind is not dtype, ids)
             except mx.base.MXNetError as err:
                 if kind is not dtype:
                     made[kind] = None       # the check runs in the block's own dtype
                     return None
                 raise cannot_run(err) from None
         return made[kind]
+    ids = short.ids | long.ids
     kinds = [kind for kind in kinds if kind is dtype or runs_in(kind) is not None]
     gradient_kinds = list(kinds)
-    ids = short.ids | long.ids
     lengths = short.lengths + long.lengths
     length_rng = np.random.RandomState(2)
     zero = {}
@@ -1265,7 +1265,7 @@ def _check_padding_is_neutral(dblock, sig, padded):
             except mx.base.MXNetError as err:
                 raise cannot_run(err) from None
             for kind in kinds:
-                symbol_runs = runs_in(kind).outputs(leaves)
+                symbol_runs = runs_in(kind).outputs(leaves, kind in gradient_kinds)
                 if symbol_runs is not None:
                     break
             runs.append(symbol_runs + ('random parameters', kind is not dtype))
@@ -1888,16 +1888,30 @@ def _symbol_gradients(op, sig, leaves, real, params, rng):
     head gradient drawn from ``rng``'s state as it is now (so that two
     calls with outputs of equal shapes use the same one; ``rng`` is left
     as it was)."""
-    state = rng.get_state()
+    return _recorded_gradients(_recorded_run(op, sig, leaves, real, params), sig, params, rng)
+
+
+def _recorded_run(op, sig, leaves, real, params):
+    """The forward half of :func:`_symbol_gradients`: ``(outputs, copies of
+    the leaves in real)``, recorded for autograd."""
     # (copies of those that take a gradient, which marks them: the leaves
     # themselves are read again, by the other symbol's run)
     copies = [leaf.copy() if any(leaf is r for r in real) else leaf for leaf in leaves]
     kept = [copy for copy, leaf in zip(copies, leaves) if copy is not leaf]
-    arguments = set(sig.symbol.list_arguments())
     for value in kept:
         value.attach_grad()
     with mx.autograd.record(train_mode=False):     # (Dropout: no mask to differ)
         outputs = _run_symbol(op, sig, copies, params)
+    return outputs, kept
+
+
+def _recorded_gradients(run, sig, params, rng):
+    """The backward half of :func:`_symbol_gradients`, of ``run`` (see
+    :func:`_recorded_run`).  (The head gradients are drawn after the
+    forward: it draws nothing from ``rng``.)"""
+    outputs, kept = run
+    state = rng.get_state()
+    arguments = set(sig.symbol.list_arguments())
     heads = [_drawn_array(rng.uniform(-1, 1, out.shape), out.context, out.dtype)
              for out in outputs]
     rng.set_state(state)
@@ -1939,9 +1953,10 @@ class _SymbolRuns:
     default context, and every float64 backward failed ('Backward shape
     inconsistent', its type check's message)."""
 
-    def __init__(self, short, long, kind, wide):
+    def __init__(self, short, long, kind, wide, ids):
         sig, padded = short.sig, long.sig
-        self.sig, self.padded, self.kind = sig, padded, kind
+        self.sig, self.padded, self.kind, self.ids = sig, padded, kind, ids
+        self._recorded = None
         which = 'wide' if wide else 'small'
         short_symbol, long_symbol = getattr(short, which), getattr(long, which)
         self.short_op, self.long_op = short.op(which), long.op(which)
@@ -1961,10 +1976,20 @@ class _SymbolRuns:
         """``leaves`` (the short signature's) padded with zero rows."""
         return _pad_with_zeros(self.sig, self.padded, leaves, self.kind, self._zeros)
 
-    def outputs(self, leaves):
+    def outputs(self, leaves, recorded=False):
         """``(short outputs, padded outputs)`` on ``leaves`` (cast to this
-        kind), or None where MXNet cannot run them in it."""
-        leaves = [leaf.astype(_in_kind(leaf.dtype, self.kind), copy=False) for leaf in leaves]
+        kind), or None where MXNet cannot run them in it.  With
+        ``recorded`` (the check takes this kind's gradients next), run as
+        the first try of :meth:`gradients` runs them, recorded for
+        autograd, and kept for it: it ran the same two forwards again
+        (~1/3 of a check's ~24 runs).  Where that fails, as before."""
+        self._recorded = None
+        cast = [leaf.astype(_in_kind(leaf.dtype, self.kind), copy=False) for leaf in leaves]
+        if recorded:
+            runs = self._record(leaves, cast)
+            if runs is not None:
+                return runs
+        leaves = cast
         try:
             runs = (_run_symbol(self.short_op, self.sig, leaves, self.params),
                     _run_symbol(self.long_op, self.padded, self.pad(leaves), self.params))
@@ -1976,6 +2001,32 @@ class _SymbolRuns:
             return None
         return runs
 
+    def _record(self, leaves, cast):
+        """The runs of :meth:`outputs` as :meth:`gradients` runs them first
+        (its list elements copied and marked, nothing zeroed: so only
+        where no argument but the list elements is read as ids), kept for
+        it; None where they fail or would differ.  The padded run reads
+        copies of the other arguments: an array that two recorded runs
+        read, and that takes no gradient, is a node of both graphs, which
+        the short run's backward clears (MXNet 1.9.1 then fails the
+        other's), where before the short run's backward came first."""
+        elements = _list_elements(self.sig.fmt, cast)
+        others = {name for name, leaf in zip(self.sig.data_names, cast)
+                  if not any(leaf is e for e in elements)}
+        if others & self.ids:
+            return None
+        try:
+            short = _recorded_run(self.short_op, self.sig, cast, elements, self.params)
+            apart = [leaf if any(leaf is e for e in elements) else leaf.copy() for leaf in cast]
+            long = _recorded_run(self.long_op, self.padded, self.pad(apart), elements,
+                                 self.params)
+            for out in short[0] + long[0]:
+                out.wait_to_read()
+        except Exception:   # pylint: disable=broad-except
+            return None     # (run as before: what failed fails there again)
+        self._recorded = (leaves, short, long)
+        return short[0], long[0]
+
     def gradients(self, leaves, ids, rng):
         """The gradients (see :func:`_symbol_gradients`) of the short and
         the padded symbol, or None where MXNet can differentiate neither.
@@ -1983,7 +2034,16 @@ class _SymbolRuns:
         scales with one is compared where it is not zero), but those read
         as ids (``ids``) are zero: a gradient lookup checks them (a
         row-sparse one refuses a negative id; the values were clipped);
-        where MXNet still refuses, all of them are zero."""
+        where MXNet still refuses, all of them are zero.  The first try's
+        forwards are those :meth:`outputs` recorded for the same
+        ``leaves``, where it did."""
+        recorded, self._recorded = self._recorded, None
+        if recorded is not None and recorded[0] is leaves:
+            try:
+                return (_recorded_gradients(recorded[1], self.sig, self.params, rng),
+                        _recorded_gradients(recorded[2], self.padded, self.params, rng))
+            except Exception:   # pylint: disable=broad-except
+                pass            # (run again as before: what failed fails there again)
         leaves = [leaf.astype(_in_kind(leaf.dtype, self.kind), copy=False) for leaf in leaves]
         elements = _list_elements(self.sig.fmt, leaves)
         others = {name for name, leaf in zip(self.sig.data_names, leaves)
