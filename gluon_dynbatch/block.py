@@ -1956,7 +1956,7 @@ class _SymbolRuns:
     def __init__(self, short, long, kind, wide, ids):
         sig, padded = short.sig, long.sig
         self.sig, self.padded, self.kind, self.ids = sig, padded, kind, ids
-        self._recorded = None
+        self._recorded = self._cast_of = None
         which = 'wide' if wide else 'small'
         short_symbol, long_symbol = getattr(short, which), getattr(long, which)
         self.short_op, self.long_op = short.op(which), long.op(which)
@@ -1972,6 +1972,18 @@ class _SymbolRuns:
                     stype=stypes.get(name, 'default'))])
         self._zeros = {}
 
+    def _cast(self, leaves):
+        """``leaves`` cast to this kind: the same arrays for the same
+        ``leaves`` (a list, by identity), which :meth:`outputs` and
+        :meth:`gradients` both cast (a SICK node's check cast 17 arrays a
+        range twice)."""
+        known = self._cast_of
+        if known is not None and known[0] is leaves:
+            return known[1]
+        cast = [leaf.astype(_in_kind(leaf.dtype, self.kind), copy=False) for leaf in leaves]
+        self._cast_of = (leaves, cast)
+        return cast
+
     def pad(self, leaves):
         """``leaves`` (the short signature's) padded with zero rows."""
         return _pad_with_zeros(self.sig, self.padded, leaves, self.kind, self._zeros)
@@ -1984,7 +1996,7 @@ class _SymbolRuns:
         autograd, and kept for it: it ran the same two forwards again
         (~1/3 of a check's ~24 runs).  Where that fails, as before."""
         self._recorded = None
-        cast = [leaf.astype(_in_kind(leaf.dtype, self.kind), copy=False) for leaf in leaves]
+        cast = self._cast(leaves)
         if recorded:
             runs = self._record(leaves, cast)
             if runs is not None:
@@ -2044,7 +2056,7 @@ class _SymbolRuns:
                         _recorded_gradients(recorded[2], self.padded, self.params, rng))
             except Exception:   # pylint: disable=broad-except
                 pass            # (run again as before: what failed fails there again)
-        leaves = [leaf.astype(_in_kind(leaf.dtype, self.kind), copy=False) for leaf in leaves]
+        leaves = self._cast(leaves)
         elements = _list_elements(self.sig.fmt, leaves)
         others = {name for name, leaf in zip(self.sig.data_names, leaves)
                   if not any(leaf is e for e in elements)}
