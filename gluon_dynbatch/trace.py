@@ -424,7 +424,7 @@ def trace_signature(ids, block, fmt, shapes, dtypes):
     if inference:
         sig.inference = TracedSignature(
             next(ids), block, symbol, data_names, out_fmt, out_shapes, out_dtypes, True, '',
-            False, passthrough)   # (not repeatable: it reads BatchNorm's running statistics)
+            is_function_of_inputs(symbol, inference=True), passthrough)
         sig.inference.in_inference = True
     return sig
 
@@ -438,15 +438,17 @@ def _dtypes_text(dtypes):
     return '(%s)' % ', '.join(names)
 
 
-def is_function_of_inputs(symbol):
+def is_function_of_inputs(symbol, inference=False):
     """Whether every output of ``symbol`` is a function of its inputs and
     parameters alone, so that two calls with equal arguments may share one
     result: no op draws random numbers (:func:`~.rules.draws_random`:
     ``Dropout`` in training, samplers), none keeps auxiliary state
-    (``BatchNorm``'s running statistics, which every training call updates)
-    and none is a custom op or one whose rule the user registered without
-    saying it is such a function (:data:`~.rules.NOT_FUNCTIONS`)."""
-    if symbol.list_auxiliary_states():
+    (``BatchNorm``'s running statistics, which every training call updates;
+    calls made in inference, with ``inference``, only read them, as they
+    read parameters) and none is a custom op or one whose rule the user
+    registered without saying it is such a function
+    (:data:`~.rules.NOT_FUNCTIONS`)."""
+    if symbol.list_auxiliary_states() and not inference:
         return False
     return not any(node['op'] != 'null' and (node['op'] in NOT_FUNCTIONS or
                                              draws_random(node['op'], node.get('attrs')))

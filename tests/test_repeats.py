@@ -196,9 +196,27 @@ def test_random_draws_and_running_statistics_are_not_merged(recorder):
         masks = [m.asnumpy() for m in masks]
         [o.asnumpy() for o in normed_outs]
     assert not any(sig.repeatable for sig in noisy.signatures())
-    assert not any(sig.repeatable for sig in normed.signatures())
+    assert not normed.signatures()[0].repeatable
     assert dyb.stats()['repeated_calls'] == 0 and dyb.stats()['nodes'] == 9
     assert len({m.tobytes() for m in masks}) == 6
+
+
+def test_running_statistics_read_in_inference_are_merged(recorder):
+    """In inference (outside autograd) BatchNorm reads its running
+    statistics as it reads parameters: equal calls share a node there, and
+    give the per-sample values."""
+    normed = dyb.DynBatchBlock(Normed())
+    normed.initialize()
+    normed.norm.running_mean.set_data(mx.nd.array([0.1, -0.2, 0.3, 0.4]))
+    xs = [np.full((1, 4), value, np.float32) for value in (1.0, 2.0, 1.0, 1.0)]
+    dyb.reset_stats()
+    with dyb.batching('depth'):
+        outs = [normed(x) for x in xs]
+    assert dyb.stats()['repeated_calls'] == 2 and dyb.stats()['nodes'] == 2
+    for out, x in zip(outs, xs):
+        np.testing.assert_allclose(out.asnumpy(), normed.block(mx.nd.array(x)).asnumpy(),
+                                   rtol=1e-6)
+    assert normed.signatures()[0].inference.repeatable
 
 
 def test_only_pending_calls_are_shared(recorder):
