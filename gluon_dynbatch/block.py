@@ -2437,8 +2437,8 @@ class DynBatchBlock(Block):
         sig = self._signatures.get(key)
         if sig is None:
             sig = self._trace(key, fmt, first.ctx)
-        if sig.inference is not None and autograd_mode() == 0:
-            sig = sig.inference     # (plans run under their calls' autograd state)
+        if first.in_inference and sig.inference is not None:
+            sig = sig.inference     # (calls made in inference, padded: theirs too)
         for other in sigs:
             # (an inference signature's check compares no gradients: apart)
             checked = (other.key, key, sig.in_inference)
