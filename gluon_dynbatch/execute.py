@@ -570,7 +570,9 @@ def _share_host_rows(sig, items, sources, pattern, distinct_outputs):
     found = sig.host_parts.get(items)
     if found is None:
         host = {sig.data_names[sig.item_pos(item)] for item in items}
-        found = sig.host_parts[items] = host_part(
+        # (a folded signature's values may have several rows per call,
+        # which one row per distinct host row cannot hand on)
+        found = sig.host_parts[items] = (False, False) if sig.folded else host_part(
             sig.symbol, host, {p.name for _, p in sig.param_slots})
     worth, outputs_host = found
     rows = [sources[item][0] for item in items]

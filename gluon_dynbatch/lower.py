@@ -258,7 +258,7 @@ def ragged_lists(sig):
         lists = [item for item, fmt in enumerate(sig.fmt)
                  if fmt != 0 and len(fmt) > 1 and set(fmt) == {0}]
         sig.ragged = False
-        if lists and VECTORIZE_LISTS and sig.batch_safe:
+        if lists and VECTORIZE_LISTS and sig.batch_safe and not sig.folded:
             pattern = tuple(None if fmt == () else ('ragged' if item in lists else 'direct', 1)
                             for item, fmt in enumerate(sig.fmt))
             symbol, lane_ndims = _gathered(sig, pattern)
@@ -296,11 +296,13 @@ def _gathered(sig, pattern):
         elif width == 1:
             replace[next(names)] = mx.sym.squeeze(rows, axis=1) if how == 'take' else rows
         else:
-            cut = '%s%d' % (CUT, item) if lanes else None
+            # (lanes are written for one row per call: a folded signature
+            # goes without, see TracedSignature.folded)
+            cut = '%s%d' % (CUT, item) if lanes and not sig.folded else None
             parts = mx.sym.SliceChannel(rows, num_outputs=width, axis=0 if lanes else 1,
                                         squeeze_axis=True, name=cut)
             shapes = {sig.item_shape(item, k) for k in range(width)}
-            if lanes and len(shapes) == 1:
+            if cut and len(shapes) == 1:
                 lane_ndims[cut] = len(shapes.pop())
             for j in range(width):
                 replace[next(names)] = parts[j]
@@ -830,6 +832,10 @@ def host_split(sig, items):
     (top-level argument numbers), or None; made once per signature."""
     items = tuple(items)
     found = sig.host_splits.get(items, False)
+    if found is False and sig.folded:
+        # (its host part may hand on values of several rows per call, which
+        # a take of one row per call cannot: see TracedSignature.folded)
+        found = sig.host_splits[items] = None
     if found is False:
         names = [sig.data_names[sig.item_pos(item)] for item in items]
         params = {p.name: p for _, p in sig.param_slots}

@@ -15,7 +15,7 @@ import ast
 import warnings
 
 __all__ = ['register_batching_rule', 'batching_rule', 'draws_random', 'OpView', 'RULES',
-           'UNBATCHABLE']
+           'BUILTIN_RULES', 'UNBATCHABLE']
 
 RULES = {}
 """Operator name -> its batching rule (see :func:`~gluon_dynbatch.register_batching_rule`)."""
@@ -173,8 +173,11 @@ class OpView:
         return self.attr(key, default) not in (False, 0, 'false', 'False', '0')
 
     def batched_ndim(self):
-        """ndim of the first batched input (every batched tensor has
-        per-sample leading dim 1, checked by the tracer)."""
+        """ndim of the first batched input.  A batched input's axis 0 holds
+        a sample's rows: one, or several after a reshape folds a sample into
+        rows; then every batched input of the op has as many, and only the
+        builtin rules (:data:`BUILTIN_RULES`) see it (checked by the
+        tracer)."""
         for is_batched, shape in zip(self.batched, self.shapes):
             if is_batched and shape is not None:
                 return len(shape)
@@ -295,29 +298,20 @@ def _dropout(op):
 
 
 def _reshape(op):
-    """Keeps the batch axis: a target shape starting with ``0``, or with
-    ``-1`` followed by positive sizes that hold the whole sample (one row
-    per sample); no ``reverse``."""
+    """Keeps the batch axis: a target shape starting with ``0``, or ``-1``
+    followed by positive sizes.  The tracer writes every other target out
+    so (:func:`~.trace.reshapes_keeping_rows`), and a reshape of a sample
+    into several rows (gluonnlp's multi-head attention folds its heads into
+    axis 0) keeps each sample's elements together: batched, its rows follow
+    the sample's, as the tracer checks for the ops that read them."""
     shape = op.attr('shape', ())
     if op.flag('reverse'):
-        # (gluonnlp's MultiHeadAttentionCell folds its heads into the batch
-        # axis so, reshape(shape=(-1, 0, 0), reverse=True); the bare reason
-        # said neither why nor what to do, a user trial)
-        return ('reshape(shape=%s, reverse=True) matches its target to the axes from the '
-                'right, so the batch axis, matched last, may be merged with others (folding '
-                'heads into it, say, gives a sample several rows): write the shape from the '
-                'left, starting with 0 (keep axis 0)' % (shape,))
+        return ('reshape(shape=%s, reverse=True) of a sample of unknown shape: write the '
+                'shape from the left, starting with 0 (keep axis 0)' % (shape,))
     if shape and shape[0] == 0:
         return None
     if shape and shape[0] == -1 and all(isinstance(d, int) and d > 0 for d in shape[1:]):
-        # the batch axis takes what the named axes leave: one row per sample
-        # only when they hold the whole sample
-        if op.shapes[0] is not None and _size(shape[1:]) == _size(op.shapes[0]):
-            return None
-        return 'reshape(shape=%s) of a sample of shape %s gives it more than one row' % (
-            shape, op.shapes[0])
-    # (a target starting with 1 of a sample's one row was made 0 when traced,
-    # see trace.reshapes_keeping_rows)
+        return None
     return ('reshape(shape=%s) may move data across the batch axis: start the shape with 0 '
             '(keep axis 0), as in shape=(0, ...)' % (shape,))
 
@@ -787,3 +781,11 @@ def _reshape_like(op):
 # The builtin rules' ops are functions of their inputs (those that draw
 # random numbers are told apart by draws_random).
 NOT_FUNCTIONS.intersection_update({'Custom'})
+
+BUILTIN_RULES = dict(RULES)
+"""The rules this module registers.  Only ops with one of these may read a
+batched value of several rows per sample (a sample folded into rows by a
+reshape, see :func:`~.trace.reshapes_keeping_rows`): each was read for it
+(a row-wise op acts on each of a sample's rows as on one sample's row).
+An op whose rule the user registered or replaced sees one row per sample,
+what rules were written for before."""

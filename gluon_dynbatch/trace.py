@@ -18,8 +18,8 @@ import numpy as np
 from mxnet.ndarray.ndarray import _DTYPE_NP_TO_MX
 
 from .errors import InputError, StatefulBlockWarning, user_stacklevel
-from .rules import (JOIN_ADVICE, NOT_FUNCTIONS, RANDOM_LIKE, UNBATCHABLE, OpView, batching_rule,
-                    draws_random)
+from .rules import (BUILTIN_RULES, JOIN_ADVICE, NOT_FUNCTIONS, RANDOM_LIKE, UNBATCHABLE, OpView,
+                    batching_rule, draws_random)
 
 __all__ = ['symbol_json', 'flatten', 'regroup', 'leaf_count', 'TracedSignature', 'trace_signature',
            'prelu_by_ops', 'reshapes_keeping_rows', 'may_batch_on_axis_1', 'constant_shape',
@@ -144,6 +144,13 @@ class TracedSignature:
         # so padding its lists need only leave the values alone
         # (block.check_padding_is_neutral)
         self.in_inference = False
+        # whether a batched value has several rows per sample inside its
+        # symbol (a reshape folded a sample into rows: gluonnlp's multi-head
+        # attention, its heads): the passes written for one row per call
+        # leave it alone.  A host part run on distinct rows, or hoisted,
+        # hands its values on by a take of one row per call (a test shows it
+        # failing); lanes and ragged lists are skipped as well, untried.
+        self.folded = False
         self._grad_free = {}    # see grad_free_outputs
         self._reads = None
 
@@ -411,10 +418,11 @@ def trace_signature(ids, block, fmt, shapes, dtypes):
             % (_block_name(block), out_dtypes.index(np.bool_)))
     written = symbol
     symbol = reshapes_keeping_rows(prelu_by_ops(symbol, known), known)
-    batch_safe, reason = check_batch_safe(symbol, set(data_names), known)
+    folded = []
+    batch_safe, reason = check_batch_safe(symbol, set(data_names), known, folded=folded)
     # (a BatchNorm that refuses under autograd batches in inference)
     inference = not batch_safe and \
-        check_batch_safe(symbol, set(data_names), known, inference=True)[0]
+        check_batch_safe(symbol, set(data_names), known, inference=True, folded=folded)[0]
     if not batch_safe:
         reason = _prelu_reason(written, reason)
     symbol = fast_forms(symbol, known, types)
@@ -426,6 +434,8 @@ def trace_signature(ids, block, fmt, shapes, dtypes):
             next(ids), block, symbol, data_names, out_fmt, out_shapes, out_dtypes, True, '',
             is_function_of_inputs(symbol, inference=True), passthrough)
         sig.inference.in_inference = True
+        sig.inference.folded = bool(folded)
+    sig.folded = bool(folded)
     return sig
 
 
@@ -524,46 +534,55 @@ def _drop_stale_vars(block):
 
 
 def reshapes_keeping_rows(symbol, known):
-    """``symbol`` with the target shape of every ``Reshape`` of a value of
-    one row, ``(1, ...)``, that starts with the size 1 starting with ``0``
-    (keep axis 0) instead, or ``symbol`` itself when it has none; ``known``:
+    """``symbol`` with the target shape of every ``Reshape`` that does not
+    keep axis 0 (a target not starting with ``0``, or read from the right
+    with ``reverse``) written out as ``(-1,)`` and its output's per-sample
+    sizes after axis 0, or ``symbol`` itself when it has none; ``known``:
     input shapes, which give each reshaped value its shape.
 
-    Per sample the two are one: MXNet's reshape reads its target from the
-    left, each size or ``0`` taking the next input axis, so both keep the
-    one row and leave the rest as it was.  Batched, only ``0`` keeps the N
-    rows.  Per-sample code writes the 1 (a sample keeps a leading axis of
-    1, and its code says so), and a user trial's RNTN, ``F.reshape(t,
-    shape=(1, d, 2 * d))``, ran per sample for it."""
+    Per sample the two are one: they give the same shape.  Batched, the
+    written-out form is right for any reshape.  A step stacks its calls'
+    values along axis 0, each sample's elements one contiguous run, and a
+    reshape keeps the order of the elements; so with the sizes after axis 0
+    fixed, the batched result holds each call's result in turn, its rows
+    those of the call (:func:`check_batch_safe` follows how many rows a
+    sample has).  Per-sample code writes targets that do not say so:
+    ``(1, d, 2 * d)`` (a user trial's RNTN), or ``(-1, 0, 0)`` read from
+    the right, as gluonnlp's multi-head attention folds its heads into
+    axis 0, a sample then having a row per head.  A target of rank 0, or
+    a legacy ``target_shape``, is left for the rule to refuse."""
     graph = json.loads(symbol_json(symbol))
     nodes = graph['nodes']
-    found = [number for number, node in enumerate(nodes) if _reshape_to_one_row(node)]
+    found = [number for number, node in enumerate(nodes) if _reshape_not_keeping_rows(node)]
     if not found:
         return symbol
     _, _, by_name = _parse_graph(symbol, known)
     changed = False
     for number in found:
-        shape = _entry_shape(nodes, nodes[number]['inputs'][0], by_name)
-        if shape and shape[0] == 1:
-            attrs = nodes[number]['attrs']
-            attrs['shape'] = str((0,) + ast.literal_eval(attrs['shape'])[1:])
+        shape = _entry_shape(nodes, (number, 0), by_name)
+        attrs = nodes[number]['attrs']
+        target = str((-1,) + tuple(shape[1:])) if shape else None
+        if target and all(size > 0 for size in shape) and \
+                (target != attrs['shape'] or 'reverse' in attrs):
+            attrs['shape'] = target
+            attrs.pop('reverse', None)
             changed = True
     return mx.sym.load_json(json.dumps(graph)) if changed else symbol
 
 
-def _reshape_to_one_row(node):
-    """Whether ``node`` reshapes to a target shape that starts with the
-    size 1, read from the left (no ``reverse``)."""
+def _reshape_not_keeping_rows(node):
+    """Whether ``node`` reshapes to a target shape that does not start with
+    ``0`` (keep axis 0), or reads its target from the right."""
     if node['op'] not in ('Reshape', 'reshape'):
         return False
     attrs = node.get('attrs', {})
     if attrs.get('reverse', 'False').lower() in ('true', '1'):
-        return False
+        return True
     try:
         shape = ast.literal_eval(attrs.get('shape', '()'))
     except (ValueError, SyntaxError):
         return False
-    return isinstance(shape, tuple) and len(shape) >= 1 and shape[0] == 1
+    return isinstance(shape, tuple) and len(shape) >= 1 and shape[0] != 0
 
 
 def prelu_by_ops(symbol, known):
@@ -1062,7 +1081,7 @@ def _draw_advice(op_name):
             'F.random.%s(x)' % like[len('_random_'):])
 
 
-def check_batch_safe(symbol, data_names, known, inference=False):
+def check_batch_safe(symbol, data_names, known, inference=False, folded=None):
     """``(True, '')`` when every op touching a batched tensor has a rule that
     accepts it (for calls made under autograd, or with ``inference`` outside
     it: see :class:`~.rules.OpView`), no op draws random numbers for shared tensors (see
@@ -1079,16 +1098,57 @@ def check_batch_safe(symbol, data_names, known, inference=False):
     rule sees it: a sum over all its axes is one over the batch axis.
     Where it takes one row whatever the batch (its rows inferred from a
     parameter's), it is shared: told apart by inferring the shapes again
-    for two samples (:func:`_open_rows_following_batch`)."""
+    for two samples (:func:`_open_rows_following_batch`).
+
+    A batched value of several rows per sample (a reshape folded a sample
+    into rows, see :func:`reshapes_keeping_rows`) is read only by ops with
+    builtin rules (:data:`~.rules.BUILTIN_RULES`) whose batched inputs all
+    have as many rows, and the shapes inferred again for two samples must
+    give each such value twice its rows; the entries read so are appended
+    to ``folded`` (a list) when given: passes that take one row per call
+    (a host part run on distinct rows, lanes) leave such a signature
+    alone (:attr:`TracedSignature.folded`)."""
     nodes, heads, by_name = _parse_graph(symbol, known)
     readers = graph_readers(nodes, heads)
     opened = [number for number, node in enumerate(nodes) if _open_rows(node)]
-    if opened and all(shape for name, shape in known.items() if name in data_names):
+    complete = all(shape for name, shape in known.items() if name in data_names)
+    if opened and complete:
         opened = _open_rows_following_batch(symbol, known, data_names, nodes, opened,
                                             by_name)
     else:
         opened = set()
-    return _batch_safe(nodes, heads, by_name, readers, data_names, opened, inference)
+    several = []
+    safe, reason = _batch_safe(nodes, heads, by_name, readers, data_names, opened, inference,
+                               several)
+    if safe and several:
+        wrong = _rows_not_following_batch(symbol, known, data_names, nodes, several, by_name) \
+            if complete else several[0]
+        if wrong is not None:
+            return False, ('%s (%s) of per-sample shape %s: its rows did not follow the '
+                           'batch when its shapes were inferred for two samples'
+                           % (nodes[wrong[0]]['op'], nodes[wrong[0]]['name'],
+                              _entry_shape(nodes, wrong, by_name)))
+        if folded is not None:
+            folded.extend(several)
+    return safe, reason
+
+
+def _rows_not_following_batch(symbol, known, data_names, nodes, entries, single):
+    """The first of ``entries`` (values batched on axis 0, several rows per
+    sample in ``single``, the shapes for one sample) whose shape for two
+    samples (the inputs named ``data_names`` of twice their rows) is not
+    its per-sample one with twice the rows, or None."""
+    doubled = {name: (2 * shape[0],) + tuple(shape[1:]) if name in data_names else shape
+               for name, shape in known.items()}
+    try:
+        _, _, by_name = _parse_graph(symbol, doubled)
+    except mx.base.MXNetError:
+        return entries[0]
+    for entry in entries:
+        one, two = _entry_shape(nodes, entry, single), _entry_shape(nodes, entry, by_name)
+        if not one or not two or two != (2 * one[0],) + one[1:]:
+            return entry
+    return None
 
 
 def _open_rows(node):
@@ -1118,9 +1178,11 @@ def _open_rows_following_batch(symbol, known, data_names, nodes, opened, single)
             (_entry_shape(nodes, (number, 0), by_name) or (None,))[0] == 2}
 
 
-def _batch_safe(nodes, heads, by_name, readers, data_names, opened, inference):
+def _batch_safe(nodes, heads, by_name, readers, data_names, opened, inference, several):
     """:func:`check_batch_safe`'s verdict, with the nodes ``opened``
-    (constants of open rows) batched on axis 0."""
+    (constants of open rows) batched on axis 0; appends to ``several`` the
+    entries batched on axis 0 that ops read with several rows per
+    sample."""
     batched = []    # per node: its outputs' batch axis (0 or 1), None where shared
     for number, node in enumerate(nodes):
         if node['op'] == 'null':
@@ -1139,8 +1201,12 @@ def _batch_safe(nodes, heads, by_name, readers, data_names, opened, inference):
             batched.append(None)
             continue
         shapes = [_entry_shape(nodes, e, by_name) for e in inputs]
+        rows = {shape[0] if shape else None for axis, shape in zip(axes, shapes) if axis == 0}
         if 1 in axes or node['op'] == 'RNN' or _swaps_axis_0_and_1(node, shapes) or \
                 _moves_batch_to_1(node, axes, shapes):
+            if rows - {1, None}:
+                return False, 'op %s (%s) sees a batched input of shape %s' % (
+                    node['op'], node['name'], _several_rows(axes, shapes))
             axis, reason = _time_major(node, nodes, axes, shapes, readers)
             if reason:
                 return False, '%s (%s)' % (reason, node['name'])
@@ -1152,9 +1218,15 @@ def _batch_safe(nodes, heads, by_name, readers, data_names, opened, inference):
                 node['op'], 'has no batching rule'))
         flags = [axis is not None for axis in axes]
         for flag, shape in zip(flags, shapes):
-            if flag and (shape is None or not shape or shape[0] != 1):
+            if flag and (shape is None or not shape):
                 return False, 'op %s (%s) sees a batched input of shape %s' % (
                     node['op'], node['name'], shape)
+        if rows != {1}:
+            reason = _several_rows_reason(node, rule, rows, axes, shapes)
+            if reason:
+                return False, reason
+            several.extend((entry[0], entry[1]) for entry, axis in zip(inputs, axes)
+                           if axis == 0 and (entry[0], entry[1]) not in several)
         reason = rule(OpView(node['op'], node.get('attrs', {}), flags, shapes, inference))
         if reason is not None and not isinstance(reason, str):
             # (True became the reason 'True', and False, meant as 'no', read as safe)
@@ -1173,6 +1245,31 @@ def _batch_safe(nodes, heads, by_name, readers, data_names, opened, inference):
                            'it back to axis 0 (F.swapaxes(x, 0, 1), as a layout=\'NTC\' layer '
                            'does for its output)' % nodes[head[0]]['name'])
     return True, ''
+
+
+def _several_rows(axes, shapes):
+    """The shape of the first input batched on axis 0 whose sample has
+    several rows."""
+    return next(shape for axis, shape in zip(axes, shapes)
+                if axis == 0 and shape and shape[0] != 1)
+
+
+def _several_rows_reason(node, rule, rows, axes, shapes):
+    """Why an op cannot read its batched inputs of ``rows`` rows per
+    sample (not all one), or None when it can: every batched input has as
+    many rows and its rule is a builtin one (see :func:`check_batch_safe`)."""
+    if len(rows) > 1:
+        return ('op %s (%s) reads batched inputs of %s rows per sample (shapes %s): batched, '
+                'their rows would not pair up as a sample\'s do; give them equal rows, '
+                'broadcasting along another axis' % (
+                    node['op'], node['name'], ' and '.join(map(str, sorted(rows))),
+                    ', '.join(str(shape) for axis, shape in zip(axes, shapes) if axis == 0)))
+    if rule is not BUILTIN_RULES.get(node['op']):
+        return ('op %s (%s) has a batching rule of the user\'s, written for one row per '
+                'sample, but reads a sample of several rows, of shape %s (a reshape folded it '
+                'into rows): reshape it to one row, shape=(0, ...) or (1, ...), before the op'
+                % (node['op'], node['name'], _several_rows(axes, shapes)))
+    return None
 
 
 SWAPAXES = ('SwapAxis', 'swapaxes')

@@ -13,7 +13,7 @@ from mxnet import autograd, gluon
 import gluon_dynbatch as dyb
 from gluon_dynbatch import accel
 
-from helpers import assert_same, run_both
+from helpers import assert_same, register_custom_op, run_both
 
 
 class Apply(gluon.HybridBlock):
@@ -56,8 +56,9 @@ CASES = [
      lambda F, y: F.sum(y, axis=1), (1, 6), True),
     ('reshape that keeps the sample whole', lambda F, h: F.reshape(h, shape=(-1, 2, 3)),
      lambda F, y: F.sum(y, axis=2), (1, 6), True),
+    # (a sample of two rows between the reshapes: see FoldedHeads)
     ('reshape into rows and back', lambda F, h: F.reshape(h, shape=(-1, 3)),
-     lambda F, y: F.reshape(y, shape=(-1, 6)), (1, 6), False),
+     lambda F, y: F.reshape(y, shape=(-1, 6)), (1, 6), True),
     # slice (x[:, 1:4] in NDArray code) ran per sample for want of a rule (found by a user test)
     ('slice with axis 0 unset', lambda F, h: F.slice(h, begin=(None, 1), end=(None, 4)),
      None, (1, 6), True),
@@ -238,8 +239,7 @@ CASES = [
         h.reshape((0, 4, 2, 3)), block_size=2), block_size=2).reshape((0, 4, 6))
      + F.im2col(h.reshape((0, 4, 2, 3)), kernel=(1, 1)), None, (1, 4, 6), True),
 ]
-WHY = {'reshape into rows and back': 'gives it more than one row',
-       'linalg with a shared matrix': 'with a shared operand',
+WHY = {'linalg with a shared matrix': 'with a shared operand',
        'UpSampling nearest with a shared image': 'mixes batched and shared inputs'}
 """The reason an unsafe case must give, where another check would refuse
 the block too (the tracer refuses batched inputs of leading size 2)."""
@@ -1371,27 +1371,182 @@ def test_reshape_to_a_leading_1_batches(lead):
 
 
 class FoldedHeads(gluon.HybridBlock):
-    """Two heads folded into the batch axis by a reverse reshape, as
-    gluonnlp's MultiHeadAttentionCell folds them, and back."""
+    """Two heads folded into axis 0 by a reverse reshape, as gluonnlp's
+    MultiHeadAttentionCell folds them, a row-wise op on the sample's two
+    rows, and back to one row."""
 
     def hybrid_forward(self, F, x):
         heads = F.reshape(F.reshape(x, shape=(0, 2, 3)), shape=(-1, 0), reverse=True)
         return F.reshape(F.tanh(heads), shape=(-1, 6))
 
 
-def test_reverse_reshape_runs_per_sample_and_says_why():
-    """A reshape with reverse=True matches the batch axis last and may merge
-    it (here two heads into it: a sample of two rows); it runs per sample,
-    and the reason said only 'reshape with reverse=True' (a user trial's
-    transformer encoder)."""
+def test_reverse_reshape_folding_heads_into_rows_batches():
+    """A reshape with reverse=True folding two heads into axis 0 gives a
+    sample two rows: it ran per sample (a user trial's transformer
+    encoder).  Its target is written out from the left, ``(-1, 3)``, which
+    batched keeps each sample's rows together: one step, and per-sample
+    values and gradients."""
     block = dyb.DynBatchBlock(FoldedHeads())
     rng = np.random.RandomState(5)
     xs = [mx.nd.array(rng.uniform(-1, 1, (1, 6))) for _ in range(3)]
     assert_same(run_both(lambda: [block(x) for x in xs], [block], xs, 'depth'))
     batch_safe, reason = _verdict(block)
+    assert batch_safe, reason
+    assert block.signatures()[0].folded
+    assert dyb.stats()['last']['batch_sizes'] == [3]
+
+
+class Transformer(gluon.HybridBlock):
+    """gluonnlp's transformer encoder layer over a sample's tokens, with a
+    mask of its valid length, read out by a mean; returns the attention
+    weights (a sample's heads, (1, heads, T, T)) too."""
+
+    def __init__(self, dropout=0.0):
+        super().__init__()
+        import gluonnlp     # pylint: disable=import-outside-toplevel
+        with self.name_scope():
+            self.cell = gluonnlp.model.transformer.TransformerEncoderCell(
+                units=8, hidden_size=16, num_heads=4, dropout=dropout, output_attention=True)
+            self.out = gluon.nn.Dense(2, flatten=False)
+
+    def hybrid_forward(self, F, x, mask):
+        h, (att,) = self.cell(x, mask)
+        return self.out(F.mean(h, axis=1)), att
+
+
+@pytest.mark.parametrize('strategy', ['depth', 'agenda', 'cached'])
+def test_gluonnlp_transformer_encoder_batches(strategy):
+    """gluonnlp's multi-head attention folds its heads into axis 0 (a sample
+    of one row becomes one of 4 rows) and back, and ran per sample.  Now
+    calls of one length batch, masked to their own lengths: one step per
+    sequence length, per-sample values and gradients."""
+    block = dyb.DynBatchBlock(Transformer())
+    block.initialize(mx.init.Xavier())
+    rng = np.random.RandomState(6)
+    xs, masks = [], []
+    for k in range(10):
+        steps = (5, 7)[k % 2]
+        mask = np.zeros((1, steps, steps), np.float32)
+        mask[:, :, :rng.randint(1, steps + 1)] = 1
+        xs.append(mx.nd.array(rng.uniform(-1, 1, (1, steps, 8))))
+        masks.append(mx.nd.array(mask))
+    assert_same(run_both(lambda: [out for x, m in zip(xs, masks) for out in block(x, m)],
+                         [block], xs, strategy))
+    assert [sig.batch_safe for sig in block.signatures()] == [True, True]
+    assert sorted(dyb.stats()['last']['batch_sizes']) == [5, 5]
+
+
+class FoldedTokens(gluon.HybridBlock):
+    """Attention of two heads from a float argument's queries to a sample's
+    4 token embeddings, folded into rows as gluonnlp folds them: the keys,
+    of two rows per call, are a function of the host token ids alone."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.embed = gluon.nn.Embedding(5, 6)
+            self.dense = gluon.nn.Dense(24)
+
+    def hybrid_forward(self, F, ids, x):
+        def fold(rows):     # (1, 4, 6) -> (2, 4, 3)
+            heads = F.transpose(rows.reshape((0, 4, 2, 3)), axes=(0, 2, 1, 3))
+            return heads.reshape((-1, 0, 0), reverse=True)
+        keys = F.tanh(fold(self.embed(ids)))
+        att = F.softmax(F.batch_dot(fold(self.dense(x).reshape((0, 4, 6))), keys,
+                                    transpose_b=True))
+        mixed = F.batch_dot(att, keys).reshape((-4, -1, 2, 0, 0))
+        return F.transpose(mixed, axes=(0, 2, 1, 3)).reshape((0, -1))
+
+
+@pytest.mark.parametrize('strategy', ['depth', 'agenda', 'cached'])
+def test_folded_rows_of_host_data_batch_without_sharing_distinct_rows(strategy):
+    """A folded signature's host part is not run on distinct host rows nor
+    hoisted: its values have two rows per call, which a take of one row per
+    call would hand on cut (16 calls of 3 distinct token rows, so both
+    would run for a signature of one row per call)."""
+    block = dyb.DynBatchBlock(FoldedTokens())
+    block.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(7)
+    tokens = [rng.randint(0, 5, (1, 4)).astype(np.int32) for _ in range(3)]
+    ids = [tokens[k % 3] for k in range(16)]
+    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 3))) for _ in range(16)]
+    for _ in range(2):      # (a cached plan replays the second flush)
+        assert_same(run_both(lambda: [block(i, x) for i, x in zip(ids, xs)], [block], xs,
+                             strategy))
+        assert dyb.stats()['last']['batch_sizes'] == [16]
+    assert block.signatures()[0].folded
+
+
+class FoldedList(gluon.HybridBlock):
+    """Each element of a list, folded into two rows as is the sample's
+    ``x``, meets those rows in a row-wise product."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.dense = gluon.nn.Dense(6, flatten=False)
+
+    def hybrid_forward(self, F, x, items):
+        shared = F.reshape(self.dense(x), shape=(2, 3))
+        return F.add_n(*[F.reshape(F.tanh(F.reshape(item, shape=(-1, 3)) * shared),
+                                   shape=(1, 6)) for item in items])
+
+
+@pytest.mark.parametrize('strategy', ['depth', 'cached'])
+def test_folded_rows_read_by_every_element_of_a_list(strategy):
+    """A folded signature's lists are cut into their elements, without the
+    lanes pass (written for one row per call): one step, per-sample values
+    and gradients."""
+    block = dyb.DynBatchBlock(FoldedList())
+    block.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(8)
+    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 6))) for _ in range(6)]
+    items = [[mx.nd.array(rng.uniform(-1, 1, (1, 6))) for _ in range(3)] for _ in range(6)]
+    flat = xs + [item for some in items for item in some]
+    for _ in range(2):
+        assert_same(run_both(lambda: [block(x, some) for x, some in zip(xs, items)], [block],
+                             flat, strategy))
+        assert dyb.stats()['last']['batch_sizes'] == [6]
+    assert block.signatures()[0].folded
+
+
+TWICE_ROWS = register_custom_op('test_rules_twice_rows', lambda a: a * 2)
+MIXED_ROWS = [
+    # (name, per-sample op on a sample x of shape (1, 6), reason)
+    ('broadcast of two rows and one', lambda F, x: F.reshape(F.broadcast_add(
+        F.reshape(x, shape=(-1, 3)), F.slice_axis(x, axis=1, begin=0, end=3)), shape=(-1, 6)),
+     'reads batched inputs of 1 and 2 rows per sample'),
+    ('swapaxes of two rows', lambda F, x: F.reshape(F.swapaxes(
+        F.reshape(x, shape=(-1, 3)), dim1=0, dim2=1), shape=(-1, 6)),
+     'sees a batched input of shape (2, 3)'),
+    ('a custom op with a rule of the user\'s', lambda F, x: F.reshape(F.Custom(
+        F.reshape(x, shape=(-1, 3)), op_type=TWICE_ROWS),
+        shape=(-1, 6)), 'has a batching rule of the user\'s, written for one row per sample'),
+]
+
+
+@pytest.mark.parametrize('name,op,why', MIXED_ROWS, ids=[c[0] for c in MIXED_ROWS])
+def test_ops_that_cannot_read_folded_rows_run_per_sample(name, op, why, monkeypatch):
+    """Batched, a sample folded into two rows pairs with another's rows only
+    in ops whose batched inputs all have two rows, and whose rule was read
+    for it (a builtin): a broadcast of a sample's two rows with its one row
+    would pair the rows of other samples (MXNet refuses the shapes), a
+    swap moves them, and a user's rule speaks of one row.  They run per
+    sample, with the reason."""
+    from gluon_dynbatch import rules
+    monkeypatch.setattr(rules, 'RULES', dict(rules.RULES))
+    monkeypatch.setattr('gluon_dynbatch.trace.batching_rule', rules.RULES.get)
+    dyb.register_batching_rule('Custom')(lambda view: None)      # acts on each row alone
+    block = dyb.DynBatchBlock(Apply(op))
+    block.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(5)
+    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 6))) for _ in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', dyb.PerSampleWarning)
+        assert_same(run_both(lambda: [block(x) for x in xs], [block], xs, 'depth'))
+    batch_safe, reason = _verdict(block)
     assert not batch_safe
-    assert 'reverse=True) matches its target to the axes from the right' in reason, reason
-    assert 'starting with 0 (keep axis 0)' in reason, reason
+    assert why in reason, reason
 
 
 class ReshapedRows(gluon.HybridBlock):
@@ -1408,8 +1563,8 @@ class ReshapedRows(gluon.HybridBlock):
 
 
 def test_reshape_of_several_rows_to_one_keeps_its_1():
-    """Only a reshape of a one-row value has its leading 1 made 0: a
-    parameter's two rows folded into one keep the 1 (as 0 the reshape would
+    """A parameter's two rows folded into one: the target is written out as
+    ``(-1, 6)``, one row of the shared value still (``0``, keep, would
     fail), and the block batches with per-sample values and gradients."""
     block = dyb.DynBatchBlock(ReshapedRows())
     block.initialize(mx.init.Uniform(0.5))
@@ -1418,7 +1573,7 @@ def test_reshape_of_several_rows_to_one_keeps_its_1():
     assert_same(run_both(lambda: [block(x) for x in xs], [block], xs, 'depth'))
     batch_safe, reason = _verdict(block)
     assert batch_safe, reason
-    assert '"shape": "(1, 6)"' in block.signatures()[0].symbol.tojson()
+    assert '"shape": "(-1, 6)"' in block.signatures()[0].symbol.tojson()
 
 
 class Normed(gluon.HybridBlock):

@@ -1,7 +1,8 @@
 """Property test of the batching rules of slice, broadcast_axis/axes,
 broadcast_to, broadcast_like, tile, topk, sort, argsort, reverse/flip,
 SwapAxis/swapaxes, linalg_gemm2, smooth_l1, diag, moments, softmin,
-Pooling and BatchNorm: random ranks, shapes,
+Pooling and BatchNorm, and of ops on a sample folded into several rows by
+a reshape (:func:`draw_fold`): random ranks, shapes,
 attributes and choices of batched and shared inputs.  Whatever the rules
 decide, the block's results and gradients under ``dyb.batching('depth')``
 must equal the per-sample ones: an accepted draw that moved or mixed the
@@ -297,12 +298,65 @@ def draw_batch_norm(draw):
     return op, [(True, shape)] + [(False, channels)] * 4
 
 
+FOLDED_OPS = ('tanh', 'softmax', 'sum', 'transpose', 'swapaxes', 'batch_dot', 'mul')
+"""What :func:`draw_fold` applies to a sample folded into rows."""
+SECOND = ('folded', 'one row', 'shared row', 'shared rows', 'shared last axis')
+"""The second operand of its ``mul``: batched and folded alike, batched of
+one row, a shared (1, ...) parameter, a shared one of the folded rows, or
+of the last axis alone."""
+
+
+def draw_fold(draw):
+    """A sample of one row, (1, n), folded into ``rows`` rows by a reshape
+    (written ``(rows, ...)`` as per-sample code writes it, ``(-1, ...)``, or
+    read from the right, as gluonnlp writes it), an op on the rows, and
+    back to one row, ``(1, -1)``."""
+    rows = draw(st.integers(2, 3))
+    rest = tuple(draw(st.integers(1, 3)) for _ in range(draw(st.integers(1, 2))))
+    size = rows * int(np.prod(rest))
+    how = draw(st.sampled_from(['rows', '-1', 'reverse']))
+    name = draw(st.sampled_from(FOLDED_OPS))
+    second = draw(st.sampled_from(SECOND)) if name == 'mul' else None
+
+    def fold(F, h):
+        if how == 'reverse':
+            return F.reshape(F.reshape(h, shape=(0, rows) + rest), shape=(-1,) + (0,) * len(rest),
+                             reverse=True)
+        return F.reshape(h, shape=((rows,) if how == 'rows' else (-1,)) + rest)
+
+    def op(F, h, *more):
+        y = fold(F, h)
+        if name == 'tanh':
+            y = F.tanh(y)
+        elif name == 'softmax':
+            y = F.softmax(y, axis=-1)
+        elif name == 'sum':
+            y = F.broadcast_mul(F.sum(y, axis=-1, keepdims=True), y)
+        elif name == 'transpose':
+            y = F.transpose(y, axes=(0,) + tuple(range(len(rest), 0, -1)))
+        elif name == 'swapaxes':
+            y = F.swapaxes(y, 0, len(rest))
+        elif name == 'batch_dot':
+            y = F.batch_dot(y, y, transpose_b=True) if len(rest) == 2 else y * y
+        else:
+            other = fold(F, more[0]) if second == 'folded' else more[0]
+            y = F.broadcast_mul(y, other)
+        return F.reshape(y, shape=(1, -1))
+
+    shapes = {'folded': (True, (1, size)), 'one row': (True, (1,) + rest),
+              'shared row': (False, (1,) + rest), 'shared rows': (False, (rows,) + rest),
+              'shared last axis': (False, rest[-1:])}
+    return (_call(op, 'fold', {'rows': rows, 'rest': rest, 'how': how, 'op': name,
+                               'second': second}),
+            [(True, (1, size))] + ([shapes[second]] if second else []))
+
+
 OPS = {'slice': draw_slice, 'broadcast_axis': draw_broadcast_axis,
        'broadcast_to': draw_broadcast_to, 'broadcast_like': draw_broadcast_like,
        'tile': draw_tile, 'topk': draw_topk, 'sort': draw_sort, 'reverse': draw_reverse,
        'swapaxes': draw_swapaxes, 'linalg_gemm2': draw_gemm2, 'smooth_l1': draw_smooth_l1,
        'diag': draw_diag, 'moments': draw_moments, 'softmin': draw_softmin,
-       'Pooling': draw_pooling, 'BatchNorm': draw_batch_norm}
+       'Pooling': draw_pooling, 'BatchNorm': draw_batch_norm, 'fold': draw_fold}
 ALWAYS_BATCHED = {'smooth_l1', 'Pooling'}
 """Row-wise ops, accepted on every draw."""
 
