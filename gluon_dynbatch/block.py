@@ -2377,9 +2377,11 @@ class DynBatchBlock(Block):
     def _family_id(self, key, fmt):
         """Calls with equal family ids may merge.  With ``pad_lists`` the
         family is the signature with list lengths forgotten (flat lists whose
-        leaves share one shape); otherwise it is the signature itself."""
+        leaves share one shape; a list empty in a call keeps the others padded
+        with those of calls where it is empty too); otherwise it is the
+        signature itself."""
         family = key
-        if self.pad_lists and all(item == 0 or set(item) == {0} for item in fmt):
+        if self.pad_lists and all(item == 0 or set(item) <= {0} for item in fmt):
             shapes, pos, parts = key[1:-2], 0, []
             # leaves of several dtypes: each argument's (lists' lengths forgotten)
             dtypes, kinds = (key[-2], []) if type(key[-2]) is tuple else (None, None)

@@ -545,6 +545,51 @@ def test_depth_runs_the_sinks_of_a_family_as_one_step():
         np.testing.assert_allclose(got.asnumpy(), want, rtol=1e-5, atol=1e-6)
 
 
+class TwoSums(gluon.HybridBlock):
+    """Sums of tanh(W a) over list ``As`` and of tanh(V b) over list ``Bs``:
+    zero padding is neutral in each list."""
+    dynbatch_pad_lists = True
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.a = nn.Dense(3, in_units=3, use_bias=False)
+            self.b = nn.Dense(3, in_units=3, use_bias=False)
+
+    def hybrid_forward(self, F, x, As, Bs):
+        out = x
+        for a in As:
+            out = out + F.tanh(self.a(a))
+        for b in Bs:
+            out = out + F.tanh(self.b(b))
+        return out
+
+
+@pytest.mark.parametrize('strategy', ['depth', 'agenda', 'auto'])
+def test_a_list_empty_in_every_call_leaves_the_others_padded(strategy):
+    """A pad_lists block whose second list is empty in every call: the
+    calls of every length of the first list run as one padded step, as
+    they do where the second list has one element (a user trial: an
+    empty list made every call its own family, one step per length of
+    the other list), and match per sample."""
+    block = dyb.DynBatchBlock(TwoSums())
+    block.initialize()
+    rng = np.random.RandomState(3)
+
+    def row():
+        return mx.nd.array(rng.randn(1, 3))
+    for b_len in (0, 1):
+        calls = [(row(), [row() for _ in range(1 + i % 5)], [row() for _ in range(b_len)])
+                 for i in range(10)]
+        with autograd.record():
+            with dyb.batching(strategy):
+                outs = [block(*call) for call in calls]
+            got = dyb.concat_rows(outs)
+        assert dyb.stats()['last']['batch_sizes'] == [10], b_len
+        want = np.concatenate([block.block(*call).asnumpy() for call in calls])
+        np.testing.assert_allclose(got.asnumpy(), want, rtol=1e-5, atol=1e-6)
+
+
 def test_plan_orders_every_producer_before_its_users():
     cell = dyb.DynBatchBlock(ChildSumTreeLSTMCell(4, 3))
     cell.initialize()
