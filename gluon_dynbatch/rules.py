@@ -207,11 +207,16 @@ def _rowwise(op):
 
 
 def _all_batched(op):
-    """Element-wise on inputs of equal shape: a shared input would keep its
-    per-sample shape while the batched ones grow, so all must be batched."""
+    """Element-wise on inputs of equal shape (or, as ``pick``'s, of one
+    leading size): a shared input would keep its per-sample shape while the
+    batched ones grow, so all must be batched."""
     if not all(op.batched):
-        return '%s mixes batched and shared inputs of equal shape%s' % (
-            op.op, BROADCAST_ADVICE if op.op in _ARITHMETIC else '')
+        shapes = {shape for shape in op.shapes if shape is not None}
+        return '%s mixes batched and shared inputs%s%s' % (
+            op.op, ' of equal shape' if len(shapes) == 1 else ' (shapes %s)' % ', '.join(
+                '%s %s' % ('batched' if batched else 'shared', shape)
+                for batched, shape in zip(op.batched, op.shapes)),
+            BROADCAST_ADVICE if op.op in _ARITHMETIC else '')
     return None
 
 

@@ -977,9 +977,10 @@ def _infer_shapes(block, symbol, known, shapes):
         else:
             advice = ('the first unknown shape is the output of its op %s (%s), whose inputs '
                       'are known: its output shape depends on the input values (as '
-                      'contrib.boolean_mask\'s does), which batching must know ahead of the '
-                      'data. Call the block outside the scope, or move that op out of it.'
-                      % unknown)
+                      'contrib.boolean_mask\'s does), or MXNet\'s shape inference does not '
+                      'see through the op (contrib.cond, foreach, while_loop), and batching '
+                      'must know it ahead of the data. Call the block outside the scope, or '
+                      'move that op out of it.' % unknown)
         raise InputError('block %s: output shapes cannot be inferred from inputs %s; %s'
                          % (_block_name(block), list(shapes), advice))
     return arg_shapes, [tuple(s) for s in out_shapes], aux_shapes

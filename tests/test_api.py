@@ -1286,6 +1286,22 @@ def test_error_an_output_shape_that_depends_on_the_data_names_the_op():
             block(mx.nd.ones((1, 4)))
 
 
+class _Cond(gluon.HybridBlock):
+    def hybrid_forward(self, F, x):  # pylint: disable=arguments-differ
+        return F.contrib.cond(F.sum(x) > 0, lambda: x * 2, lambda: x * 3)
+
+
+def test_error_a_cond_says_shape_inference_does_not_see_through_it():
+    """``contrib.cond``'s output shape does not depend on the data, but
+    MXNet's shape inference does not see through it: the error said only
+    that it depended on the values (a user trial)."""
+    block = dyb.DynBatchBlock(_Cond())
+    with dyb.batching():
+        with pytest.raises(dyb.InputError, match=r'output shapes cannot be inferred.*'
+                           r'does not see through the op \(contrib.cond'):
+            block(mx.nd.ones((1, 4)))
+
+
 class _DeferredDense(gluon.HybridBlock):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)

@@ -2177,6 +2177,33 @@ def test_reshape_like_of_a_shared_input_runs_per_sample():
     assert not batch_safe and 'mixes batched and shared' in reason, reason
 
 
+class PickSharedLabel(gluon.HybridBlock):
+    """A per-sample ``(1, 4)`` score picked at a label shared by every
+    sample, ``(1,)``."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.label = self.params.get('label', shape=(1,), init=mx.init.One(),
+                                         grad_req='null')
+
+    def hybrid_forward(self, F, scores, label):  # pylint: disable=arguments-differ
+        return F.reshape(F.pick(scores, label), shape=(1, 1))
+
+
+def test_pick_at_a_shared_label_runs_per_sample_naming_the_shapes():
+    """Its reason said the inputs were 'of equal shape', which (1, 4) and
+    (1,) are not (a user trial); it names them now."""
+    block = dyb.DynBatchBlock(PickSharedLabel())
+    block.initialize()
+    xs = [mx.nd.array(np.arange(4, dtype=np.float32).reshape(1, 4) * k) for k in range(3)]
+    assert_same(run_both(lambda: [block(x) for x in xs], [block], xs, 'depth'))
+    batch_safe, reason = _verdict(block)
+    assert not batch_safe
+    assert 'pick mixes batched and shared inputs (shapes batched (1, 4), shared (1,))' \
+        in reason, reason
+
+
 class PlusSharedRow(gluon.HybridBlock):
     def __init__(self):
         super().__init__()
