@@ -109,9 +109,10 @@ UNBATCHABLE = {
                        'reverse a batch-major sequence\'s steps with F.reverse(x, axis=1), '
                        'or swap it time-major first, F.swapaxes(x, 0, 1), which batches '
                        'with a length per sample too',
-    '_contrib_arange_like': 'counts positions across the batch axis (axis unset or 0), or '
-                            'gives a result without it (another axis): count a sample\'s '
-                            'positions as F.cumsum(F.ones_like(x), axis=1) - 1',
+    '_contrib_arange_like': 'counts positions across the batch axis (axis unset or 0): '
+                            'count a sample\'s positions as F.cumsum(F.ones_like(x), axis=1) '
+                            '- 1, or along one of its own axes, F.contrib.arange_like(x, '
+                            'axis=1), which is the same for every sample',
 }
 """Operators without a rule that no rule could batch, and why (with what
 to write instead): the tracer gives the reason where it would say that the

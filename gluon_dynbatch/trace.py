@@ -1202,6 +1202,9 @@ def _batch_safe(nodes, heads, by_name, readers, data_names, opened, inference, s
             batched.append(None)
             continue
         shapes = [_entry_shape(nodes, e, by_name) for e in inputs]
+        if _counts_along_a_sample_axis(node, axes, shapes):
+            batched.append(None)
+            continue
         rows = {shape[0] if shape else None for axis, shape in zip(axes, shapes) if axis == 0}
         if 1 in axes or node['op'] == 'RNN' or _swaps_axis_0_and_1(node, shapes) or \
                 _moves_batch_to_1(node, axes, shapes):
@@ -1246,6 +1249,20 @@ def _batch_safe(nodes, heads, by_name, readers, data_names, opened, inference, s
                            'it back to axis 0 (F.swapaxes(x, 0, 1), as a layout=\'NTC\' layer '
                            'does for its output)' % nodes[head[0]]['name'])
     return True, ''
+
+
+def _counts_along_a_sample_axis(node, axes, shapes):
+    """Whether ``node`` is an ``arange_like`` along an axis other than the
+    batch axis of an input batched on axis 0: its result, the positions
+    ``0 .. n - 1`` of that axis, reads only the axis's size, the same for
+    every sample and batched, so it is shared.  gluonnlp's
+    ``TransformerEncoder`` counts its steps so for its positional encoding
+    and its mask of each sample's valid length, and ran per sample."""
+    if node['op'] != '_contrib_arange_like' or axes != [0] or not shapes[0]:
+        return False
+    axis = OpView(node['op'], node.get('attrs', {}), [True], shapes).attr('axis')
+    return isinstance(axis, int) and -len(shapes[0]) <= axis < len(shapes[0]) and \
+        axis % len(shapes[0]) != 0
 
 
 def _several_rows(axes, shapes):

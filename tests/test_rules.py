@@ -56,6 +56,13 @@ CASES = [
      lambda F, y: F.sum(y, axis=1), (1, 6), True),
     ('reshape that keeps the sample whole', lambda F, h: F.reshape(h, shape=(-1, 2, 3)),
      lambda F, y: F.sum(y, axis=2), (1, 6), True),
+    # (the positions of a sample's own axis, shared: gluonnlp's TransformerEncoder)
+    ('arange_like along axis 1', lambda F, h: F.broadcast_mul(
+        h, F.contrib.arange_like(h, axis=1).reshape((1, 6))), None, (1, 6), True),
+    ('arange_like along axis -1 of rank 3', lambda F, h: F.broadcast_add(
+        h, F.contrib.arange_like(h, axis=-1, start=2.0, step=0.5)), None, (1, 3, 6), True),
+    ('arange_like along the batch axis', lambda F, h: F.broadcast_mul(
+        h, F.contrib.arange_like(h, axis=0).reshape((1, 1))), None, (1, 6), False),
     # (a sample of two rows between the reshapes: see FoldedHeads)
     ('reshape into rows and back', lambda F, h: F.reshape(h, shape=(-1, 3)),
      lambda F, y: F.reshape(y, shape=(-1, 6)), (1, 6), True),
@@ -1436,6 +1443,39 @@ def test_gluonnlp_transformer_encoder_batches(strategy):
     assert sorted(dyb.stats()['last']['batch_sizes']) == [5, 5]
 
 
+class Encoder(gluon.HybridBlock):
+    """gluonnlp's two-layer transformer encoder (positional encoding, masks
+    of each sample's valid length) read out by a mean."""
+
+    def __init__(self):
+        super().__init__()
+        import gluonnlp     # pylint: disable=import-outside-toplevel
+        with self.name_scope():
+            self.encoder = gluonnlp.model.transformer.TransformerEncoder(
+                num_layers=2, units=8, hidden_size=16, num_heads=2, max_length=20, dropout=0.0)
+
+    def hybrid_forward(self, F, x, valid_length):
+        out, _ = self.encoder(x, valid_length=valid_length)
+        return F.mean(out, axis=1)
+
+
+@pytest.mark.parametrize('strategy', ['depth', 'agenda', 'cached'])
+def test_gluonnlp_transformer_encoder_with_valid_lengths_batches(strategy):
+    """It counts its steps with ``arange_like(x, axis=1)``, which was taken
+    for a batched value and ran the block per sample; the count is the same
+    for every sample (shared).  One step, each sample masked to its own
+    valid length: per-sample values and gradients."""
+    block = dyb.DynBatchBlock(Encoder())
+    block.initialize(mx.init.Xavier())
+    rng = np.random.RandomState(9)
+    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 6, 8))) for _ in range(5)]
+    lengths = [mx.nd.array([k + 2]) for k in range(5)]
+    assert_same(run_both(lambda: [block(x, n) for x, n in zip(xs, lengths)], [block], xs,
+                         strategy))
+    assert [sig.batch_safe for sig in block.signatures()] == [True]
+    assert dyb.stats()['last']['batch_sizes'] == [5]
+
+
 class FoldedTokens(gluon.HybridBlock):
     """Attention of two heads from a float argument's queries to a sample's
     4 token embeddings, folded into rows as gluonnlp folds them: the keys,
@@ -1796,7 +1836,7 @@ UNBATCHABLE_CASES = [
     ('SequenceReverse', lambda F, h, y: F.broadcast_add(F.SequenceReverse(
         h.reshape((0, 2, 2))).reshape((0, 4)), F.expand_dims(y, axis=1)), None),
     ('_contrib_arange_like', lambda F, h, y: F.broadcast_mul(
-        h, F.contrib.arange_like(h, axis=1).reshape((1, 4))),
+        h, F.contrib.arange_like(h).reshape((1, 4))),
      lambda F, h, y: h * (F.cumsum(F.ones_like(h), axis=1) - 1)),
 ]
 
