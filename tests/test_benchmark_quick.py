@@ -186,6 +186,25 @@ def test_paired_ratio_takes_the_ratio_turn_by_turn():
 
 
 @needs_sick
+def test_quick_transformer_benchmark(tmp_path):
+    """``bench_transformer.py --quick``: every form agreed with per-sample and
+    the wrapped transformer layer batched (else it exits 2), and every form
+    has a positive rate in every setting."""
+    proc = run_benchmark('bench_transformer.py', '--quick', '--out', tmp_path)
+    assert 'dynbatch batches' in proc.stdout
+    for name in ('transformer.json', 'transformer.md'):
+        assert 'wrote %s' % (tmp_path / name) in proc.stdout
+    res = json.loads((tmp_path / 'transformer.json').read_text())
+    assert set(res['results']) == {'infer B=4', 'train B=4'}
+    for name, forms in res['results'].items():
+        assert set(forms) == {'per-sample', 'per-sample-hybrid', 'padded', 'by-length',
+                              'dynbatch'}, name
+        for form, rates in forms.items():
+            assert rates and all(math.isfinite(r) and r > 0 for r in rates), (name, form)
+    assert '| dynbatch / padded |' in (tmp_path / 'transformer.md').read_text()
+
+
+@needs_sick
 def test_quick_cells_benchmark(tmp_path):
     """``bench_cells.py --quick``: every form agreed with per-sample (else it
     exits 2), has a positive rate in every setting, and the dynbatch forms
@@ -290,6 +309,8 @@ BAD_COMMAND_LINES = [
      "argument --engine: invalid choice: 'Bogus' (choose from 'NaiveEngine'"),
     ('bench_cells.py', ['--quick', '--budget', '-1', '--out', 'OUT'],
      "argument --budget: '-1' is not a positive finite number"),
+    ('bench_transformer.py', ['--quick', '--repeats', '0', '--out', 'OUT'],
+     "argument --repeats: '0' is not a positive integer"),
     ('fused_gates.py', ['--quick', '--batch', '0', '--out', 'OUT'],
      "argument --batch: '0' is not a positive integer"),
     ('ab_revision.py', ['--rev', 'HEAD', '--repeats', '0'],

@@ -1,0 +1,311 @@
+#!/usr/bin/env python
+"""A transformer encoder layer per sentence: per sample, padded, grouped by
+length by hand, and gluon_dynbatch.
+
+The model encodes each SICK sentence on its own: its tokens, embedded (64,
+random), go through one stock gluonnlp ``TransformerEncoderCell`` (4 heads,
+feed-forward 128), and its result is the mean of the layer's outputs over
+the sentence's tokens.  gluonnlp's multi-head attention folds its heads
+into axis 0, so before gluon_dynbatch followed a sample's rows through such
+reshapes (``docs/rules.rst``) its calls ran one per step.  A minibatch of B
+pairs is 2B sentences of 3-30 tokens.  Forms, one set of weights, one
+block (token ids, attention mask and the mask of valid tokens in, the
+sentence's vector out):
+
+=====================  ======================================================
+``per-sample``         the plain loop, eager Gluon, a sentence a call
+``per-sample-hybrid``  the same loop, the block hybridized (static buffers in
+                       inference, plain ``hybridize()`` in training)
+``padded``             what one writes by hand: every sentence padded to the
+                       longest, one call of the hybridized block with the
+                       masks
+``by-length``          by hand too, without padding: one call of the
+                       hybridized block per sentence length (what
+                       gluon_dynbatch's steps run)
+``dynbatch``           the plain loop inside ``gluon_dynbatch.batching()``
+=====================  ======================================================
+
+Every form is first checked against ``per-sample`` (results and gradients
+in training on 16 sentences, results in inference on 200; ``--tol``).
+Measuring is as in ``bench_cells.py``: inference copies the results to the
+host, training runs forward and backward of the results' sum; repeats
+interleave the forms in a rotated order, each on the same minibatches; a
+cell is the median pairs/s, a ratio the median of the ratios within each
+repeat.  Writes ``transformer.json`` and ``transformer.md``.
+
+::
+
+    python benchmarks/bench_transformer.py            # ~2 min on 2 cores
+    python benchmarks/bench_transformer.py --quick    # a smoke run
+"""
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import bench_treelstm as bt  # noqa: E402  (no MXNet import at module level)
+FORMS = ('per-sample', 'per-sample-hybrid', 'padded', 'by-length', 'dynbatch')
+SETTINGS = (('infer', 1), ('infer', 25), ('infer', 256), ('train', 25), ('train', 256))
+QUICK_SETTINGS = (('infer', 4), ('train', 4))
+PER_SAMPLE_MAX = 25
+"""The per-sample forms stop a minibatch when their budget is spent, and
+skip settings past this minibatch size."""
+UNITS, HIDDEN, HEADS = 64, 128, 4
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p.add_argument('--data', default=None, help='SICK folder (else $GLUON_DYNBATCH_SICK, '
+                                                'else ../shared/data/sick)')
+    p.add_argument('--engine', default='NaiveEngine',
+                   choices=['NaiveEngine', 'ThreadedEnginePerDevice', 'ThreadedEngine'])
+    p.add_argument('--threads', type=bt.positive_int, default=1,
+                   help='OMP_NUM_THREADS / MKL_NUM_THREADS')
+    p.add_argument('--repeats', type=bt.positive_int, default=None, help='default 5; quick 2')
+    p.add_argument('--budget', type=bt.positive_float, default=None,
+                   help='seconds per form per repeat per setting (default 0.5; quick 0.1)')
+    p.add_argument('--tol', type=bt.non_negative_float, default=1e-4,
+                   help='equivalence tolerance (0: bit for bit)')
+    p.add_argument('--seed', type=bt.seed_int, default=0, help='0 to %d' % bt.SEED_MAX)
+    p.add_argument('--quick', action='store_true')
+    p.add_argument('--out', default=None,
+                   help='folder for transformer.json / .md (default benchmarks/results; '
+                        'quick: benchmarks/results/quick)')
+    return p.parse_args(argv)
+
+
+class Model:
+    """The encoder block and the forms built on it; imported after the
+    environment is set."""
+
+    def __init__(self, vocab_size, seed):
+        import mxnet as mx
+        import numpy as np
+        from mxnet import gluon
+        import gluonnlp
+        import gluon_dynbatch as dyb
+        self.mx, self.np, self.dyb = mx, np, dyb
+
+        class Encoder(gluon.HybridBlock):
+            """Token ids (n, T), attention mask (n, T, T) and valid tokens
+            (n, T, 1) in: the mean of the layer's outputs over the valid
+            tokens, (n, UNITS)."""
+
+            def __init__(self, **kwargs):
+                super().__init__(**kwargs)
+                with self.name_scope():
+                    self.embed = gluon.nn.Embedding(vocab_size, UNITS)
+                    self.cell = gluonnlp.model.transformer.TransformerEncoderCell(
+                        units=UNITS, hidden_size=HIDDEN, num_heads=HEADS, dropout=0.0)
+
+            def hybrid_forward(self, F, ids, mask, valid):  # pylint: disable=arguments-differ
+                out, _ = self.cell(self.embed(ids), mask)
+                return F.broadcast_div(F.sum(F.broadcast_mul(out, valid), axis=1),
+                                       F.sum(valid, axis=1))
+
+        mx.random.seed(seed)
+        self.block = Encoder()
+        self.block.initialize(mx.init.Xavier())
+        self.hybrid = {}
+        for training, flags in ((False, {'static_alloc': True, 'static_shape': True}),
+                                (True, {})):
+            self.hybrid[training] = Encoder(prefix=self.block.prefix,
+                                            params=self.block.collect_params())
+            self.hybrid[training].hybridize(**flags)
+        self.wrapped = dyb.DynBatchBlock(self.block)
+
+    def inputs(self, sentences, length=None):
+        """Token ids, masks and valid tokens of ``sentences`` (numpy), padded
+        to ``length`` (default the longest)."""
+        np = self.np
+        length = length or max(len(ids) for ids in sentences)
+        ids = np.zeros((len(sentences), length), np.float32)
+        valid = np.zeros((len(sentences), length, 1), np.float32)
+        for row, tokens in enumerate(sentences):
+            ids[row, :len(tokens)] = tokens
+            valid[row, :len(tokens)] = 1
+        mask = np.broadcast_to(valid.transpose(0, 2, 1), (len(sentences), length, length))
+        return ids, np.ascontiguousarray(mask), valid
+
+    def run(self, form, sentences, deadline=None):
+        """The (n, UNITS) vectors of ``sentences`` (each a numpy array of
+        token ids), and how many were done before ``deadline``."""
+        mx, np = self.mx, self.np
+        hybrid = self.hybrid[mx.autograd.is_recording()]
+        if form == 'padded':
+            return hybrid(*map(mx.nd.array, self.inputs(sentences))), len(sentences)
+        if form == 'by-length':
+            by_length = {}
+            for number, tokens in enumerate(sentences):
+                by_length.setdefault(len(tokens), []).append(number)
+            parts = [hybrid(*map(mx.nd.array, self.inputs([sentences[i] for i in numbers])))
+                     for numbers in by_length.values()]
+            order = [i for numbers in by_length.values() for i in numbers]
+            out = parts[0] if len(parts) == 1 else mx.nd.concat(*parts, dim=0)
+            return mx.nd.take(out, mx.nd.array(np.argsort(order))), len(sentences)
+        singles = [self.inputs([tokens]) for tokens in sentences]
+        if form == 'dynbatch':
+            with self.dyb.batching():
+                outs = [self.wrapped(*arrays) for arrays in singles]
+            return self.dyb.concat_rows(outs), len(sentences)
+        block = self.block if form == 'per-sample' else hybrid
+        outs = []
+        for arrays in singles:
+            outs.append(block(*map(mx.nd.array, arrays)))
+            if deadline is not None and time.perf_counter() > deadline:
+                break
+        return mx.nd.concat(*outs, dim=0), len(outs)
+
+    def grads(self, form, sentences, weights):
+        """Results and the gradients of sum(weights * results)."""
+        mx = self.mx
+        with mx.autograd.record():
+            out, _ = self.run(form, sentences)
+            loss = (out * weights).sum()
+        loss.backward()
+        grads = {name: param.grad().asnumpy().copy()
+                 for name, param in self.block.collect_params().items()}
+        for param in self.block.collect_params().values():
+            param.zero_grad()
+        return out.asnumpy(), grads
+
+
+def sentences_of(items):
+    """Each pair's two sentences as float32 arrays of token ids."""
+    import numpy as np
+    return [np.array(ids, np.float32) for a_ids, _, b_ids, _ in items for ids in (a_ids, b_ids)]
+
+
+def check(model, sentences, many, tol):
+    """Every form's results and gradients on ``sentences``, and its results
+    in inference on ``many``, against per-sample; exits 2 on a difference
+    or where ``dynbatch`` ran a signature per sample."""
+    import numpy as np
+    with model.mx.autograd.pause():
+        want = model.run('per-sample', many)[0].asnumpy()
+        for form in FORMS[1:]:
+            if not np.allclose(model.run(form, many)[0].asnumpy(), want, atol=tol, rtol=0):
+                print('error: form %s disagrees with per-sample in inference on %d sentences'
+                      % (form, len(many)), file=sys.stderr)
+                raise SystemExit(2)
+    weights = model.mx.nd.array(np.random.RandomState(1).uniform(-1, 1, (len(sentences),
+                                                                         UNITS)))
+    want, want_grads = model.grads('per-sample', sentences, weights)
+    for form in FORMS[1:]:
+        got, grads = model.grads(form, sentences, weights)
+        bad = [] if np.allclose(got, want, atol=tol, rtol=0) else ['results']
+        for name, grad in want_grads.items():
+            scale = max(float(np.abs(grad).max()), 1e-12)
+            if np.abs(grads[name] - grad).max() > tol * scale:
+                bad.append('gradient of %s' % name)
+        if bad:
+            print('error: form %s disagrees with per-sample: %s' % (form, ', '.join(bad)),
+                  file=sys.stderr)
+            raise SystemExit(2)
+    per_sample = {sig.reason for sig in model.wrapped.signatures() if not sig.batch_safe}
+    if per_sample:
+        print('error: dynbatch runs per sample: %s' % '; '.join(sorted(per_sample)),
+              file=sys.stderr)
+        raise SystemExit(2)
+
+
+def measure(model, sentences, settings, repeats, budget):
+    """{setting: {form: [pairs/s per repeat]}}."""
+    mx = model.mx
+    for form in FORMS:        # trace, build programs, calibrate the cost model
+        model.run(form, sentences[:8])[0].asnumpy()
+    results, offset = {}, 0
+    pairs_in_data = len(sentences) // 2
+    for mode, batch in settings:
+        name = '%s B=%d' % (mode, batch)
+        forms = [f for f in FORMS if batch <= PER_SAMPLE_MAX or not f.startswith('per-sample')]
+        rates = results[name] = {form: [] for form in forms}
+        for rep in range(repeats):
+            turn = forms[rep % len(forms):] + forms[:rep % len(forms)]
+            offset += 997       # every form of a repeat walks the same minibatches
+            for form in turn:
+                gc.collect()    # not in the next form's turn: a form's own garbage
+                pairs, start, walked = 0, time.perf_counter(), offset
+                deadline = start + budget
+                while time.perf_counter() < deadline:
+                    first = (walked % (pairs_in_data - batch)) * 2
+                    walked += batch
+                    part = sentences[first:first + 2 * batch]
+                    with mx.autograd.record() if mode == 'train' else mx.autograd.pause():
+                        out, done = model.run(form, part, deadline)
+                        loss = out.sum() if mode == 'train' else out
+                    if mode == 'train':
+                        loss.backward()
+                    loss.asnumpy()
+                    pairs += done / 2
+                mx.nd.waitall()     # a turn ends when its work (the backward too) is done
+                rates[form].append(pairs / (time.perf_counter() - start))
+        print('%-12s %s' % (name, '  '.join('%s %.0f' % (f, statistics.median(r))
+                                             for f, r in rates.items())), flush=True)
+    return results
+
+
+def table(results):
+    """Markdown: pairs/s per form and setting, and dynbatch's ratios."""
+    settings = list(results)
+    lines = ['', 'pairs/s (sentences/s is twice that)', '',
+             '| form | ' + ' | '.join(settings) + ' |', '|---|' + '---:|' * len(settings)]
+    for form in FORMS:
+        row = [('%.0f' % statistics.median(results[s][form])) if form in results[s] else '-'
+               for s in settings]
+        lines.append('| %s | %s |' % (form, ' | '.join(row)))
+    for other in FORMS[:-1]:
+        row = []
+        for s in settings:
+            if other not in results[s]:
+                row.append('-')
+                continue
+            ratios = [a / b for a, b in zip(results[s]['dynbatch'], results[s][other])]
+            row.append('%.2fx' % statistics.median(ratios))
+        lines.append('| dynbatch / %s | %s |' % (other, ' | '.join(row)))
+    return '\n'.join(lines) + '\n'
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.environ['MXNET_ENGINE_TYPE'] = args.engine
+    os.environ['OMP_NUM_THREADS'] = os.environ['MKL_NUM_THREADS'] = str(args.threads)
+    import mxnet as mx                 # pylint: disable=import-outside-toplevel
+    repeats = args.repeats or (2 if args.quick else 5)
+    budget = args.budget or (0.1 if args.quick else 0.5)
+    settings = QUICK_SETTINGS if args.quick else SETTINGS
+    _, items, _, vocab_size, _ = bt.load_data(bt.build_parser().parse_args(
+        ['--data', args.data, '--seed', str(args.seed)] if args.data else
+        ['--seed', str(args.seed)]))
+    sentences = sentences_of(items)
+    config = {'engine': args.engine, 'OMP_NUM_THREADS': str(args.threads),
+              'mxnet': mx.__version__, 'repeats': repeats, 'budget_s': budget,
+              'cpu': bt._cpu_model()}      # pylint: disable=protected-access
+    print(' '.join('%s=%s' % kv for kv in config.items()), flush=True)
+    model = Model(vocab_size, args.seed)
+    check(model, sentences[:16], sentences[16:16 + (70 if args.quick else 200)], args.tol)
+    print('every form agrees with per-sample (tol %g); dynbatch batches' % args.tol,
+          flush=True)
+    results = measure(model, sentences, settings, repeats, budget)
+    out_dir = args.out or os.path.join(HERE, 'results', 'quick' if args.quick else '')
+    text = table(results)
+    print(text)
+    os.makedirs(out_dir, exist_ok=True)
+    json_path, md_path = (os.path.join(out_dir, name)
+                          for name in ('transformer.json', 'transformer.md'))
+    with open(json_path, 'w') as f:
+        json.dump({'config': config, 'results': results}, f, indent=1)
+    with open(md_path, 'w') as f:
+        f.write('`python benchmarks/bench_transformer.py` (%s)\n%s' % (
+            ', '.join('%s %s' % kv for kv in config.items()), text))
+    print('wrote %s' % json_path)
+    print('wrote %s (the table in Markdown)' % md_path)
+
+
+if __name__ == '__main__':
+    main()
