@@ -22,11 +22,17 @@ sentence's vector out):
 ``by-length``          by hand too, without padding: one call of the
                        hybridized block per sentence length (what
                        gluon_dynbatch's steps run)
+``dynbatch-pad-lists``  the plain loop too, each sentence given as a list of
+                       token ids and its length, the masks computed from
+                       the length, the block declaring ``pad_lists``: calls
+                       of every length can run as one padded step
 ``dynbatch``           the plain loop inside ``gluon_dynbatch.batching()``
 =====================  ======================================================
 
 Every form is first checked against ``per-sample`` (results and gradients
-in training on 16 sentences, results in inference on 200; ``--tol``).
+in training on 16 sentences, results in inference on 200; ``--tol``), and
+``dynbatch-pad-lists`` is warmed up over 2,000 sentences at each minibatch
+size (its padding checks, reported apart).
 Measuring is as in ``bench_cells.py``: inference copies the results to the
 host, training runs forward and backward of the results' sum; repeats
 interleave the forms in a rotated order, each on the same minibatches; a
@@ -35,7 +41,7 @@ repeat.  Writes ``transformer.json`` and ``transformer.md``.
 
 ::
 
-    python benchmarks/bench_transformer.py            # ~2 min on 2 cores
+    python benchmarks/bench_transformer.py            # ~3 min on 2 cores
     python benchmarks/bench_transformer.py --quick    # a smoke run
 """
 import argparse
@@ -49,13 +55,17 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_treelstm as bt  # noqa: E402  (no MXNet import at module level)
-FORMS = ('per-sample', 'per-sample-hybrid', 'padded', 'by-length', 'dynbatch')
+FORMS = ('per-sample', 'per-sample-hybrid', 'padded', 'by-length', 'dynbatch-pad-lists',
+         'dynbatch')
 SETTINGS = (('infer', 1), ('infer', 25), ('infer', 256), ('train', 25), ('train', 256))
 QUICK_SETTINGS = (('infer', 4), ('train', 4))
 PER_SAMPLE_MAX = 25
 """The per-sample forms stop a minibatch when their budget is spent, and
 skip settings past this minibatch size."""
 UNITS, HIDDEN, HEADS = 64, 128, 4
+WARM_UP_SENTENCES = 2000
+"""Sentences ``dynbatch-pad-lists`` runs before timing (see
+:func:`warm_padded_lists`)."""
 
 
 def parse_args(argv=None):
@@ -108,6 +118,29 @@ class Model:
                 return F.broadcast_div(F.sum(F.broadcast_mul(out, valid), axis=1),
                                        F.sum(valid, axis=1))
 
+        class ListEncoder(Encoder):
+            """The same layer over a sentence given as a list of (1,) token
+            ids and its length, (1,): the embeddings past the length are
+            zeroed and the masks computed from the length, so padding the
+            list with id 0 changes nothing, and the block declares
+            ``pad_lists``.  (Without the ``SequenceMask`` the padding check
+            refused it, and said to mask so: with its random parameters the
+            padded positions' values grew past float range, and their
+            gradients, times zero, were NaN.)"""
+            dynbatch_pad_lists = True
+
+            def hybrid_forward(self, F, ids, length):  # pylint: disable=arguments-differ
+                x = F.SequenceMask(self.embed(F.stack(*ids, axis=1)), length,
+                                   use_sequence_length=True, axis=1)   # (1, T, UNITS)
+                steps = F.reshape(F.contrib.arange_like(x, axis=1), shape=(1, -1))
+                valid = F.broadcast_lesser(steps, F.reshape(length, shape=(-1, 1)))  # (1, T)
+                mask = F.broadcast_mul(F.expand_dims(valid, axis=1),
+                                       F.expand_dims(valid, axis=2))
+                out, _ = self.cell(x, mask)
+                valid = F.expand_dims(valid, axis=2)
+                return F.broadcast_div(F.sum(F.broadcast_mul(out, valid), axis=1),
+                                       F.sum(valid, axis=1))
+
         mx.random.seed(seed)
         self.block = Encoder()
         self.block.initialize(mx.init.Xavier())
@@ -118,6 +151,8 @@ class Model:
                                             params=self.block.collect_params())
             self.hybrid[training].hybridize(**flags)
         self.wrapped = dyb.DynBatchBlock(self.block)
+        self.padded_lists = dyb.DynBatchBlock(ListEncoder(prefix=self.block.prefix,
+                                                          params=self.block.collect_params()))
 
     def inputs(self, sentences, length=None):
         """Token ids, masks and valid tokens of ``sentences`` (numpy), padded
@@ -148,6 +183,12 @@ class Model:
             order = [i for numbers in by_length.values() for i in numbers]
             out = parts[0] if len(parts) == 1 else mx.nd.concat(*parts, dim=0)
             return mx.nd.take(out, mx.nd.array(np.argsort(order))), len(sentences)
+        if form == 'dynbatch-pad-lists':
+            with self.dyb.batching():
+                outs = [self.padded_lists(list(tokens.reshape(-1, 1)),
+                                          np.array([len(tokens)], np.float32))
+                        for tokens in sentences]
+            return self.dyb.concat_rows(outs), len(sentences)
         singles = [self.inputs([tokens]) for tokens in sentences]
         if form == 'dynbatch':
             with self.dyb.batching():
@@ -207,11 +248,27 @@ def check(model, sentences, many, tol):
             print('error: form %s disagrees with per-sample: %s' % (form, ', '.join(bad)),
                   file=sys.stderr)
             raise SystemExit(2)
-    per_sample = {sig.reason for sig in model.wrapped.signatures() if not sig.batch_safe}
+    per_sample = {sig.reason for block in (model.wrapped, model.padded_lists)
+                  for sig in block.signatures() if not sig.batch_safe}
     if per_sample:
         print('error: dynbatch runs per sample: %s' % '; '.join(sorted(per_sample)),
               file=sys.stderr)
         raise SystemExit(2)
+
+
+def warm_padded_lists(model, sentences, settings):
+    """Run ``dynbatch-pad-lists`` over ``sentences`` once per minibatch size
+    of ``settings``; returns the seconds it took and the padding checks it
+    ran.  Its calls pad a sentence to the longest of its step, and the
+    first time a length pads to another the block is checked (a padding
+    check, ~0.1 s) and a program built: ~230 pairs of lengths, ~25 s, which
+    would otherwise fall into the timed turns."""
+    from gluon_dynbatch.block import padding_checks  # pylint: disable=import-outside-toplevel
+    start, checks = time.perf_counter(), padding_checks()[0]
+    for batch in sorted({batch for _, batch in settings}):
+        for first in range(0, len(sentences), 2 * batch):
+            model.run('dynbatch-pad-lists', sentences[first:first + 2 * batch])[0].asnumpy()
+    return time.perf_counter() - start, padding_checks()[0] - checks
 
 
 def measure(model, sentences, settings, repeats, budget):
@@ -259,15 +316,17 @@ def table(results):
         row = [('%.0f' % statistics.median(results[s][form])) if form in results[s] else '-'
                for s in settings]
         lines.append('| %s | %s |' % (form, ' | '.join(row)))
-    for other in FORMS[:-1]:
+    for ours, other in [(ours, other) for ours in ('dynbatch', 'dynbatch-pad-lists')
+                        for other in FORMS if not other.startswith('dynbatch')] + \
+            [('dynbatch-pad-lists', 'dynbatch')]:
         row = []
         for s in settings:
             if other not in results[s]:
                 row.append('-')
                 continue
-            ratios = [a / b for a, b in zip(results[s]['dynbatch'], results[s][other])]
+            ratios = [a / b for a, b in zip(results[s][ours], results[s][other])]
             row.append('%.2fx' % statistics.median(ratios))
-        lines.append('| dynbatch / %s | %s |' % (other, ' | '.join(row)))
+        lines.append('| %s / %s | %s |' % (ours, other, ' | '.join(row)))
     return '\n'.join(lines) + '\n'
 
 
@@ -291,6 +350,11 @@ def main(argv=None):
     check(model, sentences[:16], sentences[16:16 + (70 if args.quick else 200)], args.tol)
     print('every form agrees with per-sample (tol %g); dynbatch batches' % args.tol,
           flush=True)
+    if not args.quick:
+        config['pad_lists_warm_up_s'], config['pad_lists_checks'] = warm_padded_lists(
+            model, sentences[:WARM_UP_SENTENCES], settings)
+        print('dynbatch-pad-lists warmed up: %d padding checks, %.1f s'
+              % (config['pad_lists_checks'], config['pad_lists_warm_up_s']), flush=True)
     results = measure(model, sentences, settings, repeats, budget)
     out_dir = args.out or os.path.join(HERE, 'results', 'quick' if args.quick else '')
     text = table(results)

@@ -794,4 +794,10 @@ batched value of several rows per sample (a sample folded into rows by a
 reshape, see :func:`~.trace.reshapes_keeping_rows`): each was read for it
 (a row-wise op acts on each of a sample's rows as on one sample's row).
 An op whose rule the user registered or replaced sees one row per sample,
-what rules were written for before."""
+what rules were written for before.
+
+A rule added here must keep that true: besides reshapes, no accepted op
+may change a batched value's axis 0.  The tracer's second check, shapes
+inferred for two samples, sees how many rows a value has, not which: an
+op that grew axis 0 (a ``tile``, ``repeat`` or ``concat`` along it) could
+pass it with the samples' rows interleaved (a review's remark)."""
