@@ -26,6 +26,9 @@ sentence's vector out):
                        token ids and its length, the masks computed from
                        the length, the block declaring ``pad_lists``: calls
                        of every length can run as one padded step
+``dynbatch-buckets``   the plain loop, each sentence padded on its own to a
+                       multiple of 8 tokens (its masks say which are real):
+                       calls of one bucket batch, ~4 steps a minibatch
 ``dynbatch``           the plain loop inside ``gluon_dynbatch.batching()``
 =====================  ======================================================
 
@@ -56,13 +59,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_treelstm as bt  # noqa: E402  (no MXNet import at module level)
 FORMS = ('per-sample', 'per-sample-hybrid', 'padded', 'by-length', 'dynbatch-pad-lists',
-         'dynbatch')
+         'dynbatch-buckets', 'dynbatch')
 SETTINGS = (('infer', 1), ('infer', 25), ('infer', 256), ('train', 25), ('train', 256))
 QUICK_SETTINGS = (('infer', 4), ('train', 4))
 PER_SAMPLE_MAX = 25
 """The per-sample forms stop a minibatch when their budget is spent, and
 skip settings past this minibatch size."""
 UNITS, HIDDEN, HEADS = 64, 128, 4
+BUCKET = 8
+"""``dynbatch-buckets`` pads a sentence to a multiple of this many tokens."""
 WARM_UP_SENTENCES = 2000
 """Sentences ``dynbatch-pad-lists`` runs before timing (see
 :func:`warm_padded_lists`)."""
@@ -187,6 +192,11 @@ class Model:
             with self.dyb.batching():
                 outs = [self.padded_lists(list(tokens.reshape(-1, 1)),
                                           np.array([len(tokens)], np.float32))
+                        for tokens in sentences]
+            return self.dyb.concat_rows(outs), len(sentences)
+        if form == 'dynbatch-buckets':
+            with self.dyb.batching():
+                outs = [self.wrapped(*self.inputs([tokens], -(-len(tokens) // BUCKET) * BUCKET))
                         for tokens in sentences]
             return self.dyb.concat_rows(outs), len(sentences)
         singles = [self.inputs([tokens]) for tokens in sentences]
@@ -316,9 +326,9 @@ def table(results):
         row = [('%.0f' % statistics.median(results[s][form])) if form in results[s] else '-'
                for s in settings]
         lines.append('| %s | %s |' % (form, ' | '.join(row)))
-    for ours, other in [(ours, other) for ours in ('dynbatch', 'dynbatch-pad-lists')
+    for ours, other in [(ours, other) for ours in ('dynbatch', 'dynbatch-buckets')
                         for other in FORMS if not other.startswith('dynbatch')] + \
-            [('dynbatch-pad-lists', 'dynbatch')]:
+            [('dynbatch-buckets', 'dynbatch'), ('dynbatch-pad-lists', 'dynbatch')]:
         row = []
         for s in settings:
             if other not in results[s]:

@@ -198,7 +198,7 @@ def test_quick_transformer_benchmark(tmp_path):
     assert set(res['results']) == {'infer B=4', 'train B=4'}
     for name, forms in res['results'].items():
         assert set(forms) == {'per-sample', 'per-sample-hybrid', 'padded', 'by-length',
-                              'dynbatch-pad-lists', 'dynbatch'}, name
+                              'dynbatch-pad-lists', 'dynbatch-buckets', 'dynbatch'}, name
         for form, rates in forms.items():
             assert rates and all(math.isfinite(r) and r > 0 for r in rates), (name, form)
     assert '| dynbatch / padded |' in (tmp_path / 'transformer.md').read_text()
