@@ -20,6 +20,7 @@ from mxnet.ndarray.ndarray import _DTYPE_NP_TO_MX
 from .errors import InputError, StatefulBlockWarning, user_stacklevel
 from .rules import (BUILTIN_RULES, JOIN_ADVICE, NOT_FUNCTIONS, RANDOM_LIKE, UNBATCHABLE, OpView,
                     batching_rule, draws_random)
+from .rules import _axes as _axes_of
 
 __all__ = ['symbol_json', 'flatten', 'regroup', 'leaf_count', 'TracedSignature', 'trace_signature',
            'prelu_by_ops', 'reshapes_keeping_rows', 'may_batch_on_axis_1', 'constant_shape',
@@ -1226,7 +1227,8 @@ def _batch_safe(nodes, heads, by_name, readers, data_names, opened, inference, s
                 return False, 'op %s (%s) sees a batched input of shape %s' % (
                     node['op'], node['name'], shape)
         if rows != {1}:
-            reason = _several_rows_reason(node, rule, rows, axes, shapes)
+            reason = _several_rows_reason(node, rule, _rows_read(node, axes, shapes), axes,
+                                          shapes)
             if reason:
                 return False, reason
             several.extend((entry[0], entry[1]) for entry, axis in zip(inputs, axes)
@@ -1263,6 +1265,29 @@ def _counts_along_a_sample_axis(node, axes, shapes):
     axis = OpView(node['op'], node.get('attrs', {}), [True], shapes).attr('axis')
     return isinstance(axis, int) and -len(shapes[0]) <= axis < len(shapes[0]) and \
         axis % len(shapes[0]) != 0
+
+
+def _rows_read(node, axes, shapes):
+    """The rows per sample of the inputs batched on axis 0 whose rows
+    ``node`` reads: not those of the second input of a ``broadcast_like``
+    or ``slice_like`` naming axes without axis 0, which gives only its
+    sizes along them (the result has the first input's rows).  So a
+    sample's one row broadcast like its folded rows' sizes on another axis
+    batches (``broadcast_like(length, scores, lhs_axes=(2,),
+    rhs_axes=(1,))``, a user trial's attention over valid lengths)."""
+    skip = None
+    if node['op'] in ('broadcast_like', 'slice_like') and len(shapes) == 2 and all(shapes):
+        view = OpView(node['op'], node.get('attrs', {}), [axis is not None for axis in axes],
+                      shapes)
+        if node['op'] == 'broadcast_like':
+            named = [view.attr(key) for key in ('lhs_axes', 'rhs_axes')]
+            if None not in named and 0 not in _axes_of(view, 'lhs_axes', len(shapes[0])) + \
+                    _axes_of(view, 'rhs_axes', len(shapes[1])):
+                skip = 1
+        elif view.attr('axes') and 0 not in _axes_of(view, 'axes', len(shapes[0])):
+            skip = 1
+    return {shape[0] for number, (axis, shape) in enumerate(zip(axes, shapes))
+            if axis == 0 and number != skip}
 
 
 def _several_rows(axes, shapes):

@@ -1550,11 +1550,45 @@ def test_folded_rows_read_by_every_element_of_a_list(strategy):
     assert block.signatures()[0].folded
 
 
+class LikeFolded(gluon.HybridBlock):
+    """A sample's one row broadcast like its two folded rows along axis 1,
+    and cut like them along axis 1: both read only the folded value's
+    sizes on axis 1, never its rows."""
+
+    def hybrid_forward(self, F, x):
+        rows = F.reshape(x, shape=(-1, 3))                                  # (2, 3)
+        first = F.slice_axis(x, axis=1, begin=0, end=1)                     # (1, 1)
+        wide = F.broadcast_like(first, rows, lhs_axes=(1,), rhs_axes=(1,))  # (1, 3)
+        cut = F.slice_like(x, rows, axes=(1,))                              # (1, 3)
+        return F.concat(wide * cut, F.reshape(F.tanh(rows), shape=(1, 6)), dim=1)
+
+
+@pytest.mark.parametrize('strategy', ['depth', 'cached'])
+def test_like_ops_reading_only_sizes_of_folded_rows_batch(strategy):
+    """``broadcast_like`` and ``slice_like`` naming axes without axis 0 read
+    the second input's sizes there, not its rows: a sample's one row
+    broadcast like its folded rows ran per sample ("reads batched inputs of
+    1 and 2 rows per sample", a user trial's softmax lengths broadcast like
+    the heads' scores).  One step, per-sample values and gradients."""
+    block = dyb.DynBatchBlock(LikeFolded())
+    rng = np.random.RandomState(4)
+    xs = [mx.nd.array(rng.uniform(-1, 1, (1, 6))) for _ in range(3)]
+    assert_same(run_both(lambda: [block(x) for x in xs], [block], xs, strategy))
+    batch_safe, reason = _verdict(block)
+    assert batch_safe, reason
+    assert block.signatures()[0].folded
+    assert dyb.stats()['last']['batch_sizes'] == [3]
+
+
 TWICE_ROWS = register_custom_op('test_rules_twice_rows', lambda a: a * 2)
 MIXED_ROWS = [
     # (name, per-sample op on a sample x of shape (1, 6), reason)
     ('broadcast of two rows and one', lambda F, x: F.reshape(F.broadcast_add(
         F.reshape(x, shape=(-1, 3)), F.slice_axis(x, axis=1, begin=0, end=3)), shape=(-1, 6)),
+     'reads batched inputs of 1 and 2 rows per sample'),
+    ('broadcast_like of one row like two on axis 0', lambda F, x: F.reshape(
+        F.broadcast_like(F.slice_axis(x, axis=1, begin=0, end=3), F.reshape(x, shape=(-1, 3)),
+                         lhs_axes=(0,), rhs_axes=(0,)), shape=(-1, 6)),
      'reads batched inputs of 1 and 2 rows per sample'),
     ('swapaxes of two rows', lambda F, x: F.reshape(F.swapaxes(
         F.reshape(x, shape=(-1, 3)), dim1=0, dim2=1), shape=(-1, 6)),
