@@ -1443,7 +1443,8 @@ def _time_major(node, nodes, axes, shapes, readers):
             return None, ('op %s reads per-sample rows stacked on axis 0 (time-major, the '
                           'batch on axis 1), which only RNN, SequenceMask, SequenceReverse '
                           'and split back along axis 0 take%s' % (op, JOIN_ADVICE))
-        return None, ('op %s reads a value whose batch axis is 1 (after swapaxes(x, 0, 1)); '
+        return None, ('op %s reads a value whose batch axis is 1 (moved there by a swapaxes or '
+                      'a transpose, time-major); '
                       'only RNN, SequenceMask, SequenceReverse, swapaxes or transpose back '
                       'to axis 0 and split along axis 0 take such values' % op)
     roles = ['data', 'parameters'] + ['state'] * (len(axes) - 2 - lengths) + \
