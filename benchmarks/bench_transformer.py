@@ -34,8 +34,8 @@ sentence's vector out):
 
 Every form is first checked against ``per-sample`` (results and gradients
 in training on 16 sentences, results in inference on 200; ``--tol``), and
-``dynbatch-pad-lists`` is warmed up over 2,000 sentences at each minibatch
-size (its padding checks, reported apart).
+``dynbatch-pad-lists`` is warmed up over the split at each minibatch size
+(its padding checks, reported apart).
 Measuring is as in ``bench_cells.py``: inference copies the results to the
 host, training runs forward and backward of the results' sum; repeats
 interleave the forms in a rotated order, each on the same minibatches; a
@@ -68,9 +68,7 @@ skip settings past this minibatch size."""
 UNITS, HIDDEN, HEADS = 64, 128, 4
 BUCKET = 8
 """``dynbatch-buckets`` pads a sentence to a multiple of this many tokens."""
-WARM_UP_SENTENCES = 2000
-"""Sentences ``dynbatch-pad-lists`` runs before timing (see
-:func:`warm_padded_lists`)."""
+
 
 
 def parse_args(argv=None):
@@ -267,12 +265,13 @@ def check(model, sentences, many, tol):
 
 
 def warm_padded_lists(model, sentences, settings):
-    """Run ``dynbatch-pad-lists`` over ``sentences`` once per minibatch size
-    of ``settings``; returns the seconds it took and the padding checks it
-    ran.  Its calls pad a sentence to the longest of its step, and the
-    first time a length pads to another the block is checked (a padding
-    check, ~0.1 s) and a program built: ~230 pairs of lengths, ~25 s, which
-    would otherwise fall into the timed turns."""
+    """Run ``dynbatch-pad-lists`` over ``sentences`` (the whole split, as
+    the timed turns walk it) once per minibatch size of ``settings``;
+    returns the seconds it took and the padding checks it ran.  Its calls
+    pad a sentence to the longest of its step, and the first time a length
+    pads to another the block is checked (a padding check, ~0.1 s) and a
+    program built: ~200 checks in the first 2,000 sentences, which would
+    otherwise fall into the timed turns."""
     from gluon_dynbatch.block import padding_checks  # pylint: disable=import-outside-toplevel
     start, checks = time.perf_counter(), padding_checks()[0]
     for batch in sorted({batch for _, batch in settings}):
@@ -362,7 +361,7 @@ def main(argv=None):
           flush=True)
     if not args.quick:
         config['pad_lists_warm_up_s'], config['pad_lists_checks'] = warm_padded_lists(
-            model, sentences[:WARM_UP_SENTENCES], settings)
+            model, sentences, settings)
         print('dynbatch-pad-lists warmed up: %d padding checks, %.1f s'
               % (config['pad_lists_checks'], config['pad_lists_warm_up_s']), flush=True)
     results = measure(model, sentences, settings, repeats, budget)
