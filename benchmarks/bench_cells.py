@@ -74,11 +74,19 @@ BUCKET = 64
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    p.add_argument('--data', default=None, help='SICK folder (else $GLUON_DYNBATCH_SICK, '
-                                                'else ../shared/data/sick)')
     p.add_argument('--cells', nargs='+', default=['LSTMCell', 'GRUCell'],
                    choices=['LSTMCell', 'GRUCell'])
-    p.add_argument('--engine', default='ThreadedEnginePerDevice',
+    return add_run_options(p, 'ThreadedEnginePerDevice', 'cells.json / cells.md').parse_args(argv)
+
+
+def add_run_options(p, engine, written):
+    """``p`` with the options of a run over SICK sentences (``--data``,
+    ``--engine`` defaulting to ``engine``, threads, repeats, budget,
+    tolerance, seed, ``--quick``, ``--out`` for the files ``written``):
+    this script's and ``bench_transformer.py``'s."""
+    p.add_argument('--data', default=None, help='SICK folder (else $GLUON_DYNBATCH_SICK, '
+                                                'else ../shared/data/sick)')
+    p.add_argument('--engine', default=engine,
                    choices=['ThreadedEnginePerDevice', 'NaiveEngine', 'ThreadedEngine'])
     p.add_argument('--threads', type=bt.positive_int, default=1,
                    help='OMP_NUM_THREADS / MKL_NUM_THREADS')
@@ -90,9 +98,9 @@ def parse_args(argv=None):
     p.add_argument('--seed', type=bt.seed_int, default=0, help='0 to %d' % bt.SEED_MAX)
     p.add_argument('--quick', action='store_true')
     p.add_argument('--out', default=None,
-                   help='folder for cells.json / cells.md (default benchmarks/results; '
-                        'quick: benchmarks/results/quick)')
-    return p.parse_args(argv)
+                   help='folder for %s (default benchmarks/results; '
+                        'quick: benchmarks/results/quick)' % written)
+    return p
 
 
 class Step:
@@ -264,23 +272,24 @@ def sentences_of(items):
     return out
 
 
-def check(model, sentences, many, tol):
+def check(model, sentences, many, tol, forms=FORMS, width=HIDDEN):
     """Every form's results and gradients on ``sentences``, and its results
     in inference on ``many`` (steps on both sides of
-    ``lower.FAST_FORMS_ROWS``, several buckets), against per-sample; exits
-    2 on a difference."""
+    ``lower.FAST_FORMS_ROWS``, several buckets), against per-sample (the
+    first of ``forms``; results ``width`` wide); exits 2 on a difference.
+    ``bench_transformer.py`` checks its forms so too."""
     import numpy as np
     with model.mx.autograd.pause():
         want = model.run('per-sample', many)[0].asnumpy()
-        for form in FORMS[1:]:
+        for form in forms[1:]:
             if not np.allclose(model.run(form, many)[0].asnumpy(), want, atol=tol, rtol=0):
                 print('error: form %s disagrees with per-sample in inference on %d sentences'
                       % (form, len(many)), file=sys.stderr)
                 raise SystemExit(2)
     weights = model.mx.nd.array(np.random.RandomState(1).uniform(-1, 1, (len(sentences),
-                                                                         HIDDEN)))
+                                                                         width)))
     want, want_grads = model.grads('per-sample', sentences, weights)
-    for form in FORMS[1:]:
+    for form in forms[1:]:
         got, grads = model.grads(form, sentences, weights)
         bad = [] if np.allclose(got, want, atol=tol, rtol=0) else ['results']
         for name, grad in want_grads.items():
@@ -293,16 +302,18 @@ def check(model, sentences, many, tol):
             raise SystemExit(2)
 
 
-def measure(model, sentences, settings, repeats, budget):
-    """{setting: {form: [pairs/s per repeat]}}."""
+def measure(model, sentences, settings, repeats, budget, all_forms=FORMS):
+    """{setting: {form: [pairs/s per repeat]}} for the forms ``all_forms``
+    (``bench_transformer.py`` measures its own so)."""
     mx = model.mx
-    for form in FORMS:        # trace, build programs, calibrate the cost model
+    for form in all_forms:    # trace, build programs, calibrate the cost model
         model.run(form, sentences[:8])[0].asnumpy()
     results, offset = {}, 0
     pairs_in_data = len(sentences) // 2
     for mode, batch in settings:
         name = '%s B=%d' % (mode, batch)
-        forms = [f for f in FORMS if batch <= PER_SAMPLE_MAX or not f.startswith('per-sample')]
+        forms = [f for f in all_forms
+                 if batch <= PER_SAMPLE_MAX or not f.startswith('per-sample')]
         rates = results[name] = {form: [] for form in forms}
         for rep in range(repeats):
             turn = forms[rep % len(forms):] + forms[:rep % len(forms)]
@@ -413,25 +424,34 @@ def write(args, out):
     print('wrote %s (the tables in Markdown)' % md_path)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    if len(args.cells) > 1:
-        return each_cell_apart(args)
+def start_run(args, settings):
+    """Set the engine and threads ``args`` name (before MXNet is imported),
+    load SICK's test split and print the run's settings; returns
+    ``(repeats, budget, settings, items, vocab_size, config)``: this
+    script's start and ``bench_transformer.py``'s."""
     os.environ['MXNET_ENGINE_TYPE'] = args.engine
     os.environ['OMP_NUM_THREADS'] = os.environ['MKL_NUM_THREADS'] = str(args.threads)
     import mxnet as mx                 # pylint: disable=import-outside-toplevel
-    from gluon_dynbatch import trace   # pylint: disable=import-outside-toplevel
     repeats = args.repeats or (2 if args.quick else 5)
     budget = args.budget or (0.1 if args.quick else 0.5)
-    settings = QUICK_SETTINGS if args.quick else SETTINGS
     _, items, _, vocab_size, _ = bt.load_data(bt.build_parser().parse_args(
         ['--data', args.data, '--seed', str(args.seed)] if args.data else
         ['--seed', str(args.seed)]))
-    sentences = sentences_of(items)
     config = {'engine': args.engine, 'OMP_NUM_THREADS': str(args.threads),
               'mxnet': mx.__version__, 'repeats': repeats, 'budget_s': budget,
               'cpu': bt._cpu_model()}      # pylint: disable=protected-access
     print(' '.join('%s=%s' % kv for kv in config.items()), flush=True)
+    return repeats, budget, settings, items, vocab_size, config
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if len(args.cells) > 1:
+        return each_cell_apart(args)
+    repeats, budget, settings, items, vocab_size, config = start_run(
+        args, QUICK_SETTINGS if args.quick else SETTINGS)
+    from gluon_dynbatch import trace   # pylint: disable=import-outside-toplevel
+    sentences = sentences_of(items)
     all_results, traced, fast_forms = {}, {}, trace.fast_forms
     for cell in args.cells:
         model = Step(cell, vocab_size, args.seed)

@@ -48,7 +48,6 @@ repeat.  Writes ``transformer.json`` and ``transformer.md``.
     python benchmarks/bench_transformer.py --quick    # a smoke run
 """
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -57,7 +56,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import bench_treelstm as bt  # noqa: E402  (no MXNet import at module level)
+import bench_cells  # noqa: E402  (no MXNet import at module level)
 FORMS = ('per-sample', 'per-sample-hybrid', 'padded', 'by-length', 'dynbatch-pad-lists',
          'dynbatch-buckets', 'dynbatch')
 SETTINGS = (('infer', 1), ('infer', 25), ('infer', 256), ('train', 25), ('train', 256))
@@ -70,26 +69,10 @@ BUCKET = 8
 """``dynbatch-buckets`` pads a sentence to a multiple of this many tokens."""
 
 
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    p.add_argument('--data', default=None, help='SICK folder (else $GLUON_DYNBATCH_SICK, '
-                                                'else ../shared/data/sick)')
-    p.add_argument('--engine', default='NaiveEngine',
-                   choices=['NaiveEngine', 'ThreadedEnginePerDevice', 'ThreadedEngine'])
-    p.add_argument('--threads', type=bt.positive_int, default=1,
-                   help='OMP_NUM_THREADS / MKL_NUM_THREADS')
-    p.add_argument('--repeats', type=bt.positive_int, default=None, help='default 5; quick 2')
-    p.add_argument('--budget', type=bt.positive_float, default=None,
-                   help='seconds per form per repeat per setting (default 0.5; quick 0.1)')
-    p.add_argument('--tol', type=bt.non_negative_float, default=1e-4,
-                   help='equivalence tolerance (0: bit for bit)')
-    p.add_argument('--seed', type=bt.seed_int, default=0, help='0 to %d' % bt.SEED_MAX)
-    p.add_argument('--quick', action='store_true')
-    p.add_argument('--out', default=None,
-                   help='folder for transformer.json / .md (default benchmarks/results; '
-                        'quick: benchmarks/results/quick)')
-    return p.parse_args(argv)
+    return bench_cells.add_run_options(p, 'NaiveEngine',
+                                       'transformer.json / .md').parse_args(argv)
 
 
 class Model:
@@ -232,30 +215,10 @@ def sentences_of(items):
 
 def check(model, sentences, many, tol):
     """Every form's results and gradients on ``sentences``, and its results
-    in inference on ``many``, against per-sample; exits 2 on a difference
-    or where ``dynbatch`` ran a signature per sample."""
-    import numpy as np
-    with model.mx.autograd.pause():
-        want = model.run('per-sample', many)[0].asnumpy()
-        for form in FORMS[1:]:
-            if not np.allclose(model.run(form, many)[0].asnumpy(), want, atol=tol, rtol=0):
-                print('error: form %s disagrees with per-sample in inference on %d sentences'
-                      % (form, len(many)), file=sys.stderr)
-                raise SystemExit(2)
-    weights = model.mx.nd.array(np.random.RandomState(1).uniform(-1, 1, (len(sentences),
-                                                                         UNITS)))
-    want, want_grads = model.grads('per-sample', sentences, weights)
-    for form in FORMS[1:]:
-        got, grads = model.grads(form, sentences, weights)
-        bad = [] if np.allclose(got, want, atol=tol, rtol=0) else ['results']
-        for name, grad in want_grads.items():
-            scale = max(float(np.abs(grad).max()), 1e-12)
-            if np.abs(grads[name] - grad).max() > tol * scale:
-                bad.append('gradient of %s' % name)
-        if bad:
-            print('error: form %s disagrees with per-sample: %s' % (form, ', '.join(bad)),
-                  file=sys.stderr)
-            raise SystemExit(2)
+    in inference on ``many``, against per-sample (``bench_cells.check``);
+    exits 2 on a difference or where a ``dynbatch`` form ran a signature
+    per sample."""
+    bench_cells.check(model, sentences, many, tol, forms=FORMS, width=UNITS)
     per_sample = {sig.reason for block in (model.wrapped, model.padded_lists)
                   for sig in block.signatures() if not sig.batch_safe}
     if per_sample:
@@ -278,42 +241,6 @@ def warm_padded_lists(model, sentences, settings):
         for first in range(0, len(sentences), 2 * batch):
             model.run('dynbatch-pad-lists', sentences[first:first + 2 * batch])[0].asnumpy()
     return time.perf_counter() - start, padding_checks()[0] - checks
-
-
-def measure(model, sentences, settings, repeats, budget):
-    """{setting: {form: [pairs/s per repeat]}}."""
-    mx = model.mx
-    for form in FORMS:        # trace, build programs, calibrate the cost model
-        model.run(form, sentences[:8])[0].asnumpy()
-    results, offset = {}, 0
-    pairs_in_data = len(sentences) // 2
-    for mode, batch in settings:
-        name = '%s B=%d' % (mode, batch)
-        forms = [f for f in FORMS if batch <= PER_SAMPLE_MAX or not f.startswith('per-sample')]
-        rates = results[name] = {form: [] for form in forms}
-        for rep in range(repeats):
-            turn = forms[rep % len(forms):] + forms[:rep % len(forms)]
-            offset += 997       # every form of a repeat walks the same minibatches
-            for form in turn:
-                gc.collect()    # not in the next form's turn: a form's own garbage
-                pairs, start, walked = 0, time.perf_counter(), offset
-                deadline = start + budget
-                while time.perf_counter() < deadline:
-                    first = (walked % (pairs_in_data - batch)) * 2
-                    walked += batch
-                    part = sentences[first:first + 2 * batch]
-                    with mx.autograd.record() if mode == 'train' else mx.autograd.pause():
-                        out, done = model.run(form, part, deadline)
-                        loss = out.sum() if mode == 'train' else out
-                    if mode == 'train':
-                        loss.backward()
-                    loss.asnumpy()
-                    pairs += done / 2
-                mx.nd.waitall()     # a turn ends when its work (the backward too) is done
-                rates[form].append(pairs / (time.perf_counter() - start))
-        print('%-12s %s' % (name, '  '.join('%s %.0f' % (f, statistics.median(r))
-                                             for f, r in rates.items())), flush=True)
-    return results
 
 
 def table(results):
@@ -341,20 +268,9 @@ def table(results):
 
 def main(argv=None):
     args = parse_args(argv)
-    os.environ['MXNET_ENGINE_TYPE'] = args.engine
-    os.environ['OMP_NUM_THREADS'] = os.environ['MKL_NUM_THREADS'] = str(args.threads)
-    import mxnet as mx                 # pylint: disable=import-outside-toplevel
-    repeats = args.repeats or (2 if args.quick else 5)
-    budget = args.budget or (0.1 if args.quick else 0.5)
-    settings = QUICK_SETTINGS if args.quick else SETTINGS
-    _, items, _, vocab_size, _ = bt.load_data(bt.build_parser().parse_args(
-        ['--data', args.data, '--seed', str(args.seed)] if args.data else
-        ['--seed', str(args.seed)]))
+    repeats, budget, settings, items, vocab_size, config = bench_cells.start_run(
+        args, QUICK_SETTINGS if args.quick else SETTINGS)
     sentences = sentences_of(items)
-    config = {'engine': args.engine, 'OMP_NUM_THREADS': str(args.threads),
-              'mxnet': mx.__version__, 'repeats': repeats, 'budget_s': budget,
-              'cpu': bt._cpu_model()}      # pylint: disable=protected-access
-    print(' '.join('%s=%s' % kv for kv in config.items()), flush=True)
     model = Model(vocab_size, args.seed)
     check(model, sentences[:16], sentences[16:16 + (70 if args.quick else 200)], args.tol)
     print('every form agrees with per-sample (tol %g); dynbatch batches' % args.tol,
@@ -364,7 +280,7 @@ def main(argv=None):
             model, sentences, settings)
         print('dynbatch-pad-lists warmed up: %d padding checks, %.1f s'
               % (config['pad_lists_checks'], config['pad_lists_warm_up_s']), flush=True)
-    results = measure(model, sentences, settings, repeats, budget)
+    results = bench_cells.measure(model, sentences, settings, repeats, budget, FORMS)
     out_dir = args.out or os.path.join(HERE, 'results', 'quick' if args.quick else '')
     text = table(results)
     print(text)
