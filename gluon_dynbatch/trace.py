@@ -546,7 +546,7 @@ def reshapes_keeping_rows(symbol, known):
     values along axis 0, each sample's elements one contiguous run, and a
     reshape keeps the order of the elements; so with the sizes after axis 0
     fixed, the batched result holds each call's result in turn, its rows
-    those of the call (:func:`check_batch_safe` follows how many rows a
+    those of the call (``check_batch_safe`` follows how many rows a
     sample has).  Per-sample code writes targets that do not say so:
     ``(1, d, 2 * d)`` (a user trial's RNTN), or ``(-1, 0, 0)`` read from
     the right, as gluonnlp's multi-head attention folds its heads into
@@ -1310,7 +1310,7 @@ def _several_rows_reason(node, rule, rows, axes, shapes):
     if rule is not BUILTIN_RULES.get(node['op']):
         return ('op %s (%s) has a batching rule of the user\'s, written for one row per '
                 'sample, but reads a sample of several rows, of shape %s (a reshape folded it '
-                'into rows): reshape it to one row, shape=(0, ...) or (1, ...), before the op'
+                'into rows): reshape it to one row, shape=(1, ...), before the op'
                 % (node['op'], node['name'], _several_rows(axes, shapes)))
     return None
 
