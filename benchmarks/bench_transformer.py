@@ -61,9 +61,6 @@ FORMS = ('per-sample', 'per-sample-hybrid', 'padded', 'by-length', 'dynbatch-pad
          'dynbatch-buckets', 'dynbatch')
 SETTINGS = (('infer', 1), ('infer', 25), ('infer', 256), ('train', 25), ('train', 256))
 QUICK_SETTINGS = (('infer', 4), ('train', 4))
-PER_SAMPLE_MAX = 25
-"""The per-sample forms stop a minibatch when their budget is spent, and
-skip settings past this minibatch size."""
 UNITS, HIDDEN, HEADS = 64, 128, 4
 BUCKET = 8
 """``dynbatch-buckets`` pads a sentence to a multiple of this many tokens."""
@@ -232,9 +229,9 @@ def warm_padded_lists(model, sentences, settings):
     the timed turns walk it) once per minibatch size of ``settings``;
     returns the seconds it took and the padding checks it ran.  Its calls
     pad a sentence to the longest of its step, and the first time a length
-    pads to another the block is checked (a padding check, ~0.1 s) and a
-    program built: ~200 checks in the first 2,000 sentences, which would
-    otherwise fall into the timed turns."""
+    pads to another the block is checked (a padding check; ~0.15 s with the
+    calls that wait for it) and a program built: ~200 checks in the first
+    2,000 sentences, which would otherwise fall into the timed turns."""
     from gluon_dynbatch.block import padding_checks  # pylint: disable=import-outside-toplevel
     start, checks = time.perf_counter(), padding_checks()[0]
     for batch in sorted({batch for _, batch in settings}):

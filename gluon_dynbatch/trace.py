@@ -979,7 +979,7 @@ def _infer_shapes(block, symbol, known, shapes):
             advice = ('the first unknown shape is the output of its op %s (%s), whose inputs '
                       'are known: its output shape depends on the input values (as '
                       'contrib.boolean_mask\'s does), or MXNet\'s shape inference does not '
-                      'see through the op (contrib.cond, foreach, while_loop), and batching '
+                      'see through the op (contrib.cond and while_loop, say), and batching '
                       'must know it ahead of the data. Call the block outside the scope, or '
                       'move that op out of it.' % unknown)
         raise InputError('block %s: output shapes cannot be inferred from inputs %s; %s'
