@@ -29,7 +29,7 @@ from mxnet.gluon import Block
 from mxnet.ndarray.ndarray import _DTYPE_NP_TO_MX
 
 from . import accel, debug
-from .errors import InputError, PerSampleWarning, ScopeError, user_stacklevel
+from .errors import InputError, PerSampleWarning, ScopeError, user_line, user_stacklevel
 from .execute import (changed_parameters_error, collect, pad_leaves, rows_of, run_plan,
                       threaded_engine, to_device)
 from .graph import (_LAZY_OPERATOR, DONE, FAILED, OPERATOR_BLOCKS, PENDING, LazyValue, Node,
@@ -125,14 +125,18 @@ def current_scope():
 READ_FLUSHES = 32
 """Flushes that reads of pending values ran in one scope before a scope
 whose steps held fewer than two calls each on average warns, once a
-process (see :meth:`BatchingScope.flush_to_read`)."""
+reading line (see :meth:`BatchingScope.flush_to_read`)."""
 
-_READS_WARNED = False
+_READS_WARNED = set()
+"""The user's lines, ``(file, line)``, whose reads the process has warned
+about (see :meth:`BatchingScope.flush_to_read`)."""
 
 
 def _warn_reads(reads):
-    global _READS_WARNED        # pylint: disable=global-statement
-    _READS_WARNED = True
+    where = user_line()
+    if where in _READS_WARNED:
+        return
+    _READS_WARNED.add(where)
     warnings.warn(PerSampleWarning(
         'values read inside a batching() scope ran %d flushes of the calls pending, whose steps '
         'held %.1f calls each on average: correct, but about one call at a time. A read runs '
@@ -157,7 +161,7 @@ class BatchingScope:
     every call, straight from the slots."""
     __slots__ = ('strategy', 'pending', 'record_s', 'groups', 'used', 'unsafe', 'tape',
                  'flush_at', 'flush_every', 'follow_engine', 'marker', 'mode', 'thread',
-                 'repeats', 'repeated', 'flushed', 'expected', 'failure', 'reads')
+                 'repeats', 'repeated', 'flushed', 'expected', 'failure', 'reads', 'reads_warned')
 
     def __init__(self, strategy, flush_every=None, follow_engine=False, merge_repeats=True):
         self.strategy = strategy
@@ -173,6 +177,7 @@ class BatchingScope:
         # values raised (see LazyValue.asnumpy): every value of it then fails
         self.failure = None
         self.reads = [0, 0, 0]  # flushes a read ran, and their calls and steps
+        self.reads_warned = False   # whether they were warned about (flush_to_read)
         self.pending = []
         self.record_s = 0.0
         self.groups = {}     # (depth, family) -> calls
@@ -332,17 +337,20 @@ class BatchingScope:
         """:meth:`flush`, for a read of a pending value (``value.data``).
         A loop that reads each sample's values before it starts the next
         sample batches nothing: after :data:`READ_FLUSHES` such flushes in
-        a scope whose steps held fewer than two calls on average, the
-        process warns once (two user trials' greedy decoders ran so, ~1
-        call a step, slower than plain Gluon, with no sign why)."""
+        a scope whose steps held fewer than two calls on average, the scope
+        warns, once for each line of user code that reads so (two user
+        trials' greedy decoders ran so, ~1 call a step, slower than plain
+        Gluon, with no sign why; a third's second model, reading at another
+        line, got no warning while it was given once a process)."""
         ran = self.flush()
-        if ran is None or _READS_WARNED:
+        if ran is None or self.reads_warned:
             return
         reads = self.reads
         reads[0] += 1
         reads[1] += ran[0]
         reads[2] += ran[1]
         if reads[0] >= READ_FLUSHES and reads[1] < 2 * reads[2]:
+            self.reads_warned = True
             _warn_reads(reads)
 
     def _flush(self):

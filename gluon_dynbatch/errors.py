@@ -78,7 +78,20 @@ def user_stacklevel():
     frame of its own, the Python one adds two) and ``contextlib`` (a
     scope's ``with`` that runs the flush)."""
     frame, level = sys._getframe(1), 1    # pylint: disable=protected-access
-    while frame is not None and (frame.f_code.co_filename.startswith(_PACKAGE) or
-                                 frame.f_code.co_filename == _CONTEXTLIB):
+    while _ours(frame):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def user_line():
+    """``(file, line)`` of the user's line that :func:`user_stacklevel`
+    points at, or None."""
+    frame = sys._getframe(1)    # pylint: disable=protected-access
+    while _ours(frame):
+        frame = frame.f_back
+    return None if frame is None else (frame.f_code.co_filename, frame.f_lineno)
+
+
+def _ours(frame):
+    return frame is not None and (frame.f_code.co_filename.startswith(_PACKAGE) or
+                                  frame.f_code.co_filename == _CONTEXTLIB)

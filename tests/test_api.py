@@ -2899,16 +2899,54 @@ def test_cell_reset_by_its_trace_gives_no_state_warning():
     assert 'reset' not in vars(block.block.cell)
 
 
+def _read_each_call(dense, xs):
+    """The sample-by-sample loop: every call read before the next."""
+    states = list(xs)
+    for _ in range(5):
+        states = [dense(h).data for h in states]     # (reading line A)
+    return states
+
+
+def _line_of(mark):
+    with open(__file__) as f:
+        return [number for number, line in enumerate(f, 1) if line.rstrip().endswith(mark)]
+
+
+def test_reads_that_batch_nothing_warn_once_per_reading_line(monkeypatch):
+    """The warning was given once a process, so a second model reading so at
+    another line got none (a user trial).  It is given once per line of user
+    code that reads: the same line in a second scope says nothing more,
+    another line says it again."""
+    from gluon_dynbatch import block as block_module
+    monkeypatch.setattr(block_module, '_READS_WARNED', set())
+    dense = dyb.DynBatchBlock(gluon.nn.Dense(3, in_units=3))
+    dense.initialize(mx.init.Uniform(0.5))
+    xs = [mx.nd.array(np.random.RandomState(i).uniform(-1, 1, (1, 3))) for i in range(8)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        for _ in range(2):      # one line, two scopes: one warning
+            with dyb.batching('depth'):
+                _read_each_call(dense, xs)
+        with dyb.batching('depth'):     # another line: another warning
+            states = list(xs)
+            for _ in range(5):
+                states = [dense(h).data for h in states]     # (reading line B)
+    said = [w for w in caught if issubclass(w.category, dyb.PerSampleWarning)]
+    assert [w.lineno for w in said] == _line_of('(reading line A)') + _line_of(
+        '(reading line B)')
+    assert all(w.filename == __file__ for w in said)
+
+
 @pytest.mark.parametrize('lock_step', [False, True])
 def test_reads_that_batch_nothing_warn_once(monkeypatch, lock_step):
     """A greedy loop that reads each sample's value before it starts the
     next runs one call a step, slower than plain Gluon, and two user trials
     saw no sign why: after READ_FLUSHES such flushes a scope warns, once a
-    process, with the lock-step advice.  The same loop in lock-step (every
+    reading line, with the lock-step advice.  The same loop in lock-step (every
     sample advanced, then all read) flushes as often with a step of every
     sample, and does not warn.  Values are per-sample either way."""
     from gluon_dynbatch import block as block_module
-    monkeypatch.setattr(block_module, '_READS_WARNED', False)
+    monkeypatch.setattr(block_module, '_READS_WARNED', set())
     dense = dyb.DynBatchBlock(gluon.nn.Dense(3, in_units=3))
     dense.initialize(mx.init.Uniform(0.5))
     xs = [mx.nd.array(np.random.RandomState(i).uniform(-1, 1, (1, 3))) for i in range(8)]
