@@ -107,9 +107,8 @@ class Model:
             zeroed and the masks computed from the length, so padding the
             list with id 0 changes nothing, and the block declares
             ``pad_lists``.  (Without the ``SequenceMask`` the padding check
-            refused it, and said to mask so: with its random parameters the
-            padded positions' values grew past float range, and their
-            gradients, times zero, were NaN.)"""
+            refused it, the embedding's gradient differing under its random
+            parameters, and said to mask the rows past the length so.)"""
             dynbatch_pad_lists = True
 
             def hybrid_forward(self, F, ids, length):  # pylint: disable=arguments-differ
@@ -166,22 +165,15 @@ class Model:
             order = [i for numbers in by_length.values() for i in numbers]
             out = parts[0] if len(parts) == 1 else mx.nd.concat(*parts, dim=0)
             return mx.nd.take(out, mx.nd.array(np.argsort(order))), len(sentences)
-        if form == 'dynbatch-pad-lists':
+        if form.startswith('dynbatch'):
+            block, arguments = self.wrapped, self._per_sample_arguments
+            if form == 'dynbatch-pad-lists':
+                block, arguments = self.padded_lists, self._list_arguments
             with self.dyb.batching():
-                outs = [self.padded_lists(list(tokens.reshape(-1, 1)),
-                                          np.array([len(tokens)], np.float32))
-                        for tokens in sentences]
-            return self.dyb.concat_rows(outs), len(sentences)
-        if form == 'dynbatch-buckets':
-            with self.dyb.batching():
-                outs = [self.wrapped(*self.inputs([tokens], -(-len(tokens) // BUCKET) * BUCKET))
+                outs = [block(*arguments(tokens, form == 'dynbatch-buckets'))
                         for tokens in sentences]
             return self.dyb.concat_rows(outs), len(sentences)
         singles = [self.inputs([tokens]) for tokens in sentences]
-        if form == 'dynbatch':
-            with self.dyb.batching():
-                outs = [self.wrapped(*arrays) for arrays in singles]
-            return self.dyb.concat_rows(outs), len(sentences)
         block = self.block if form == 'per-sample' else hybrid
         outs = []
         for arrays in singles:
@@ -189,6 +181,15 @@ class Model:
             if deadline is not None and time.perf_counter() > deadline:
                 break
         return mx.nd.concat(*outs, dim=0), len(outs)
+
+    def _per_sample_arguments(self, tokens, bucket):
+        """One sentence's ids and masks, padded (``bucket``) to a multiple of
+        :data:`BUCKET` tokens or not at all."""
+        return self.inputs([tokens], -(-len(tokens) // BUCKET) * BUCKET if bucket else None)
+
+    def _list_arguments(self, tokens, _):
+        """One sentence as a list of (1,) ids and its length, (1,)."""
+        return list(tokens.reshape(-1, 1)), self.np.array([len(tokens)], self.np.float32)
 
     def grads(self, form, sentences, weights):
         """Results and the gradients of sum(weights * results)."""
