@@ -101,7 +101,7 @@ class LazyValue:
     """A block call's output that may not be computed yet.
 
     Its ``shape`` (per sample, leading axis 1), ``ndim``, ``size``, ``dtype``
-    and ``context`` are known at once (they are its signature's).  Reading
+    and ``context`` (or ``ctx``) are known at once (they are its signature's).  Reading
     ``.data`` or ``.asnumpy()`` inside a scope runs the pending calls first
     (batched) and recording then goes on.  Arithmetic (``+ - * / ** %``,
     unary ``-``, ``abs()``) and comparisons (``< <= > >= == !=``, giving
@@ -133,6 +133,11 @@ class LazyValue:
     @property
     def context(self):
         """The MXNet context the value is computed on."""
+        return self._node.sig.ctx
+
+    @property
+    def ctx(self):
+        """Alias of :attr:`context`, as NDArray's (``zeros(..., ctx=h.ctx)``)."""
         return self._node.sig.ctx
 
     @property

@@ -37,6 +37,8 @@ def test_recording_is_lazy_and_knows_shapes():
         assert isinstance(y, dyb.LazyValue) and not y.ready
         assert y.shape == (1, 4) and y.dtype == np.float32
         assert (y.ndim, y.size) == (2, 4)       # as NDArray's
+        assert y.context == y.ctx == mx.cpu()   # (per-sample code writes ctx=h.ctx)
+        assert mx.nd.zeros(y.shape, ctx=y.ctx).shape == (1, 4)
         assert dyb.stats()['flushes'] == 0
     assert y.ready and y.data.shape == (1, 4)
     assert dyb.stats()['flushes'] == 1
