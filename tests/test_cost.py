@@ -709,7 +709,7 @@ def test_auto_replaces_a_stale_cached_plan(monkeypatch):
     trees = [random_tree(rng, n, 6) for n in (30, 40, 50, 60)]
     want = [o.asnumpy() for o in record_trees(cell, trees)]
     model = dyb.CostModel()
-    model.observe_steps = lambda plan, seconds: None     # keep the step costs fixed
+    model.observe_steps = lambda plan, seconds, **_: None     # keep the step costs fixed
     auto = dyb.Auto(model=model, probe_every=4, small=1)
     auto.cached = dyb.CachedPlan()
     PADDING_COST['family_step_us'].clear()
@@ -1099,7 +1099,7 @@ def test_a_replayed_small_plan_is_planned_anew_now_and_then(monkeypatch, train):
     rng = np.random.RandomState(11)
     trees = [random_tree(rng, n, 6) for n in (6, 8, 10)]
     model = dyb.CostModel()
-    monkeypatch.setattr(model, 'observe_steps', lambda plan, seconds: None)    # costs fixed
+    monkeypatch.setattr(model, 'observe_steps', lambda plan, seconds, **_: None)  # costs fixed
     auto = dyb.Auto(model=model, probe_every=2)
     want = [o.asnumpy() for o in record_trees(cell, trees)]
     ran = []
@@ -1150,6 +1150,42 @@ def test_a_value_read_after_every_call_flushes_calls_one_by_one(strategy):
         assert strategy.choices == {'depth': 6} and strategy.model.to_dict() == before
         with pytest.raises(TypeError):
             strategy.last['choice'] = 'agenda'      # shared by such flushes: read-only
+
+
+def test_a_family_with_no_line_to_fit_is_priced_from_its_steps(monkeypatch):
+    """Steps of a family that all had as many elements (one heavy step a
+    flush) fit no line; until one fits, the family's step cost is its
+    steps' time less the per-element cost, so that its flushes are no
+    longer predicted at the default step cost (a capsule network's: 0.3
+    ms predicted, 4.5 ms run).  A flush that built a program teaches
+    nothing so, and once a line fits, only lines move the cost."""
+    from types import SimpleNamespace
+    from gluon_dynbatch import cost
+    from gluon_dynbatch.plan import PADDING_COST
+    monkeypatch.setitem(PADDING_COST, 'family_step_us', {})
+    monkeypatch.setattr(cost, 'FITTED_FAMILIES', set())
+    model = dyb.CostModel(step_us=300, row_us=2)
+    sig = SimpleNamespace(group_key=7, data_names=('x', 'y'))
+
+    def plan(*calls):
+        return SimpleNamespace(steps=[SimpleNamespace(sig=sig, ragged=False, nodes=[None] * n)
+                                      for n in calls])
+    model.observe_steps(plan(64), [0.004], single=False)       # building its program
+    assert 7 not in model.family_step_us
+    model.observe_steps(plan(64), [0.004])
+    assert model.family_step_us[7] == pytest.approx(4000 - 2 * 64)
+    predicted = model.predict(64, 1, groups={(0, 7): 64})['depth'][1]
+    assert predicted == pytest.approx(4.0)
+    model.observe_steps(plan(10, 30), [0.001, 0.002])   # a line: 500 + 25 us an element
+    fitted = model.family_step_us[7]
+    assert fitted == pytest.approx(3872 + 0.2 * (500 - 3872))
+    model.observe_steps(plan(64), [0.004])
+    assert model.family_step_us[7] == fitted
+    # never priced below the default step: 8 calls of 60 us, less 2 us each
+    light = SimpleNamespace(group_key=8, data_names=('x',))
+    model.observe_steps(SimpleNamespace(steps=[SimpleNamespace(
+        sig=light, ragged=False, nodes=[None] * 8)] * 5), [60e-6] * 5)
+    assert 8 not in model.family_step_us
 
 
 def test_no_run_factor_is_learned_from_a_flush_that_first_priced_its_blocks():
