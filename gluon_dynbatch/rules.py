@@ -593,7 +593,23 @@ register_batching_rule('concat', 'Concat')(_axis_rule('dim', 1, need_all_batched
 register_batching_rule('stack')(_axis_rule('axis', 0, need_all_batched=True, added=1,
                                            advice=JOIN_ADVICE))
 register_batching_rule('expand_dims')(_axis_rule('axis', None, added=1))
-register_batching_rule('slice_axis', 'repeat', 'argmax', 'argmin')(_axis_rule('axis', None))
+register_batching_rule('slice_axis', 'argmax', 'argmin')(_axis_rule('axis', None))
+
+
+@register_batching_rule('repeat')
+def _repeat(op):
+    """Along any axis but the batch axis.  Along axis 0 it gives a sample
+    more rows, which batched no rule may do (see :data:`BUILTIN_RULES`);
+    the refusal shows the form that batches (a user trial's per-head
+    lengths in a graph transformer)."""
+    reason = _axis_rule('axis', None)(op)
+    if reason and op.attr('axis', None) is not None:
+        reason += ('; to repeat each of a sample\'s rows n times, write '
+                   'F.broadcast_axis(F.expand_dims(x, axis=1), axis=1, size=n).reshape((-3, -2)), '
+                   'which batches')
+    return reason
+
+
 # SliceChannel (split) cuts along axis 1 unless told otherwise: Gluon's
 # LSTMCell and GRUCell slice their gates so, and ran per sample while a
 # missing axis was taken for every axis

@@ -2631,6 +2631,48 @@ def test_a_readout_stacked_on_axis_0_is_told_the_form_that_batches():
     assert dyb.stats()['last']['batch_sizes'] == [4]
 
 
+class PerHeadLength(gluon.HybridBlock):
+    """Two heads folded into axis 0, each scaled by the sample's length
+    repeated per head: by ``F.repeat`` on axis 0 (``how='repeat'``), or by
+    the form the refusal of that names."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        with self.name_scope():
+            self.dense = gluon.nn.Dense(4, in_units=4)
+
+    def hybrid_forward(self, F, x, length):
+        heads = self.dense(x).reshape((-1, 2, 2)).reshape((-3, 0))       # (2, 2) a sample
+        if self.how == 'repeat':
+            per_head = F.repeat(length, repeats=2, axis=0)
+        else:
+            per_head = F.broadcast_axis(F.expand_dims(length, axis=1), axis=1,
+                                        size=2).reshape((-3, -2))
+        return F.broadcast_mul(heads, per_head.reshape((-1, 1))).reshape((1, -1))
+
+
+def test_a_repeat_on_axis_0_is_told_the_form_that_batches():
+    """``repeat`` along axis 0 gives a sample more rows and runs per sample;
+    its reason names a form that batches (a user trial's per-head lengths),
+    and that form batches, matching per sample."""
+    rng = np.random.RandomState(1)
+    xs = [mx.nd.array(rng.rand(1, 4)) for _ in range(5)]
+    lengths = [mx.nd.array([n + 1.0]) for n in range(5)]
+    for how, safe in (('repeat', False), ('advised', True)):
+        block = dyb.DynBatchBlock(PerHeadLength(how))
+        block.initialize(mx.init.Uniform(0.5))
+        assert_same(run_both(lambda: [block(x, n) for x, n in zip(xs, lengths)], [block],
+                             xs + lengths, 'depth'))
+        batch_safe, reason = _verdict(block)
+        assert batch_safe == safe, reason
+        if not safe:
+            assert 'repeat acts on the batch axis (axis=0)' in reason
+            assert 'F.broadcast_axis(F.expand_dims(x, axis=1), axis=1, size=n)' \
+                '.reshape((-3, -2))' in reason
+    assert dyb.stats()['last']['batch_sizes'] == [5]
+
+
 class FusedEncoder(gluon.HybridBlock):
     """A sentence encoder on one of Gluon's fused recurrent layers (MXNet's
     ``RNN`` op, batch on axis 1) in ``layout='NTC'``: its outputs averaged
