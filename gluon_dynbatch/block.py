@@ -2258,7 +2258,6 @@ class DynBatchBlock(Block):
     def _untraced():
         """The state of a block that has traced nothing (set in __init__)."""
         return {'_signatures': {}, '_families': {}, '_pad_checked': set(),
-                '_joined_parts': set(),     # family keys a join has since completed
                 '_padded': {},       # tuple of signatures -> their padded signature
                 '_warned': False,    # PerSampleWarning given
                 '_traced_blocks': None,     # blocks_of(self.block) when it first traced
@@ -2363,8 +2362,6 @@ class DynBatchBlock(Block):
             if sparse:      # (those its graphs read: one that none reads retraced every scope)
                 self._sparse_params = tuple(set(self._sparse_params).union(sparse))
             self._signatures[key] = sig
-        if self.pad_lists:
-            self._join_family(sig)
         if not sig.batch_safe and not self._warned:
             if sig.inference is not None and autograd_mode() == 0:
                 _UNWARNED.add(self)     # (its calls batch here: warned if run under autograd)
@@ -2386,104 +2383,33 @@ class DynBatchBlock(Block):
             stacklevel=user_stacklevel())
 
     def _family_id(self, key, fmt):
-        """Calls with equal family ids may merge: see :meth:`_family_key`."""
-        family = self._family_key(key, fmt)
+        """Calls with equal family ids may merge.  With ``pad_lists`` the
+        family is the signature with list lengths forgotten (flat lists whose
+        leaves share one shape; a list empty in a call keeps the others padded
+        with those of calls where it is empty too); otherwise it is the
+        signature itself."""
+        family = key
+        if self.pad_lists and all(item == 0 or set(item) <= {0} for item in fmt):
+            shapes, pos, parts = key[1:-2], 0, []
+            # leaves of several dtypes: each argument's (lists' lengths forgotten)
+            dtypes, kinds = (key[-2], []) if type(key[-2]) is tuple else (None, None)
+            for item in fmt:
+                width = 1 if item == 0 else len(item)
+                elems = set(shapes[pos:pos + width])
+                pos += width
+                if len(elems) > 1:
+                    parts = None
+                    break
+                parts.append(shapes[pos - 1] if item == 0 else ('list', min(elems, default=None)))
+                if dtypes is not None:
+                    kinds.append(dtypes[pos - 1] if width else None)
+            if parts is not None:
+                family = (tuple(0 if item == 0 else 'list' for item in fmt),) + tuple(parts) \
+                    + (key[-2] if dtypes is None else tuple(kinds), key[-1])
         family_id = self._families.get(family)
         if family_id is None:   # ids unique across blocks: one counter for all
             family_id = self._families[family] = next(_SIG_IDS)
         return family_id
-
-    def _family_key(self, key, fmt):
-        """With ``pad_lists`` the family is the signature with list lengths
-        forgotten (flat lists whose leaves share one shape and dtype): per
-        argument its shape and dtype, for a list ``('list', shape, dtype)``
-        of its elements, or ``('list', None)`` where it is empty (see
-        :meth:`_join_family`); otherwise it is the signature itself."""
-        if not self.pad_lists or not all(item == 0 or set(item) <= {0} for item in fmt):
-            return key
-        shapes, pos, parts = key[1:-2], 0, []
-        dtypes = key[-2] if type(key[-2]) is tuple else (key[-2],) * len(shapes)
-        for item in fmt:
-            width = 1 if item == 0 else len(item)
-            elems = set(zip(shapes[pos:pos + width], dtypes[pos:pos + width]))
-            pos += width
-            if len(elems) > 1:
-                return key
-            parts.append(next(iter(elems)) if item == 0 else
-                         ('list',) + min(elems, default=(None,)))
-        return (tuple(0 if item == 0 else 'list' for item in fmt),) + tuple(parts) + (key[-1],)
-
-    def _join_family(self, sig):
-        """Let the newly traced ``sig``, of a family of its own, join an
-        earlier family that agrees with it wherever both know an argument:
-        a list empty in its calls (``('list', None)``) agrees with any
-        list.  A graph node with a list of neighbours per edge type, some
-        empty, was otherwise a family, and a step, for each set of empty
-        lists (up to 2^R steps a depth; a user trial's R-GCN).  Calls whose
-        lists are all empty (a tree's leaves) keep their own family, and
-        join none.
-
-        The join is checked first, as padding is: ``sig`` and a member of
-        the other family, padded to one signature
-        (:meth:`padded_signature`).  Where that is refused (a block that
-        adds a term only for a non-empty list) ``sig`` keeps its family, as
-        without joins."""
-        batched = sig if sig.batch_safe else sig.inference
-        if batched is None or not batched.batch_safe:
-            return
-        with _TRACING:      # (another thread's trace may join meanwhile)
-            self._join(sig, batched)
-
-    def _join(self, sig, batched):
-        """:meth:`_join_family`'s search, check and join."""
-        family = self._family_key(sig.key, sig.fmt)
-        lists = [part for part in family[1:-1] if part[:1] == ('list',)] \
-            if family is not sig.key else []
-        if not any(part != ('list', None) for part in lists) or \
-                self._families.get(family) != batched.group_key or \
-                any(other.group_key == batched.group_key for other in self.signatures()
-                    if other.batch_safe and other.key != sig.key):
-            return
-        for known, family_id in list(self._families.items()):
-            merged = self._joined_key(family, known)
-            if merged is None or family_id == batched.group_key or \
-                    self._families.get(merged, family_id) not in (family_id, batched.group_key):
-                continue
-            member = next((other for other in self.signatures() if other.batch_safe and
-                           other.group_key == family_id and
-                           other.in_inference == batched.in_inference), None)
-            if member is None:
-                continue
-            try:
-                self.padded_signature((batched, member))
-            except InputError:
-                return
-            for each in filter(None, (sig, sig.inference)):
-                if each.batch_safe:
-                    each.group_key = family_id
-            self._families[family] = self._families[merged] = family_id
-            if merged != known:     # what they know together: the family's key now
-                self._joined_parts.add(known)
-            return
-
-    def _joined_key(self, family, known):
-        """The family key of what ``family`` and ``known`` (an earlier one,
-        neither of another's completing) know together, or None where they
-        disagree or ``known``'s lists are all empty."""
-        if known in self._joined_parts or len(known) != len(family) or \
-                known[0] != family[0] or known[-1] != family[-1] or known is family:
-            return None
-        if all(part == ('list', None) for part in known[1:-1] if part[:1] == ('list',)):
-            return None
-        merged = [family[0]]
-        for ours, theirs in zip(family[1:-1], known[1:-1]):
-            if ours == theirs or ours == ('list', None) and theirs[:1] == ('list',):
-                merged.append(theirs)
-            elif theirs == ('list', None) and ours[:1] == ('list',):
-                merged.append(ours)
-            else:
-                return None
-        return tuple(merged) + (family[-1],)
 
     def padded_signature(self, sigs):
         """The signature that runs calls of ``sigs`` (one family) together:

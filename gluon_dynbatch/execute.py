@@ -829,14 +829,9 @@ def _host_items(step):
 
 def _host_first(nodes, item):
     """Whether the first node's argument ``item`` is a host (numpy) row:
-    the cheap test for which way a step's argument is gathered.  (For a
-    list, the first node whose list has an element: in a padded step some
-    may be empty.)"""
-    for node in nodes:
-        start, width = node.sig.spans[item]
-        if width:
-            return isinstance(node.leaves[start], np.ndarray)
-    return False
+    the cheap test for which way a step's argument is gathered."""
+    first = nodes[0]
+    return isinstance(first.leaves[first.sig.item_pos(item)], np.ndarray)
 
 
 def _item_rows(nodes, item):

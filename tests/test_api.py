@@ -21,7 +21,6 @@ from gluon_dynbatch.models import ChildSumTreeLSTMCell
 
 from helpers import (DenseAddLists, Gate, TanhDense, assert_same, follow_engine,
                      random_tree, run_both)
-from hypothesis import given, settings, strategies as st
 
 
 def dense(units=3, in_units=3):
@@ -591,87 +590,6 @@ def test_a_list_empty_in_every_call_leaves_the_others_padded(strategy):
         assert dyb.stats()['last']['batch_sizes'] == [10], b_len
         want = np.concatenate([block.block(*call).asnumpy() for call in calls])
         np.testing.assert_allclose(got.asnumpy(), want, rtol=1e-5, atol=1e-6)
-
-
-class TypedSums(gluon.HybridBlock):
-    """A graph node over a list of neighbour states per edge type:
-    ``tanh(W x + sum over types r of sum over its list of U_r h)``, neutral
-    to zero padding in each list; with ``bias_if_any``, each type with a
-    neighbour also adds its own bias, which padding an empty list changes."""
-    dynbatch_pad_lists = True
-
-    def __init__(self, types=3, bias_if_any=False):
-        super().__init__()
-        self.bias_if_any = bias_if_any
-        with self.name_scope():
-            self.w = nn.Dense(3, in_units=3)
-            self.u = nn.HybridSequential()
-            for _ in range(types):
-                self.u.add(nn.Dense(3, in_units=3, use_bias=False))
-            self.type_bias = self.params.get('type_bias', shape=(types, 3))
-
-    def hybrid_forward(self, F, x, *lists, type_bias):  # pylint: disable=arguments-differ
-        out = self.w(x)
-        for r, (u, hs) in enumerate(zip(self.u, lists)):
-            if hs and self.bias_if_any:
-                out = out + F.slice_axis(type_bias, axis=0, begin=r, end=r + 1)
-            for h in hs:
-                out = out + u(h)
-        return F.tanh(out)
-
-
-def _typed_graph(block, lengths, rng):
-    """Leaves (every list empty), then one node per entry of ``lengths``
-    (its lists' lengths) over random leaves; the nodes' outputs."""
-    xs = [mx.nd.array(rng.randn(1, 3)) for _ in range(4)]
-    leaves = [block(x, [], [], []) for x in xs]
-    return leaves + [block(xs[0], *[[leaves[rng.randint(4)] for _ in range(n)] for n in ns])
-                     for ns in lengths]
-
-
-@pytest.mark.parametrize('strategy', ['depth', 'agenda', 'cached', 'auto'])
-def test_lists_empty_in_some_calls_join_the_family_of_calls_where_they_are_not(strategy):
-    """A node with a list per edge type, some empty: each set of empty lists
-    was a family of its own, a step each (a user trial's R-GCN, 17 steps
-    for 5 depths); now one family, one step a depth, matching per sample.
-    Leaves, all of whose lists are empty, keep their own step."""
-    lengths = [(1, 0, 2), (0, 3, 0), (2, 1, 1), (0, 0, 1), (3, 0, 0), (1, 2, 0)]
-    block = dyb.DynBatchBlock(TypedSums())
-    block.initialize()
-    results = run_both(lambda: _typed_graph(block, lengths, np.random.RandomState(5)), [block],
-                       strategy=strategy)
-    assert sorted(dyb.stats()['last']['batch_sizes']) == [4, 6]
-    assert_same(results, rtol=1e-5, atol=1e-6)
-    nodes = [sig for sig in block.signatures() if any(len(item) for item in sig.fmt if item)]
-    leaves = [sig for sig in block.signatures() if sig not in nodes]
-    assert len({sig.group_key for sig in nodes}) == 1
-    assert {sig.group_key for sig in leaves}.isdisjoint({nodes[0].group_key})
-
-
-def test_a_block_that_an_empty_lists_padding_changes_keeps_it_apart():
-    """Where padding an empty list is refused (each type with a neighbour
-    adds its bias), its calls keep their family, as before joins: no
-    error, and values and gradients match per sample."""
-    block = dyb.DynBatchBlock(TypedSums(bias_if_any=True))
-    block.initialize(mx.init.Uniform(0.5))
-    lengths = [(1, 0, 2), (0, 3, 0), (2, 1, 1), (1, 1, 1)]
-    results = run_both(lambda: _typed_graph(block, lengths, np.random.RandomState(6)), [block])
-    assert_same(results, rtol=1e-5, atol=1e-6)
-    assert len(dyb.stats()['last']['batch_sizes']) > 2
-
-
-@settings(max_examples=20, deadline=None)
-@given(st.lists(st.tuples(*[st.integers(0, 3)] * 3), min_size=1, max_size=7),
-       st.sampled_from(['depth', 'agenda', 'cached', 'auto']), st.integers(0, 2 ** 16))
-def test_lists_of_any_lengths_empty_or_not_match_per_sample(lengths, strategy, seed):
-    """Random lengths, 0-3, of three lists per call: whatever families join,
-    values and gradients match per sample."""
-    mx.random.seed(seed)
-    block = dyb.DynBatchBlock(TypedSums())
-    block.initialize(mx.init.Uniform(0.5))
-    results = run_both(lambda: _typed_graph(block, lengths, np.random.RandomState(seed)),
-                       [block], strategy=strategy)
-    assert_same(results, rtol=1e-5, atol=1e-6)
 
 
 def test_plan_orders_every_producer_before_its_users():
