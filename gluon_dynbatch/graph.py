@@ -163,7 +163,7 @@ class LazyValue:
     def data(self):
         """The value as an NDArray of shape ``self.shape`` (a row of the
         batched output, differentiable under ``autograd.record()``).  Treat
-        it as read-only: it may be the batched output itself, shared with
+        it as read-only: it is a view of the batched output, shared with
         other calls' values (calls with equal host rows share one row)."""
         node = self._node
         if node.scope.failure is not None:
@@ -183,15 +183,18 @@ class LazyValue:
                     'that failed or was abandoned, so it was never computed. Re-run the '
                     'calls in a new scope.' % (node.sig.block.name, self.shape))
             array = node.arrays[self._index]
-            if array.shape[0] == 1:
-                self._data = array
-            else:
-                with recorded():
-                    self._data = mx.nd.slice_axis(array, axis=0, begin=node.row,
-                                                  end=node.row + 1)
-                if type(array) is not mx.nd.NDArray:    # (a training step's output)
-                    from .execute import rows_of
-                    rows_of((array,), self._data)
+            with recorded():
+                # a one-row output too is given as a view of its own (no
+                # copy): marked a leaf (attach_grad), it is what later calls
+                # read, while calls recorded before the mark still read the
+                # output, whose gradient, as per sample, flows on (handed
+                # the output itself, they read the leaf: their parameters'
+                # gradients were lost, silently; found by a fuzzer)
+                self._data = array.reshape(array.shape) if array.shape[0] == 1 else \
+                    mx.nd.slice_axis(array, axis=0, begin=node.row, end=node.row + 1)
+            if type(array) is not mx.nd.NDArray:    # (a training step's output)
+                from .execute import rows_of
+                rows_of((array,), self._data)
         return self._data
 
     def asnumpy(self):

@@ -2229,6 +2229,48 @@ def test_attach_grad_on_a_values_data_makes_it_a_leaf_as_per_sample(strategy, ac
         accel.enable(True)
 
 
+@pytest.mark.parametrize('strategy', ['per-sample', 'depth', 'cached', 'auto'])
+@pytest.mark.parametrize('accelerated', [True, False])
+def test_a_call_recorded_before_a_mark_reads_past_it_as_per_sample(strategy, accelerated):
+    """Per sample a call made before ``h.attach_grad()`` already ran on
+    ``h`` with its history: its gradient reaches the block that made
+    ``h``.  Batched, pending when the mark was made, it read the marked
+    array (a one-row step's ``.data`` was its output itself) and the
+    block's gradient was lost, silently (found by a fuzzer)."""
+    from gluon_dynbatch import accel
+    cell = dyb.DynBatchBlock(nn.Dense(3, in_units=3, activation='tanh'))
+    cell.initialize(mx.init.Uniform(0.5))
+    x = mx.nd.array([[0.3, -0.2, 0.5]])
+
+    def run(batched):
+        with autograd.record():
+            if batched:
+                with dyb.batching(strategy):
+                    h = cell(x)
+                with dyb.batching(strategy):
+                    later = cell(h)         # pending while h is marked
+                    marked = h.data
+                    marked.attach_grad()
+                later = later.data
+            else:
+                h = cell(x)
+                later = cell(h)
+                marked = h
+                marked.attach_grad()
+            loss = (later * mx.nd.array([[1, 2, 3]])).sum() + (marked * 0.5).sum()
+        loss.backward()
+        return [marked.grad.asnumpy().copy(), cell.block.weight.grad().asnumpy().copy()]
+
+    accel.enable(accelerated)
+    try:
+        want = run(False)
+        for _ in range(3):
+            for got, expected in zip(run(True), want):
+                np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
+    finally:
+        accel.enable(True)
+
+
 def test_a_lazy_value_copies_as_itself_and_refuses_deepcopy_and_pickle():
     """``copy.deepcopy`` failed on the scope's thread-local state, with
     nothing to say what to copy instead (found by a fuzzer)."""
