@@ -212,7 +212,11 @@ def run_step(step, ctx, recipe=None, outputs=None, where=None, tables=None, hois
         how_ragged = None
         if how is not None and how != 'host':
             parts, index = how[:2]
-            how_ragged = ragged = how[2] if len(how) > 2 else None
+            if len(how) > 2:
+                # (not reset by a later argument's recipe: a list of one
+                # element, gathered as a plain argument, came after a ragged
+                # list and its replay crashed, 'NoneType' not subscriptable)
+                how_ragged = ragged = how[2]
             sources[item] = [outputs[number][out] if number >= 0
                              else _zero_row(sig, item, ctx).arrays[0] for number, out in parts]
         elif how == 'host':

@@ -518,6 +518,30 @@ def test_lists_of_different_lengths_in_a_call_run_padded(strategy, training, rag
     assert any(zero is not None for _, zero in padded), 'no list was padded: test moot'
 
 
+@pytest.mark.parametrize('training', [False, True])
+def test_a_ragged_list_before_a_list_of_one_element_replays(training, ragged_always):
+    """A ragged step whose second list has one element in every call (a
+    padded width of 1, gathered as a plain argument): replaying its recipe
+    read that argument's recipe after the ragged list's and forgot the
+    ragged inputs ('NoneType' object is not subscriptable, found by
+    benchmarks/bench_graph.py); values and gradients equal per sample."""
+    block = dyb.DynBatchBlock(TwoListSums(D), pad_lists=True)
+    block.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(4)
+    xs = [rng.uniform(-1, 1, (1, D)).astype(np.float32) for _ in range(12)]
+
+    def forward():
+        values = [block(x, [], []) for x in xs[:6]]
+        return [block(x, values[k:k + 1 + k % 3], values[k + 2:k + 3])
+                for k, x in enumerate(xs[6:])]
+    _matches_per_sample(forward, list(block.collect_params().values()), 'cached', training,
+                        rtol=1e-5, atol=1e-6)
+    programs = [pattern for sig in block.signatures()
+                for pattern in (sig.programs if training else sig.inference_programs)]
+    assert any(way and way[0] == 'ragged' for pattern in programs for way in pattern), \
+        'no step ran ragged: test moot'
+
+
 def _tree_model_matches_per_sample(strategy, training, seed):
     """A Tree-LSTM model run on 8 random pairs by ``strategy`` ('depth', or
     'cached', four times so that the plan compiles): values and gradients
