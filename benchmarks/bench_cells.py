@@ -302,14 +302,15 @@ def check(model, sentences, many, tol, forms=FORMS, width=HIDDEN):
             raise SystemExit(2)
 
 
-def measure(model, sentences, settings, repeats, budget, all_forms=FORMS):
+def measure(model, sentences, settings, repeats, budget, all_forms=FORMS, per_unit=2):
     """{setting: {form: [pairs/s per repeat]}} for the forms ``all_forms``
-    (``bench_transformer.py`` measures its own so)."""
+    (``bench_transformer.py`` and ``bench_graph.py`` measure theirs so; the
+    latter's items are graphs, one a unit: ``per_unit`` 1, graphs/s)."""
     mx = model.mx
     for form in all_forms:    # trace, build programs, calibrate the cost model
         model.run(form, sentences[:8])[0].asnumpy()
     results, offset = {}, 0
-    pairs_in_data = len(sentences) // 2
+    pairs_in_data = len(sentences) // per_unit
     for mode, batch in settings:
         name = '%s B=%d' % (mode, batch)
         forms = [f for f in all_forms
@@ -323,16 +324,16 @@ def measure(model, sentences, settings, repeats, budget, all_forms=FORMS):
                 pairs, start, walked = 0, time.perf_counter(), offset
                 deadline = start + budget
                 while time.perf_counter() < deadline:
-                    first = (walked % (pairs_in_data - batch)) * 2
+                    first = (walked % (pairs_in_data - batch)) * per_unit
                     walked += batch
-                    part = sentences[first:first + 2 * batch]
+                    part = sentences[first:first + per_unit * batch]
                     with mx.autograd.record() if mode == 'train' else mx.autograd.pause():
                         out, done = model.run(form, part, deadline)
                         loss = out.sum() if mode == 'train' else out
                     if mode == 'train':
                         loss.backward()
                     loss.asnumpy()
-                    pairs += done / 2
+                    pairs += done / per_unit
                 mx.nd.waitall()     # a turn ends when its work (the backward too) is done
                 rates[form].append(pairs / (time.perf_counter() - start))
         print('%-12s %s' % (name, '  '.join('%s %.0f' % (f, _median(r))

@@ -204,6 +204,24 @@ def test_quick_transformer_benchmark(tmp_path):
     assert '| dynbatch / padded |' in (tmp_path / 'transformer.md').read_text()
 
 
+def test_quick_graph_benchmark(tmp_path):
+    """``bench_graph.py --quick`` (no data set needed): every form agreed
+    with per-sample and no dynbatch signature ran per sample (else it
+    exits 2), and every form has a positive rate in every setting."""
+    proc = run_benchmark('bench_graph.py', '--quick', '--out', tmp_path)
+    assert 'dynbatch batches' in proc.stdout
+    for name in ('graph.json', 'graph.md'):
+        assert 'wrote %s' % (tmp_path / name) in proc.stdout
+    res = json.loads((tmp_path / 'graph.json').read_text())
+    assert set(res['results']) == {'infer B=4', 'train B=4'}
+    for name, forms in res['results'].items():
+        assert set(forms) == {'per-sample', 'hand-batched', 'dynbatch',
+                              'dynbatch-typed-lists'}, name
+        for form, rates in forms.items():
+            assert rates and all(math.isfinite(r) and r > 0 for r in rates), (name, form)
+    assert '| dynbatch / hand-batched |' in (tmp_path / 'graph.md').read_text()
+
+
 @needs_sick
 def test_quick_cells_benchmark(tmp_path):
     """``bench_cells.py --quick``: every form agreed with per-sample (else it
@@ -311,6 +329,8 @@ BAD_COMMAND_LINES = [
      "argument --budget: '-1' is not a positive finite number"),
     ('bench_transformer.py', ['--quick', '--repeats', '0', '--out', 'OUT'],
      "argument --repeats: '0' is not a positive integer"),
+    ('bench_graph.py', ['--quick', '--budget', '0', '--out', 'OUT'],
+     "argument --budget: '0' is not a positive finite number"),
     ('fused_gates.py', ['--quick', '--batch', '0', '--out', 'OUT'],
      "argument --batch: '0' is not a positive integer"),
     ('ab_revision.py', ['--rev', 'HEAD', '--repeats', '0'],
