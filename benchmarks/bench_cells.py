@@ -79,13 +79,15 @@ def parse_args(argv=None):
     return add_run_options(p, 'ThreadedEnginePerDevice', 'cells.json / cells.md').parse_args(argv)
 
 
-def add_run_options(p, engine, written):
+def add_run_options(p, engine, written, data=True):
     """``p`` with the options of a run over SICK sentences (``--data``,
-    ``--engine`` defaulting to ``engine``, threads, repeats, budget,
-    tolerance, seed, ``--quick``, ``--out`` for the files ``written``):
-    this script's and ``bench_transformer.py``'s."""
-    p.add_argument('--data', default=None, help='SICK folder (else $GLUON_DYNBATCH_SICK, '
-                                                'else ../shared/data/sick)')
+    unless ``data`` is False, ``--engine`` defaulting to ``engine``,
+    threads, repeats, budget, tolerance, seed, ``--quick``, ``--out`` for
+    the files ``written``): this script's, ``bench_transformer.py``'s and,
+    without ``--data``, ``bench_graph.py``'s."""
+    if data:
+        p.add_argument('--data', default=None, help='SICK folder (else $GLUON_DYNBATCH_SICK, '
+                                                    'else ../shared/data/sick)')
     p.add_argument('--engine', default=engine,
                    choices=['ThreadedEnginePerDevice', 'NaiveEngine', 'ThreadedEngine'])
     p.add_argument('--threads', type=bt.positive_int, default=1,
@@ -409,18 +411,21 @@ def each_cell_apart(args):
     write(args, merged)
 
 
-def write(args, out):
-    """Print the table and write ``cells.json`` / ``cells.md``."""
+def write(args, out, stem='cells', text=None):
+    """Print the tables (``text``, else this script's of ``out``) and write
+    ``<stem>.json`` / ``<stem>.md`` where ``args`` says (``--out``,
+    ``--quick``): this script's files and ``bench_transformer.py``'s and
+    ``bench_graph.py``'s."""
     out_dir = args.out or os.path.join(HERE, 'results', 'quick' if args.quick else '')
-    text = table(out['results'])
+    text = table(out['results']) if text is None else text
     print(text)
     os.makedirs(out_dir, exist_ok=True)
-    json_path, md_path = (os.path.join(out_dir, name) for name in ('cells.json', 'cells.md'))
+    json_path, md_path = (os.path.join(out_dir, stem + ext) for ext in ('.json', '.md'))
     with open(json_path, 'w') as f:
         json.dump(out, f, indent=1)
     with open(md_path, 'w') as f:
-        f.write('`python benchmarks/bench_cells.py` (%s)\n%s' % (
-            ', '.join('%s %s' % kv for kv in out['config'].items()), text))
+        f.write('`python benchmarks/bench_%s.py` (%s)\n%s' % (
+            stem, ', '.join('%s %s' % kv for kv in out['config'].items()), text))
     print('wrote %s' % json_path)
     print('wrote %s (the tables in Markdown)' % md_path)
 

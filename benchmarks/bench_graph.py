@@ -42,7 +42,6 @@ of the ratios within a repeat).  Writes ``graph.json`` and ``graph.md``.
     python benchmarks/bench_graph.py --quick    # a smoke run
 """
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -60,20 +59,8 @@ GRAPHS = 1000
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    p.add_argument('--engine', default='NaiveEngine',
-                   choices=['ThreadedEnginePerDevice', 'NaiveEngine', 'ThreadedEngine'])
-    p.add_argument('--threads', type=bt.positive_int, default=1,
-                   help='OMP_NUM_THREADS / MKL_NUM_THREADS')
-    p.add_argument('--repeats', type=bt.positive_int, default=None, help='default 5; quick 2')
-    p.add_argument('--budget', type=bt.positive_float, default=None,
-                   help='seconds per form per repeat per setting (default 0.5; quick 0.1)')
-    p.add_argument('--tol', type=bt.non_negative_float, default=1e-4,
-                   help='equivalence tolerance (0: bit for bit)')
-    p.add_argument('--seed', type=bt.seed_int, default=0, help='0 to %d' % bt.SEED_MAX)
-    p.add_argument('--quick', action='store_true')
-    p.add_argument('--out', default=None, help='folder for graph.json / graph.md (default '
-                                               'benchmarks/results; quick: results/quick)')
-    return p.parse_args(argv)
+    return bench_cells.add_run_options(p, 'NaiveEngine', 'graph.json / graph.md',
+                                       data=False).parse_args(argv)
 
 
 def random_graphs(count, seed):
@@ -346,18 +333,7 @@ def main(argv=None):
     if not args.quick:
         config['warm_up'] = warm_up(model, graphs, settings)
     results = bench_cells.measure(model, graphs, settings, repeats, budget, FORMS, per_unit=1)
-    out_dir = args.out or os.path.join(HERE, 'results', 'quick' if args.quick else '')
-    text = table(results)
-    print(text)
-    os.makedirs(out_dir, exist_ok=True)
-    json_path, md_path = (os.path.join(out_dir, name) for name in ('graph.json', 'graph.md'))
-    with open(json_path, 'w') as f:
-        json.dump({'config': config, 'results': results}, f, indent=1)
-    with open(md_path, 'w') as f:
-        f.write('`python benchmarks/bench_graph.py` (%s)\n%s' % (
-            ', '.join('%s %s' % kv for kv in config.items()), text))
-    print('wrote %s' % json_path)
-    print('wrote %s (the table in Markdown)' % md_path)
+    bench_cells.write(args, {'config': config, 'results': results}, 'graph', table(results))
 
 
 if __name__ == '__main__':

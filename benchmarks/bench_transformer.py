@@ -48,7 +48,6 @@ repeat.  Writes ``transformer.json`` and ``transformer.md``.
     python benchmarks/bench_transformer.py --quick    # a smoke run
 """
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -279,19 +278,8 @@ def main(argv=None):
         print('dynbatch-pad-lists warmed up: %d padding checks, %.1f s'
               % (config['pad_lists_checks'], config['pad_lists_warm_up_s']), flush=True)
     results = bench_cells.measure(model, sentences, settings, repeats, budget, FORMS)
-    out_dir = args.out or os.path.join(HERE, 'results', 'quick' if args.quick else '')
-    text = table(results)
-    print(text)
-    os.makedirs(out_dir, exist_ok=True)
-    json_path, md_path = (os.path.join(out_dir, name)
-                          for name in ('transformer.json', 'transformer.md'))
-    with open(json_path, 'w') as f:
-        json.dump({'config': config, 'results': results}, f, indent=1)
-    with open(md_path, 'w') as f:
-        f.write('`python benchmarks/bench_transformer.py` (%s)\n%s' % (
-            ', '.join('%s %s' % kv for kv in config.items()), text))
-    print('wrote %s' % json_path)
-    print('wrote %s (the table in Markdown)' % md_path)
+    bench_cells.write(args, {'config': config, 'results': results}, 'transformer',
+                      table(results))
 
 
 if __name__ == '__main__':
