@@ -190,7 +190,7 @@ class CostModel:
             per_node = seconds * 1e6 / n_nodes
             self.analyse_us[name] += alpha * (per_node - self.analyse_us[name])
 
-    def observe_steps(self, plan, step_seconds, alpha=0.2, single=True):
+    def observe_steps(self, plan, step_seconds, alpha=0.2, built=False):
         """Refine ``step_us``/``row_us`` from a flush's measured steps.
 
         Steps of different blocks cost very different amounts, so a line
@@ -213,7 +213,7 @@ class CostModel:
         out near zero (eight chains of a ``Dense`` under an uncalibrated
         model), and a step priced at nothing makes running per sample look
         as cheap as batching (``auto`` chose it, 6x slower).  Not from a
-        flush that built a step program (``single`` False): its one step's
+        flush that built a step program (``built`` True): its one step's
         time is mostly the building."""
         by_family = {}
         for step, seconds in zip(plan.steps, step_seconds):
@@ -231,7 +231,7 @@ class CostModel:
             old = self.family_step_us.get(family, step_us)
             self.family_step_us[family] = old + alpha * (step_us - old)
         FITTED_FAMILIES.update(fits)
-        for family, points in by_family.items() if single else ():
+        for family, points in by_family.items() if not built else ():
             if family in FITTED_FAMILIES:
                 continue
             # (less row_us a call, as predict() charges it)
@@ -1116,7 +1116,7 @@ class Auto(Strategy):
         timed = step_seconds is not None
         if timed and plan.program is None:      # a compiled plan has no per-step times
             self.model.observe_steps(plan, step_seconds,
-                                     single=self.last.get('built') == programs_built())
+                                     built=self.last.get('built') != programs_built())
         last = self.last
         if 'predicted_ms' not in last:
             return

@@ -138,7 +138,7 @@ class LazyValue:
     @property
     def ctx(self):
         """Alias of :attr:`context`, as NDArray's (``zeros(..., ctx=h.ctx)``)."""
-        return self._node.sig.ctx
+        return self.context
 
     @property
     def ndim(self):

@@ -1170,7 +1170,7 @@ def test_a_family_with_no_line_to_fit_is_priced_from_its_steps(monkeypatch):
     def plan(*calls):
         return SimpleNamespace(steps=[SimpleNamespace(sig=sig, ragged=False, nodes=[None] * n)
                                       for n in calls])
-    model.observe_steps(plan(64), [0.004], single=False)       # building its program
+    model.observe_steps(plan(64), [0.004], built=True)         # building its program
     assert 7 not in model.family_step_us
     model.observe_steps(plan(64), [0.004])
     assert model.family_step_us[7] == pytest.approx(4000 - 2 * 64)
