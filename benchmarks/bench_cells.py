@@ -80,11 +80,11 @@ def parse_args(argv=None):
 
 
 def add_run_options(p, engine, written, data=True):
-    """``p`` with the options of a run over SICK sentences (``--data``,
-    unless ``data`` is False, ``--engine`` defaulting to ``engine``,
-    threads, repeats, budget, tolerance, seed, ``--quick``, ``--out`` for
-    the files ``written``): this script's, ``bench_transformer.py``'s and,
-    without ``--data``, ``bench_graph.py``'s."""
+    """``p`` with the options of a timed run (``--data`` for SICK unless
+    ``data`` is False, ``--engine`` defaulting to ``engine``, threads,
+    repeats, budget, tolerance, seed, ``--quick``, ``--out`` for the files
+    ``written``): this script's, ``bench_transformer.py``'s and, without
+    ``--data``, ``bench_graph.py``'s."""
     if data:
         p.add_argument('--data', default=None, help='SICK folder (else $GLUON_DYNBATCH_SICK, '
                                                     'else ../shared/data/sick)')
@@ -305,9 +305,9 @@ def check(model, sentences, many, tol, forms=FORMS, width=HIDDEN):
 
 
 def measure(model, sentences, settings, repeats, budget, all_forms=FORMS, per_unit=2):
-    """{setting: {form: [pairs/s per repeat]}} for the forms ``all_forms``
-    (``bench_transformer.py`` and ``bench_graph.py`` measure theirs so; the
-    latter's items are graphs, one a unit: ``per_unit`` 1, graphs/s)."""
+    """{setting: {form: [units/s per repeat]}} for the forms ``all_forms``,
+    a unit ``per_unit`` items: pairs of sentences here and in
+    ``bench_transformer.py`` (2), graphs in ``bench_graph.py`` (1)."""
     mx = model.mx
     for form in all_forms:    # trace, build programs, calibrate the cost model
         model.run(form, sentences[:8])[0].asnumpy()
@@ -430,23 +430,30 @@ def write(args, out, stem='cells', text=None):
     print('wrote %s (the tables in Markdown)' % md_path)
 
 
-def start_run(args, settings):
-    """Set the engine and threads ``args`` name (before MXNet is imported),
-    load SICK's test split and print the run's settings; returns
-    ``(repeats, budget, settings, items, vocab_size, config)``: this
-    script's start and ``bench_transformer.py``'s."""
+def set_up(args):
+    """Set the engine and threads ``args`` name (before MXNet is imported)
+    and print the run's settings; returns ``(repeats, budget, config)``:
+    :func:`start_run`'s start and ``bench_graph.py``'s (no data set)."""
     os.environ['MXNET_ENGINE_TYPE'] = args.engine
     os.environ['OMP_NUM_THREADS'] = os.environ['MKL_NUM_THREADS'] = str(args.threads)
     import mxnet as mx                 # pylint: disable=import-outside-toplevel
     repeats = args.repeats or (2 if args.quick else 5)
     budget = args.budget or (0.1 if args.quick else 0.5)
-    _, items, _, vocab_size, _ = bt.load_data(bt.build_parser().parse_args(
-        ['--data', args.data, '--seed', str(args.seed)] if args.data else
-        ['--seed', str(args.seed)]))
     config = {'engine': args.engine, 'OMP_NUM_THREADS': str(args.threads),
               'mxnet': mx.__version__, 'repeats': repeats, 'budget_s': budget,
               'cpu': bt._cpu_model()}      # pylint: disable=protected-access
     print(' '.join('%s=%s' % kv for kv in config.items()), flush=True)
+    return repeats, budget, config
+
+
+def start_run(args, settings):
+    """:func:`set_up`, then load SICK's test split; returns ``(repeats,
+    budget, settings, items, vocab_size, config)``: this script's start
+    and ``bench_transformer.py``'s."""
+    repeats, budget, config = set_up(args)
+    _, items, _, vocab_size, _ = bt.load_data(bt.build_parser().parse_args(
+        ['--data', args.data, '--seed', str(args.seed)] if args.data else
+        ['--seed', str(args.seed)]))
     return repeats, budget, settings, items, vocab_size, config
 
 

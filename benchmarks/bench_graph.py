@@ -38,7 +38,7 @@ of the ratios within a repeat).  Writes ``graph.json`` and ``graph.md``.
 
 ::
 
-    python benchmarks/bench_graph.py            # ~4 min on 2 cores
+    python benchmarks/bench_graph.py            # ~3 min on 2 cores
     python benchmarks/bench_graph.py --quick    # a smoke run
 """
 import argparse
@@ -49,7 +49,6 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_cells  # noqa: E402  (no MXNet import at module level)
-import bench_treelstm as bt  # noqa: E402
 FORMS = ('per-sample', 'hand-batched', 'dynbatch', 'dynbatch-typed-lists')
 SETTINGS = (('infer', 1), ('infer', 16), ('infer', 128), ('train', 16), ('train', 128))
 QUICK_SETTINGS = (('infer', 4), ('train', 4))
@@ -307,17 +306,9 @@ def table(results):
 
 def main(argv=None):
     args = parse_args(argv)
-    os.environ['MXNET_ENGINE_TYPE'] = args.engine
-    os.environ['OMP_NUM_THREADS'] = os.environ['MKL_NUM_THREADS'] = str(args.threads)
     os.environ.setdefault('MXNET_STORAGE_FALLBACK_LOG_VERBOSE', '0')
-    import mxnet as mx                 # pylint: disable=import-outside-toplevel
-    repeats = args.repeats or (2 if args.quick else 5)
-    budget = args.budget or (0.1 if args.quick else 0.5)
+    repeats, budget, config = bench_cells.set_up(args)
     settings = QUICK_SETTINGS if args.quick else SETTINGS
-    config = {'engine': args.engine, 'OMP_NUM_THREADS': str(args.threads),
-              'mxnet': mx.__version__, 'repeats': repeats, 'budget_s': budget,
-              'cpu': bt._cpu_model()}      # pylint: disable=protected-access
-    print(' '.join('%s=%s' % kv for kv in config.items()), flush=True)
     graphs = random_graphs(200 if args.quick else GRAPHS, args.seed)
     model = Model(args.seed)
     bench_cells.check(model, graphs[:16], graphs[16:16 + (40 if args.quick else 150)],
