@@ -146,11 +146,12 @@ class Model:
         for block in self.blocks:
             block.initialize(mx.init.Xavier())
         self.typed_node = TypedNode(self.node.own, self.typed)
-        self.wrapped = [dyb.DynBatchBlock(block) for block in self.blocks[:1]] + \
-            [[dyb.DynBatchBlock(dense) for dense in self.typed]] + \
-            [dyb.DynBatchBlock(block) for block in self.blocks[2:]]
-        self.wrapped_typed = [self.wrapped[0], dyb.DynBatchBlock(self.typed_node),
-                              self.wrapped[3]]
+        embed, node, readout = (dyb.DynBatchBlock(block)
+                                for block in (self.embed, self.node, self.readout))
+        typed = [dyb.DynBatchBlock(dense) for dense in self.typed]
+        self.wrapped = (embed, typed, node, readout)
+        self.wrapped_typed = (embed, dyb.DynBatchBlock(self.typed_node), readout)
+        self.wrappers = [embed, node, readout, self.wrapped_typed[1]] + typed
 
     def run(self, form, graphs, deadline=None):  # pylint: disable=unused-argument
         """The (len(graphs), OUT) results of ``graphs``, and how many."""
@@ -169,8 +170,8 @@ class Model:
         into = [[] for _ in labels]
         for source, target, kind in edges:
             into[target].append((source, kind))
-        return into, [host(self.np.array([[1.0 / max(1, len(edges))]], self.np.float32))
-                      for edges in into]
+        return into, [host(self.np.array([[1.0 / max(1, len(incoming))]], self.np.float32))
+                      for incoming in into]
 
     def _loop(self, graphs, blocks):
         """The per-sample loop: each graph's result through ``blocks``
@@ -313,8 +314,8 @@ def main(argv=None):
     model = Model(args.seed)
     bench_cells.check(model, graphs[:16], graphs[16:16 + (40 if args.quick else 150)],
                       args.tol, forms=FORMS, width=OUT)
-    per_sample = {sig.reason for wrapper in model.wrapped_typed + model.wrapped[2:] +
-                  model.wrapped[1] for sig in wrapper.signatures() if not sig.batch_safe}
+    per_sample = {sig.reason for wrapper in model.wrappers for sig in wrapper.signatures()
+                  if not sig.batch_safe}
     if per_sample:
         print('error: dynbatch runs per sample: %s' % '; '.join(sorted(per_sample)),
               file=sys.stderr)
