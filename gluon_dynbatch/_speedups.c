@@ -241,14 +241,20 @@ static double tick_seconds(uint64_t count)
 }
 
 /* What recording reads of a signature, kept for the signatures seen
- * lately (a direct-mapped cache): attribute lookups were a fifth of a
- * recorded call.  Signatures never change after DynBatchBlock._trace
+ * lately (a cache of sets of SIG_WAYS entries): attribute lookups were a
+ * fifth of a recorded call.  Signatures never change after DynBatchBlock._trace
  * returns, and only traced ones reach this cache.  An entry holds its
  * signature by a weak reference, so the cache keeps no model alive (a dead
  * signature's reference reads None, which no live signature is). */
+#define MAX_CLASSES 8          /* outputs with a leaf class (out_class) */
+
 typedef struct {
     PyObject *ref, *family, *out_info, *out_fmt;
     long sig_id;
+    /* per output (the first MAX_CLASSES) its leaf class (leaf_class), or
+     * -1 where out_info is not a (shape, dtype, context) triple */
+    int32_t out_class[MAX_CLASSES];
+    Py_ssize_t n_classes;
     int safe;
     int repeatable;         /* TracedSignature.repeatable (absent: no) */
     int results;            /* what a call returns: RESULTS_ONE, RESULTS_PAIR, RESULTS_OTHER */
@@ -260,14 +266,62 @@ typedef struct {
  * or another nesting (built by Python) */
 enum { RESULTS_ONE, RESULTS_PAIR, RESULTS_OTHER };
 
-#define SIG_CACHE 64
+#define SIG_CACHE_BITS 10
+#define SIG_CACHE (1 << SIG_CACHE_BITS)
+#define SIG_WAYS_BITS 2
+#define SIG_WAYS (1 << SIG_WAYS_BITS)
 static SigInfo sig_cache[SIG_CACHE];
+static unsigned char sig_victim[SIG_CACHE / SIG_WAYS];  /* per set, the entry to fill next */
+
+static PyObject *context_key(PyObject *ctx);
+static PyObject *leaf_classes;  /* (shape, dtype, context key) -> its number */
+
+/* The number of what a signature's output ``info`` (out_info's (shape,
+ * dtype, context)) gives a call's key for a lazy leaf, the same for every
+ * output of every signature with an equal triple: the signature memo's
+ * word for a lazy leaf, so calls given the outputs of different blocks of
+ * one shape (an R-GCN's message blocks, one per edge type, in one list)
+ * share memo entries, where words of each producer's signature multiplied
+ * with the combinations.  Numbers are never reused (the dict keeps its
+ * keys).  -1 for anything else, or on error (cleared). */
+static int32_t leaf_class(PyObject *info)
+{
+    if (!PyTuple_Check(info) || PyTuple_GET_SIZE(info) != 3)
+        return -1;
+    PyObject *ctx_key = context_key(PyTuple_GET_ITEM(info, 2));
+    PyObject *key = ctx_key ? PyTuple_Pack(3, PyTuple_GET_ITEM(info, 0),
+                                           PyTuple_GET_ITEM(info, 1), ctx_key) : NULL;
+    Py_XDECREF(ctx_key);
+    PyObject *number = key ? PyDict_GetItemWithError(leaf_classes, key) : NULL;
+    long value = -1;
+    if (number != NULL) {
+        value = PyLong_AsLong(number);
+    } else if (key != NULL && !PyErr_Occurred()
+               && PyDict_GET_SIZE(leaf_classes) < INT32_MAX) {
+        value = (long)PyDict_GET_SIZE(leaf_classes);
+        PyObject *made = PyLong_FromLong(value);
+        if (made == NULL || PyDict_SetItem(leaf_classes, key, made))
+            value = -1;
+        Py_XDECREF(made);
+    }
+    Py_XDECREF(key);
+    PyErr_Clear();      /* (an unhashable shape: no class, so no memo) */
+    return (int32_t)value;
+}
 
 static SigInfo *sig_info(PyObject *sig)
 {
-    SigInfo *info = &sig_cache[((uintptr_t)sig >> 4) % SIG_CACHE];
-    if (info->ref != NULL && PyWeakref_GET_OBJECT(info->ref) == sig)
-        return info;
+    /* SIG_WAYS entries a signature may take, found by a multiplicative
+     * hash: with one entry found by the address's low bits, two signatures
+     * allocated a power of two apart took it from each other at every call
+     * (an R-GCN's two busiest did, a fifth of its recording) */
+    size_t set = (((uint64_t)(uintptr_t)sig >> 4) * 0x9E3779B97F4A7C15ull)
+        >> (64 - SIG_CACHE_BITS + SIG_WAYS_BITS);
+    SigInfo *info = &sig_cache[set << SIG_WAYS_BITS];
+    for (int way = 0; way < SIG_WAYS; way++)
+        if (info[way].ref != NULL && PyWeakref_GET_OBJECT(info[way].ref) == sig)
+            return &info[way];
+    info += sig_victim[set]++ % SIG_WAYS;       /* the set's entries in turn */
     PyObject *flag = PyObject_GetAttr(sig, s_batch_safe);
     int safe = flag == NULL ? -1 : PyObject_IsTrue(flag);
     Py_XDECREF(flag);
@@ -301,6 +355,10 @@ static SigInfo *sig_info(PyObject *sig)
     Py_XSETREF(info->out_fmt, out_fmt);
     info->safe = safe;
     info->sig_id = sig_id;
+    info->n_classes = PyList_GET_SIZE(out_info) < MAX_CLASSES ? PyList_GET_SIZE(out_info)
+                                                               : MAX_CLASSES;
+    for (Py_ssize_t i = 0; i < info->n_classes; i++)
+        info->out_class[i] = leaf_class(PyList_GET_ITEM(out_info, i));
     int pair = PyObject_RichCompareBool(out_fmt, pair_fmt, Py_EQ);
     info->results = PyLong_CheckExact(out_fmt) && PyLong_AsLong(out_fmt) == 0 ? RESULTS_ONE
         : pair == 1 ? RESULTS_PAIR : RESULTS_OTHER;
@@ -546,8 +604,9 @@ static PyTypeObject TapeType = {
  * building its key (a tuple of the argument format, every leaf's shape,
  * the dtype and the context) and hashing and comparing it: a fifth of a
  * recorded call.  The memo finds it from words read straight off the
- * arguments instead: per list argument its length, per lazy leaf its
- * producer's signature id and output index (ids are never reused), per
+ * arguments instead: per list argument its length, per lazy leaf the
+ * class of its producer's output (leaf_class: its shape, dtype and
+ * context as a number never reused), per
  * numpy leaf its shape and dtype object, per NDArray leaf read through
  * MXNet's C API (ndarray_words) its dtype id, device and shape, and the
  * default context when no leaf names one.  Equal words give an equal key,
@@ -644,7 +703,8 @@ static int leaf_words(CallWords *cw, PyObject *leaf, long *depth, PyObject **mar
             return 0;
         SigInfo *info = state == PENDING || state == DONE ? sig_info(SLOT(producer, n_sig)) : NULL;
         long index = info ? PyLong_AsLong(SLOT(leaf, lv_index)) : -1;
-        if (index < 0 || !push_call_word(cw, info->sig_id) || !push_call_word(cw, index)) {
+        if (index < 0 || index >= info->n_classes || info->out_class[index] < 0
+            || !push_call_word(cw, info->out_class[index])) {
             PyErr_Clear();
             return 0;
         }
@@ -1069,6 +1129,9 @@ static int contexts_differ(PyObject *a, PyObject *b);
 
 /* BatchingScope.record for the common case; None when the Python version
  * must run instead (nothing has been changed then). */
+static long memo_hits, memo_misses, memo_refused;
+static PyObject *memo_stats(PyObject *self, PyObject *unused)
+{ return Py_BuildValue("lll", memo_hits, memo_misses, memo_refused); }
 static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const *args,
                              Py_ssize_t nargs)
 {
@@ -1102,6 +1165,7 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
         hash = call_hash(&words, dblock);
         sig = memo_get(dblock, &words, hash);
         if (sig != NULL) {
+            memo_hits++;
             Py_INCREF(sig);
             host_only = !words.lazy && !words.arrays;   /* else numpy leaves only */
             leaf_items = words.leaves;
@@ -1109,6 +1173,7 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
             goto have_signature;
         }
     }
+    if (memo_rc == 1) memo_misses++; else memo_refused++;
     /* the key's way, from the start */
     leaves = PyList_New(0);
     if (leaves == NULL) BAIL(error);
@@ -3191,6 +3256,7 @@ static PyMethodDef methods[] = {
      "push_marker(NDArray handle addresses, dev_type, dev_id): a marker the engine sets once "
      "they are ready, or None"},
     {"marker_done", marker_done, METH_O, "marker_done(marker): whether the engine ran it"},
+    {"memo_stats", memo_stats, METH_NOARGS, ""},
     {"memo_clear", memo_clear, METH_NOARGS, "memo_clear(): forget every memoized signature"},
     {NULL, NULL, 0, NULL}
 };
@@ -3227,7 +3293,8 @@ PyMODINIT_FUNC PyInit__speedups(void)
     int_zero = PyLong_FromLong(0);
     int_one = PyLong_FromLong(1);
     pair_fmt = Py_BuildValue("(ii)", 0, 0);
-    if (!int_zero || !int_one || !pair_fmt || PyType_Ready(&TapeType) < 0
+    leaf_classes = PyDict_New();
+    if (!int_zero || !int_one || !pair_fmt || !leaf_classes || PyType_Ready(&TapeType) < 0
         || PyType_Ready(&ScopeSlotType) < 0)
         return NULL;
     PyObject *mod = PyModule_Create(&module);

@@ -622,6 +622,54 @@ def test_each_call_gets_the_signature_its_key_names():
     assert len(sigs) == 2 * 2 * 2 * 2 * 3   # blocks, contexts, dtypes, shapes, widths
 
 
+class Multiples(mx.gluon.HybridBlock):
+    """``x`` times 1, 2, ..., ``count``: ``count`` outputs."""
+
+    def __init__(self, count, **kwargs):
+        super().__init__(**kwargs)
+        self.count = count
+
+    def hybrid_forward(self, F, x):
+        return tuple(x * (i + 1) for i in range(self.count))
+
+
+@needs_extension
+def test_calls_given_outputs_of_several_blocks_get_the_signatures_their_keys_name():
+    """The memo knows a lazy leaf by its output's shape, dtype and context
+    (a number per such triple), whatever block made it: calls given lists
+    mixing the outputs of several blocks, and outputs 8-10 of a block of
+    ten (past those the memo knows), across shapes, dtypes and contexts,
+    each get the signature their key names, and equal keys one."""
+    makers = [dyb.DynBatchBlock(AddItems()) for _ in range(3)]
+    many = dyb.DynBatchBlock(Multiples(10))
+    consumer = dyb.DynBatchBlock(AddItems())
+    calls = []
+    with private_scope('depth') as scope:
+        for _ in range(2):
+            for ctx in (mx.cpu(0), mx.cpu(1)):
+                with ctx:
+                    for dtype in ('float32', 'float64'):
+                        for shape in ((1, 3), (1, 4)):
+                            x = np.ones(shape, dtype)
+                            made = [maker(x, []) for maker in makers] + list(many(x)[7:])
+                            for picks in ((0,), (1,), (0, 1), (1, 2), (3, 4), (5,), (2, 5),
+                                          (0, 1, 2), (5, 3, 0)):
+                                args = (made[picks[0]], [made[i] for i in picks])
+                                consumer(*args)
+                                calls.append((ctx, args))
+        nodes, _ = scope.take()
+    consumed = [node for node in nodes if node.sig in consumer._signatures.values()]
+    assert len(consumed) == len(calls)
+    for node, (ctx, args) in zip(consumed, calls):
+        leaves = []
+        fmt = flatten(args, leaves)
+        with ctx:
+            key = _signature_key(consumer, fmt, leaves, scope)[0]
+        assert node.sig is consumer._signatures[key]
+    assert len({node.sig for node in consumed}) == 2 * 2 * 2 * 3  # contexts, dtypes, shapes,
+    #                                                              # list lengths
+
+
 NDARRAY_DTYPES = ('float16', 'float32', 'float64', 'int32', 'int64', 'uint8')
 
 
