@@ -1026,12 +1026,16 @@ static PyObject *scope_field(PyObject *scope, Py_ssize_t offset, PyObject *name)
  * names the dtype's type, and '<f4' and '>f4' bytes mean other values).
  * An entry holds its dtype, so no other dtype takes its address while the
  * entry lives. */
-#define ITEMSIZE_CACHE 16
-static struct { PyObject *descr; Py_ssize_t size; } itemsizes[ITEMSIZE_CACHE];
+#define ITEMSIZE_CACHE_BITS 6
+static struct { PyObject *descr; Py_ssize_t size; } itemsizes[1 << ITEMSIZE_CACHE_BITS];
 
 static Py_ssize_t numpy_itemsize(PyObject *descr)
 {
-    size_t slot = ((uintptr_t)descr >> 4) % ITEMSIZE_CACHE;
+    /* a multiplicative hash, as sig_info's: by the address's low bits,
+     * numpy's float64 and int32 took one entry, and each took it from the
+     * other at every call given both */
+    size_t slot = (((uint64_t)(uintptr_t)descr >> 4) * 0x9E3779B97F4A7C15ull)
+        >> (64 - ITEMSIZE_CACHE_BITS);
     if (itemsizes[slot].descr == descr)
         return itemsizes[slot].size;
     PyObject *value = PyObject_GetAttr(descr, s_itemsize);
