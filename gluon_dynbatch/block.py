@@ -783,6 +783,24 @@ class _Operator(mx.gluon.HybridBlock):
         return getattr(F, self.op_name)(*args)
 
 
+class _NumberOverInteger(mx.gluon.HybridBlock):
+    """``number / v`` for a lazy value ``v`` of integer dtype ``dtype``,
+    computed as NDArray's ``_rdiv_scalar`` computes it per sample: the
+    number (a row of the dtype, :func:`_number_row`) and ``v`` made
+    float32, divided, and the quotient cast back.  ``broadcast_div`` of
+    integers would trap a zero in ``v`` and kill the process (SIGFPE),
+    where per sample that quotient is what a float32 infinity casts to."""
+
+    def __init__(self, dtype):
+        super().__init__(prefix='lazy_rdiv_%s_' % np.dtype(dtype).name)
+        self.dtype = np.dtype(dtype).name
+        self.dynbatch_symbol = 'the operator /'     # (LazyValue's hints)
+
+    def hybrid_forward(self, F, number, x):  # pylint: disable=arguments-differ
+        return F.cast(F.broadcast_div(F.cast(number, 'float32'), F.cast(x, 'float32')),
+                      dtype=self.dtype)
+
+
 _OPERATORS_LOCK = threading.Lock()     # held to make a block of graph.OPERATOR_BLOCKS
 _NUMBERS = (numbers.Real, np.bool_)     # NDArray's numeric_types take np.bool_ too
 
@@ -806,6 +824,9 @@ def lazy_operator(op_name, *operands):
     * A numpy array is refused with a TypeError, as NDArray refuses it;
       anything else gives ``NotImplemented`` (Python's TypeError).
 
+    A number divided by a lazy value of integer dtype runs as NDArray's
+    ``_rdiv_scalar`` does (:class:`_NumberOverInteger`).
+
     Outside a scope (a value of a closed one) it runs the operator on
     ``.data`` at once, as a wrapped block's call runs the block there."""
     lazy = operands[0] if type(operands[0]) is LazyValue else operands[-1]
@@ -827,14 +848,19 @@ def lazy_operator(op_name, *operands):
         else:
             return NotImplemented
         args.append(x)
-    if current_scope() is None:
+    key = op_name
+    if op_name == 'broadcast_div' and type(args[0]) is np.ndarray and \
+            np.issubdtype(lazy.dtype, np.integer):
+        key = ('rdiv', np.dtype(lazy.dtype).name)     # a number over an integer value
+    elif current_scope() is None:
         return getattr(mx.nd, op_name)(*_materialize(args))
-    block = OPERATOR_BLOCKS.get(op_name)
+    block = OPERATOR_BLOCKS.get(key)
     if block is None:
         with _OPERATORS_LOCK:
-            if op_name not in OPERATOR_BLOCKS:
-                OPERATOR_BLOCKS[op_name] = DynBatchBlock(_Operator(op_name))
-            block = OPERATOR_BLOCKS[op_name]
+            if key not in OPERATOR_BLOCKS:
+                OPERATOR_BLOCKS[key] = DynBatchBlock(
+                    _Operator(op_name) if key is op_name else _NumberOverInteger(key[1]))
+            block = OPERATOR_BLOCKS[key]
     try:
         return block(*args)
     except InputError as error:

@@ -60,7 +60,7 @@ def recorded():
 
 # block.lazy_operator and block.operator_error, set there (block.py imports this module)
 _LAZY_OPERATOR = [None, None]
-OPERATOR_BLOCKS = {}    # operator name -> its block, made by block.lazy_operator at first use
+OPERATOR_BLOCKS = {}    # operator name (or key) -> its block, made by block.lazy_operator
 
 
 def _operator(name, op_name, reflected=False, unary=False):

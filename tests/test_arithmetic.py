@@ -221,6 +221,37 @@ def test_numbers_are_cast_as_ndarray_scalar_operators_cast_them(dtype, number):
         np.testing.assert_array_equal(value.asnumpy(), expected)
 
 
+@pytest.mark.parametrize('strategy', ['depth', 'per-sample'])
+@pytest.mark.parametrize('dtype', ['int32', 'int64', 'int8', 'uint8'])
+def test_a_number_over_an_integer_value_is_ndarrays_division_and_zero_does_not_kill(dtype,
+                                                                                       strategy):
+    """``k / v`` for a lazy value ``v`` of integer dtype is NDArray's
+    ``_rdiv_scalar`` per sample: ``k`` cast to the dtype, the quotient
+    computed in float32 and cast back, so that a zero in ``v`` gives what
+    a float32 infinity casts to.  Recorded as integer ``broadcast_div``, a
+    zero killed the process (SIGFPE; found by a fuzzer).  Numbers that
+    differ still share a step, and a value of a closed scope divides as
+    NDArray does too."""
+    info = np.iinfo(dtype)
+    rows = [np.array([[0, 1, 3, info.max, info.min, 7]], dtype),
+            np.array([[2, 0, 0, 5, 9, 1]], dtype)]
+    numbers = [2, 2.5, -7, 0, 300, 1073741825, 1e300, np.int64(-3), True]
+    block = dyb.DynBatchBlock(Copy())
+    dyb.reset_stats()
+    with dyb.batching(strategy):
+        values = [k / block(row) for row in rows for k in numbers]
+        got = [value.asnumpy() for value in values]
+    if strategy == 'depth':
+        assert dyb.stats()['steps'] == 2                 # the copies, the divisions
+    expected = [(k / mx.nd.array(row, dtype=dtype)).asnumpy() for row in rows for k in numbers]
+    for mine, theirs in zip(got, expected):
+        assert mine.dtype == theirs.dtype
+        np.testing.assert_array_equal(mine, theirs)
+    closed = values[0]
+    np.testing.assert_array_equal((5 / closed).asnumpy(),
+                                  (5 / mx.nd.array(got[0], dtype=dtype)).asnumpy())
+
+
 def test_refused_arithmetic_says_what_was_written_and_what_to_do():
     """An operand the operator's call refused was reported as an argument
     of the internal block ``lazy_broadcast_add`` with a block call's advice
@@ -306,7 +337,7 @@ def test_number_rows_are_shared_read_only_but_not_for_nan_or_zero():
         rows = block_module._NUMBER_ROWS
         [value * 2.5 for _ in range(3)]     # pylint: disable=expression-not-assigned
         size = len(rows)
-        shared = [row for key, row in rows.items() if key[0] == 2.5]
+        shared = [row for key, row in rows.items() if key[0] == 2.5 and key[2] == value.dtype]
         assert len(shared) == 1 and not shared[0].flags.writeable
         outs = [value * float('nan') for _ in range(5)] + [value * -0.0, value * 0.0]
         assert len(rows) == size
