@@ -1133,9 +1133,6 @@ static int contexts_differ(PyObject *a, PyObject *b);
 
 /* BatchingScope.record for the common case; None when the Python version
  * must run instead (nothing has been changed then). */
-static long memo_hits, memo_misses, memo_refused;
-static PyObject *memo_stats(PyObject *self, PyObject *unused)
-{ return Py_BuildValue("lll", memo_hits, memo_misses, memo_refused); }
 static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const *args,
                              Py_ssize_t nargs)
 {
@@ -1169,7 +1166,6 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
         hash = call_hash(&words, dblock);
         sig = memo_get(dblock, &words, hash);
         if (sig != NULL) {
-            memo_hits++;
             Py_INCREF(sig);
             host_only = !words.lazy && !words.arrays;   /* else numpy leaves only */
             leaf_items = words.leaves;
@@ -1177,7 +1173,6 @@ static PyObject *record_args(PyObject *scope, PyObject *dblock, PyObject *const 
             goto have_signature;
         }
     }
-    if (memo_rc == 1) memo_misses++; else memo_refused++;
     /* the key's way, from the start */
     leaves = PyList_New(0);
     if (leaves == NULL) BAIL(error);
@@ -3260,7 +3255,6 @@ static PyMethodDef methods[] = {
      "push_marker(NDArray handle addresses, dev_type, dev_id): a marker the engine sets once "
      "they are ready, or None"},
     {"marker_done", marker_done, METH_O, "marker_done(marker): whether the engine ran it"},
-    {"memo_stats", memo_stats, METH_NOARGS, ""},
     {"memo_clear", memo_clear, METH_NOARGS, "memo_clear(): forget every memoized signature"},
     {NULL, NULL, 0, NULL}
 };
