@@ -322,7 +322,13 @@ static SigInfo *sig_info(PyObject *sig)
     for (int way = 0; way < SIG_WAYS; way++)
         if (info[way].ref != NULL && PyWeakref_GET_OBJECT(info[way].ref) == sig)
             return &info[way];
-    info += sig_victim[set]++ % SIG_WAYS;       /* the set's entries in turn */
+    /* Everything is read into locals first: reading runs Python code (an
+     * allocation may start a collection, whose finalizers may let another
+     * thread record), which must never find an entry that names this
+     * signature but holds another's fields (its leaf classes then sent the
+     * memo to a signature of another shape).  The entry is written at the
+     * end, with no Python code between its fields, and what it held is
+     * released after. */
     PyObject *flag = PyObject_GetAttr(sig, s_batch_safe);
     int safe = flag == NULL ? -1 : PyObject_IsTrue(flag);
     Py_XDECREF(flag);
@@ -345,47 +351,68 @@ static SigInfo *sig_info(PyObject *sig)
             PyErr_SetString(PyExc_TypeError, "signature without an out_info list");
         return NULL;
     }
-    PyObject *ref = PyWeakref_NewRef(sig, NULL);
-    if (ref == NULL) {
-        Py_DECREF(family); Py_DECREF(out_info); Py_DECREF(out_fmt);
-        return NULL;
+    int32_t out_class[MAX_CLASSES];
+    Py_ssize_t n_classes = PyList_GET_SIZE(out_info) < MAX_CLASSES ? PyList_GET_SIZE(out_info)
+                                                                   : MAX_CLASSES;
+    for (Py_ssize_t i = 0; i < n_classes; i++) {
+        /* (out_info holds the list's items: a list only grows or shrinks
+         * by Python code, and leaf_class runs some) */
+        PyObject *item = i < PyList_GET_SIZE(out_info) ? PyList_GET_ITEM(out_info, i) : NULL;
+        out_class[i] = item ? leaf_class(item) : -1;
     }
-    Py_XSETREF(info->ref, ref);
-    Py_XSETREF(info->family, family);
-    Py_XSETREF(info->out_info, out_info);
-    Py_XSETREF(info->out_fmt, out_fmt);
-    info->safe = safe;
-    info->sig_id = sig_id;
-    info->n_classes = PyList_GET_SIZE(out_info) < MAX_CLASSES ? PyList_GET_SIZE(out_info)
-                                                               : MAX_CLASSES;
-    for (Py_ssize_t i = 0; i < info->n_classes; i++)
-        info->out_class[i] = leaf_class(PyList_GET_ITEM(out_info, i));
     int pair = PyObject_RichCompareBool(out_fmt, pair_fmt, Py_EQ);
-    info->results = PyLong_CheckExact(out_fmt) && PyLong_AsLong(out_fmt) == 0 ? RESULTS_ONE
+    int results = PyLong_CheckExact(out_fmt) && PyLong_AsLong(out_fmt) == 0 ? RESULTS_ONE
         : pair == 1 ? RESULTS_PAIR : RESULTS_OTHER;
     /* a call returning an argument unchanged returns that argument
      * (TracedSignature.passthrough): Python builds its results */
     PyObject *passthrough = PyObject_GetAttr(sig, s_passthrough);
     if (passthrough != NULL && PyObject_IsTrue(passthrough) == 1)
-        info->results = RESULTS_OTHER;
+        results = RESULTS_OTHER;
     Py_XDECREF(passthrough);
     PyErr_Clear();
-    PyObject *repeatable = PyObject_GetAttr(sig, s_repeatable);
-    info->repeatable = repeatable != NULL && PyObject_IsTrue(repeatable) == 1;
-    Py_XDECREF(repeatable);
+    PyObject *repeatable_flag = PyObject_GetAttr(sig, s_repeatable);
+    int repeatable = repeatable_flag != NULL && PyObject_IsTrue(repeatable_flag) == 1;
+    Py_XDECREF(repeatable_flag);
     PyErr_Clear();
     PyObject *inference = PyObject_GetAttr(sig, s_inference);
     if (inference == Py_None)
         Py_CLEAR(inference);
     PyErr_Clear();
-    if (inference != NULL) {    /* (the signature holds it: alive while it is) */
+    if (inference != NULL)      /* (the signature holds it: alive while it is) */
         Py_SETREF(inference, PyWeakref_NewRef(inference, NULL));
-        if (inference == NULL) {
-            Py_CLEAR(info->ref);    /* (no entry half written) */
-            return NULL;
+    PyObject *ref = inference != NULL || !PyErr_Occurred() ? PyWeakref_NewRef(sig, NULL) : NULL;
+    if (ref == NULL) {
+        Py_DECREF(family); Py_DECREF(out_info); Py_DECREF(out_fmt); Py_XDECREF(inference);
+        return NULL;
+    }
+    /* the entry, written with no Python code in between; the victim is
+     * chosen now (another thread may have filled the set meanwhile) */
+    info += sig_victim[set]++ % SIG_WAYS;       /* the set's entries in turn */
+    PyObject *old[5] = {info->ref, info->family, info->out_info, info->out_fmt,
+                        info->inference};
+    info->ref = ref;
+    info->family = family;
+    info->out_info = out_info;
+    info->out_fmt = out_fmt;
+    info->inference = inference;
+    info->safe = safe;
+    info->sig_id = sig_id;
+    info->n_classes = n_classes;
+    memcpy(info->out_class, out_class, sizeof(int32_t) * n_classes);
+    info->results = results;
+    info->repeatable = repeatable;
+    /* released now: a dealloc may run Python code, which may take this
+     * entry; then the caller (which reads it at once, before any Python
+     * code) would read another signature's fields, so it is looked up again */
+    int released = 0;
+    for (int i = 0; i < 5; i++) {
+        if (old[i] != NULL) {
+            released = 1;
+            Py_DECREF(old[i]);
         }
     }
-    Py_XSETREF(info->inference, inference);
+    if (released && (info->ref == NULL || PyWeakref_GET_OBJECT(info->ref) != sig))
+        return sig_info(sig);
     return info;
 }
 
