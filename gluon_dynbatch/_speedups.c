@@ -786,7 +786,7 @@ static int call_words(CallWords *cw, PyObject *const *args, Py_ssize_t nargs,
         count += PyList_CheckExact(args[i]) || PyTuple_CheckExact(args[i]) ?
             PySequence_Fast_GET_SIZE(args[i]) : 1;
     cw->n = cw->n_dtypes = cw->n_leaves = 0;
-    if (count > MEMO_WORDS) return 0;       /* (each leaf takes two words or more) */
+    if (count > MEMO_WORDS) return 0;       /* (each leaf takes a word or more) */
     cw->lazy = cw->arrays = 0;
     if (!push_call_word(cw, nargs)) return 0;
     for (Py_ssize_t i = 0; i < nargs; i++) {
@@ -844,7 +844,8 @@ static PyObject *memo_get(PyObject *dblock, const CallWords *cw, uint64_t hash)
             || PyWeakref_GET_OBJECT(e->block_ref) != dblock)
             continue;
         PyObject *sig = PyWeakref_GET_OBJECT(e->sig_ref);
-        return sig == Py_None ? NULL : sig;
+        if (sig != Py_None)
+            return sig;     /* (a dead one's words may be memoized again in another way) */
     }
     return NULL;
 }

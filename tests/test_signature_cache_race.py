@@ -1,9 +1,10 @@
-"""sig_info publishes a signature-cache entry (its weak reference) before it
-has computed the entry's leaf classes: Python code run by an allocation in
-that window (a gc callback here; a finalizer that lets another thread run,
-in general) that records a call given an output of that signature reads the
-previous occupant's classes, and the memo hands it a signature for another
-shape."""
+"""The C recorder's signature cache is never found half written: sig_info
+once published an entry (its weak reference) before it had computed the
+entry's leaf classes, and Python code run by an allocation in that window
+(a gc callback here; a finalizer that lets another thread run, in general)
+recording a call given an output of that signature read the previous
+occupant's classes, so the memo handed it a signature of another shape
+(found by a review).  sig_info now writes an entry from locals."""
 import gc
 import weakref
 
