@@ -7,7 +7,9 @@ import gc
 import os
 import shutil
 import sys
+import random
 import threading
+import weakref
 
 import mxnet as mx
 import numpy as np
@@ -498,7 +500,6 @@ def test_recording_keeps_no_model_alive(make_input):
     signature a call's arguments found, by weak reference: a model deleted
     by the user is freed."""
     import gc
-    import weakref
     cell = dyb.DynBatchBlock(ChildSumTreeLSTMCell(3, 3))
     cell.initialize()
     for _ in range(2):
@@ -518,7 +519,6 @@ def test_recording_in_inference_keeps_no_batch_norm_model_alive():
     cache of signatures held by strong reference, keeping the model of
     every such signature it had seen alive after the user deleted it.  It
     holds it by weak reference, as it holds the signature."""
-    import weakref
 
     class Normed(gluon.HybridBlock):
         def __init__(self):
@@ -633,6 +633,23 @@ class Multiples(mx.gluon.HybridBlock):
         return tuple(x * (i + 1) for i in range(self.count))
 
 
+def _assert_signatures_their_keys_name(consumers, calls, nodes, scope):
+    """Assert that each node of ``nodes`` recorded by a call of a block of
+    ``consumers`` has the signature its key names (``calls``: the calls'
+    ``(block, context, args)``, in order), and return those nodes."""
+    by_sig = {sig: block for block in consumers for sig in block._signatures.values()}
+    consumed = [node for node in nodes if node.sig in by_sig]
+    assert len(consumed) == len(calls)
+    for node, (block, ctx, args) in zip(consumed, calls):
+        assert by_sig[node.sig] is block
+        leaves = []
+        fmt = flatten(args, leaves)
+        with ctx:
+            key = _signature_key(block, fmt, leaves, scope)[0]
+        assert node.sig is block._signatures[key], (key, node.sig.key)
+    return consumed
+
+
 @needs_extension
 def test_calls_given_outputs_of_several_blocks_get_the_signatures_their_keys_name():
     """The memo knows a lazy leaf by its output's shape, dtype and context
@@ -656,18 +673,153 @@ def test_calls_given_outputs_of_several_blocks_get_the_signatures_their_keys_nam
                                           (0, 1, 2), (5, 3, 0)):
                                 args = (made[picks[0]], [made[i] for i in picks])
                                 consumer(*args)
-                                calls.append((ctx, args))
-        nodes, _ = scope.take()
-    consumed = [node for node in nodes if node.sig in consumer._signatures.values()]
-    assert len(consumed) == len(calls)
-    for node, (ctx, args) in zip(consumed, calls):
-        leaves = []
-        fmt = flatten(args, leaves)
-        with ctx:
-            key = _signature_key(consumer, fmt, leaves, scope)[0]
-        assert node.sig is consumer._signatures[key]
+                                calls.append((consumer, ctx, args))
+        consumed = _assert_signatures_their_keys_name([consumer], calls, scope.take()[0], scope)
     assert len({node.sig for node in consumed}) == 2 * 2 * 2 * 3  # contexts, dtypes, shapes,
     #                                                              # list lengths
+
+
+class CastAdd(gluon.HybridBlock):
+    """``relu(x)`` plus every item of a list, all as float64: arguments of
+    any dtypes (a key of several dtypes)."""
+
+    def hybrid_forward(self, F, x, items):
+        out = F.relu(x.astype('float64'))
+        for item in items:
+            out = out + item.astype('float64')
+        return out
+
+
+class Casts(gluon.HybridBlock):
+    """Outputs of several dtypes: x*2 as float32, x*3 as float64, x as int32,
+    x*5 as float64, x*7 as float32."""
+
+    def hybrid_forward(self, F, x):
+        return ((x * 2).astype('float32'), (x * 3).astype('float64'), x.astype('int32'),
+                (x * 5).astype('float64'), (x * 7).astype('float32'))
+
+
+CAST_FACTORS = [(2, np.float32), (3, np.float64), (1, np.int32), (5, np.float64), (7, np.float32)]
+
+
+def _one_round(rng, consumers, rounds_made):
+    """Make producers (kept only for this round), record consumer calls on
+    random mixes of their outputs; returns (calls, expected values, results)."""
+    contexts = [mx.cpu(0), mx.cpu(1)]
+    producers = [dyb.DynBatchBlock(Multiples(rng.choice([2, 3, 9, 12]))) for _ in range(3)]
+    producers += [dyb.DynBatchBlock(Casts()) for _ in range(2)]
+    calls, expected, results = [], [], []
+    with dyb.batching('depth', merge_repeats=False, flush_every=None) as scope:
+        for _ in range(30):
+            ctx = rng.choice(contexts)
+            width = rng.choice([2, 3, 4])
+            base = rng.choice([1.0, -2.0, 0.5])
+            x = np.full((1, width), base, np.float32)
+            with ctx:
+                made = []       # (lazy value, its exact numpy value)
+                for producer in rng.sample(producers, 3):
+                    outs = producer(x)
+                    if isinstance(producer.block, Multiples):
+                        for i, out in enumerate(outs):
+                            made.append((out, x * (i + 1)))
+                    else:
+                        for (factor, dtype), out in zip(CAST_FACTORS, outs):
+                            made.append((out, (x * factor).astype(dtype)))
+                # consumer calls: x of one dtype, a list of one dtype
+                by_dtype = {}
+                for value, want in made:
+                    by_dtype.setdefault(want.dtype, []).append((value, want))
+                for _ in range(6):
+                    dtype = rng.choice(sorted(by_dtype, key=str))
+                    pool = by_dtype[dtype]
+                    picks = [rng.choice(pool) for _ in range(rng.choice([0, 1, 2, 3, 5]))]
+                    head, head_want = rng.choice(made)
+                    block = rng.choice(consumers)
+                    args = (head, [value for value, _ in picks])
+                    out = block(*args)
+                    want = np.maximum(head_want.astype(np.float64), 0)
+                    for _, item in picks:
+                        want = want + item.astype(np.float64)
+                    calls.append((block, ctx, args))
+                    expected.append(want)
+                    results.append(out)
+        _assert_signatures_their_keys_name(consumers, calls, list(scope.pending), scope)
+    rounds_made.append(len(producers))
+    return calls, expected, results
+
+
+@needs_extension
+def test_memo_sound_over_producers_made_and_dropped():
+    """Rounds of new producers (2, 3, 9, 12 outputs; mixed dtypes), cpu(0)
+    and cpu(1), random lists of their outputs; consumers kept across some
+    rounds and remade across others."""
+    rng = random.Random(7)
+    consumers = [dyb.DynBatchBlock(CastAdd()) for _ in range(2)]
+    made = []
+    for round_ in range(12):
+        if round_ % 4 == 3:     # drop and remake the consumers too
+            consumers = [dyb.DynBatchBlock(CastAdd()) for _ in range(2)]
+        calls, expected, results = _one_round(rng, consumers, made)
+        for (block, ctx, args), want, out in zip(calls, expected, results):
+            got = out.asnumpy()
+            assert got.shape == want.shape, (got.shape, want.shape)
+            np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64),
+                                       rtol=1e-6)
+        del calls, results
+        gc.collect()
+
+
+@needs_extension
+def test_lists_mixing_dtypes_or_contexts_are_refused_every_time():
+    """A list mixing dtypes, or lazy values of two contexts, raises as the
+    Python recorder does, also after equal-shaped calls were memoized."""
+    consumer = dyb.DynBatchBlock(AddItems())
+    casts = dyb.DynBatchBlock(Casts())
+    x = np.ones((1, 3), np.float32)
+    for _ in range(3):
+        with private_scope('depth'):
+            a32, a64, i32, b64, b32 = casts(x)
+            consumer(a32, [b32, a32])        # fine, memoized
+            consumer(a64, [b64, a64])
+            with pytest.raises(dyb.InputError):
+                consumer(a32, [a32, a64])
+            with pytest.raises(dyb.InputError):
+                consumer(a64, [b64, i32])
+            with mx.cpu(1):
+                c32 = casts(x)[0]
+            consumer(c32, [c32])
+            with pytest.raises(dyb.InputError):
+                consumer(a32, [a32, c32])
+            with pytest.raises(dyb.InputError):
+                consumer(c32, [a32])
+            with pytest.raises(dyb.InputError):
+                consumer(a32, [c32])
+
+
+@needs_extension
+def test_outputs_past_the_eighth_and_shapes_alike_by_value():
+    """Outputs 0-11 of a 12-output block, of two shapes that differ only in
+    the order of dims ((1, 2, 3) vs (1, 3, 2)), and same-class outputs from
+    blocks of other output counts, mixed in one list."""
+    twelve = dyb.DynBatchBlock(Multiples(12))
+    three = dyb.DynBatchBlock(Multiples(3))
+    consumer = dyb.DynBatchBlock(AddItems())
+    calls = []
+    outs = []
+    with dyb.batching('depth', merge_repeats=False, flush_every=None) as scope:
+        for _ in range(2):
+            for shape in ((1, 2, 3), (1, 3, 2)):
+                x = np.ones(shape, np.float32)
+                many = twelve(x)
+                few = three(x)
+                for i in range(12):
+                    for j in (0, 2):
+                        args = (many[i], [few[j], many[11 - i], many[i]])
+                        outs.append((consumer(*args), 2 * (i + 1) + (j + 1) + (12 - i)))
+                        calls.append((consumer, mx.cpu(0), args))
+        _assert_signatures_their_keys_name([consumer], calls, list(scope.pending), scope)
+    for out, factor in outs:
+        np.testing.assert_allclose(out.asnumpy(), np.full(out.shape, factor, np.float32))
 
 
 NDARRAY_DTYPES = ('float16', 'float32', 'float64', 'int32', 'int64', 'uint8')
@@ -1290,7 +1442,6 @@ def test_scope_slot_keeps_one_value_per_thread_and_lets_it_go():
     ``threading.local()`` would: unset reads None, another thread sees its
     own value, and a value set back to None is released."""
     import threading
-    import weakref
     from gluon_dynbatch import _speedups
 
     class Marker:
@@ -1452,6 +1603,95 @@ def test_python_code_run_while_recording_a_call_leaves_its_signature_alone():
 class Twice(gluon.HybridBlock):
     def hybrid_forward(self, F, x):
         return F.concat(x, x, dim=1)
+
+
+class Same(gluon.HybridBlock):
+    """``x * 1``: an output of its own."""
+
+    def hybrid_forward(self, F, x):
+        return x * 1
+
+
+@needs_extension
+def test_a_call_made_while_a_cache_entry_is_filled_gets_its_own_signature():
+    """The C recorder's signature cache is never found half written: sig_info
+    once published an entry (its weak reference) before it had computed the
+    entry's leaf classes, and Python code run by an allocation in that window
+    (a gc callback here; a finalizer that lets another thread run, in general)
+    recording a call given an output of that signature read the previous
+    occupant's classes, so the memo handed it a signature of another shape
+    (found by a review).  sig_info now writes an entry from locals."""
+    x3 = np.ones((1, 3), np.float32)
+    x4 = np.ones((1, 4), np.float32)
+    keep, by_set, fours = [], {}, []
+    with dyb.batching('depth'):
+        for _ in range(1400):               # (1, 3) outputs: ~5.5 a set of 256 sets
+            block = dyb.DynBatchBlock(Same())
+            value = block(x3)
+            keep.append((block, value))
+            by_set.setdefault(_cache_set(value._node.sig), []).append(value)
+        for _ in range(64):                 # (1, 4) outputs
+            block = dyb.DynBatchBlock(Same())
+            value = block(x4)
+            keep.append((block, value))
+            fours.append(value)
+    target = next((v for v in fours if len(by_set.get(_cache_set(v._node.sig), ())) >= 7), None)
+    if target is None:
+        pytest.skip('no set held seven signatures this time')
+    others = by_set[_cache_set(target._node.sig)][:7]   # >= 4 not cached: all ways taken
+    consumer = dyb.DynBatchBlock(Relu())
+    held_ref = weakref.ref(target._node.sig)    # (sig_info then allocates no weak reference)
+    inner = []
+    state = {'armed': 0}
+
+    def callback(phase, info):
+        if phase == 'start' and state['armed']:
+            state['armed'] -= 1
+            if state['armed'] == 0:
+                inner.append(consumer(target))      # given a (1, 4) value
+
+    was_enabled = gc.isenabled()
+    bad = []
+    for k in range(1, 4):
+        inner.clear()
+        try:
+            with dyb.batching('depth', merge_repeats=False, flush_every=None) as scope:
+                for other in others:        # every way of the set taken: all hold
+                    consumer(other)         # (1, 3) outputs' classes
+                gc.collect()
+                # drain the free list of 3-tuples: leaf_class's PyTuple_Pack then
+                # allocates, and the collector may start
+                hold = [(i, i + 1, i + 2) for i in range(2100)]
+                gc.callbacks.append(callback)
+                state['armed'] = 1
+                gc.set_threshold(k)
+                gc.enable()
+                try:
+                    outer = consumer(target)
+                finally:
+                    gc.disable()
+                    gc.callbacks.remove(callback)
+                    gc.set_threshold(700)
+                    state['armed'] = 0
+                    del hold
+                values = list(inner) + [outer]
+                for value in values:
+                    leaves = []
+                    fmt = flatten((target,), leaves)
+                    key = _signature_key(consumer, fmt, leaves, scope)[0]
+                    if value._node.sig is not consumer._signatures[key]:
+                        bad.append((k, 'signature', value._node.sig.key, key))
+        except mx.base.MXNetError as err:
+            bad.append((k, 'flush', str(err).splitlines()[0][:160]))
+            continue
+        for value in values:
+            got = value.asnumpy()
+            if got.shape != (1, 4) or not (got == 1).all():
+                bad.append((k, 'value', got))
+    if was_enabled:
+        gc.enable()
+    del held_ref
+    assert not bad, bad
 
 
 @needs_extension
