@@ -241,10 +241,11 @@ class Strategy:
 def check_plan(plan, nodes, strategy):
     """Refuse, naming the strategy, a plan of a strategy of the user's own
     that does not run each of ``nodes`` exactly once after the nodes it
-    reads, merging only calls that may merge: such a plan failed deep in
-    the execution (``'NoneType' object is not subscriptable``), or could
-    have run rows of one signature through another's program (found by a
-    review).  Plans of the package's own ``plan`` methods, subclasses'
+    reads, merging only calls that may merge, each under a signature that
+    runs it (its own, or its lists padded): such a plan failed deep in the
+    execution (``'NoneType' object is not subscriptable``, numpy's
+    ``cannot reshape``), or could have run rows of one signature through
+    another's program (found by a review and a user's trial).  Plans of the package's own ``plan`` methods, subclasses'
     included, are not checked (a pass over the nodes, ~1 us a node)."""
     if type(strategy).plan.__module__.startswith(__package__ + '.'):
         return
@@ -254,7 +255,10 @@ def check_plan(plan, nodes, strategy):
             'strategy %r (%s) planned %s: plan(nodes, summary) must return a Plan whose '
             'steps (BatchSteps) run every node of the flush exactly once, each after the '
             'nodes it reads, and merge only nodes of one signature whose calls may merge '
-            '(sig.group_key equal, sig.batch_safe), as gluon_dynbatch.plan.ByDepth does.'
+            '(sig.group_key equal, sig.batch_safe), each under its own signature, or, where '
+            'their lists differ in length, under their padded signature, as '
+            'gluon_dynbatch.plan.ByDepth does (gluon_dynbatch.plan.make_steps(nodes) makes '
+            'such steps of one family\'s nodes).'
             % (strategy.name, type(strategy).__name__, what))
     if not isinstance(plan, Plan):
         refuse('a %s, not a Plan' % type(plan).__name__)
@@ -270,13 +274,38 @@ def check_plan(plan, nodes, strategy):
                                                 if id(node) in done else 'no node of the flush'))
             if len(step.nodes) > 1 and (node.sig.group_key != key or not node.sig.batch_safe):
                 refuse('step %d merging %r with nodes it cannot merge with' % (number, node))
+            if node.sig is not step.sig and not _pads_to(node.sig, step.sig):
+                refuse('step %d running %r under the signature %s, which is neither its own '
+                       'nor its lists padded' % (number, node, _describe(step.sig)))
             for producer in node.producers():
                 if id(producer) not in done:
                     refuse('step %d with %r before a node it reads, %r' % (number, node,
                                                                           producer))
+        if step.ragged and not getattr(step.sig, 'ragged', False):
+            refuse('step %d ragged under the signature %s, which cannot run its lists ragged '
+                   '(a padded signature whose .ragged is true can)'
+                   % (number, _describe(step.sig)))
         done.update(id(node) for node in step.nodes)
     if len(done) != len(flush):
         refuse('%d of the flush\'s %d nodes' % (len(done), len(flush)))
+
+
+def _pads_to(sig, padded):
+    """Whether calls of ``sig`` may run under ``padded``: a signature of the
+    same block and family whose padding of ``sig``'s lists was checked
+    (:meth:`~.block.DynBatchBlock.padded_signature` checks it).  A step of
+    mixed list lengths under the signature of its shortest lists failed
+    deep in the execution with numpy's reshape error (a user's trial)."""
+    dblock = getattr(padded, 'dblock', None)
+    return (dblock is not None and getattr(sig, 'dblock', None) is dblock
+            and sig.group_key == padded.group_key
+            and (sig.key, padded.key, padded.in_inference) in dblock._pad_checked)
+
+
+def _describe(sig):
+    """A signature as error messages name it (any object a plan put there)."""
+    describe = getattr(sig, 'describe', None)
+    return describe() if callable(describe) else repr(sig)
 
 
 def one_call(name, nodes):

@@ -1003,6 +1003,119 @@ def test_error_a_strategy_of_ones_own_planning_wrong_is_named(how, message):
             other(mx.nd.ones((1, 2)))
 
 
+class _ByDepthOwn(dyb.Strategy):
+    """A user's depth grouping: a step per (depth, family), each step under
+    its first node's signature (``'first'``), under another block's
+    signature (``'other'``, one node a step), flagged ragged under a
+    signature that cannot run ragged (``'ragged'``), or made by
+    ``plan.make_steps`` (``'made'``: the right way)."""
+    name = 'own'
+
+    def __init__(self, how, other=None):
+        self.how, self.other = how, other
+
+    def plan(self, nodes, summary=None):
+        from gluon_dynbatch.plan import make_steps
+        depth, groups = {}, {}
+        for node in nodes:
+            depth[id(node)] = 1 + max((depth[id(p)] for p in node.producers()), default=-1)
+            groups.setdefault((depth[id(node)], node.sig.group_key), []).append(node)
+        steps = []
+        for _, group in sorted(groups.items(), key=lambda item: item[0][0]):
+            if self.how == 'made':
+                steps += make_steps(group)
+            elif self.how == 'other':
+                steps += [dyb.BatchStep(self.other, (node,)) for node in group]
+            else:
+                steps.append(dyb.BatchStep(group[0].sig, tuple(group), self.how == 'ragged'))
+        return dyb.Plan(self.name, tuple(steps))
+
+
+@pytest.mark.parametrize('how, message', [
+    ('first', r'step 1 running Node\(\w+, depth=1\) under the signature \w+#\d+\(2 in\).*, '
+              r'which is neither its own nor its lists padded'),
+    ('other', r'step 0 running Node\(\w+, depth=0\) under the signature dense\w*#\d+\(1 in\)'),
+    ('ragged', r'step 0 ragged under the signature \w+#\d+\(1 in\).*, which cannot run its '
+               r'lists ragged'),
+])
+def test_error_a_strategy_of_ones_own_running_calls_under_another_signature(how, message):
+    """A user's plan that merged calls of one family but of different list
+    lengths under the first one's signature (or ran a call under another
+    block's, or flagged a step ragged that cannot be) passed the plan's
+    check and died deep in the execution, with numpy's "cannot reshape
+    array of size 6 into shape (3,1)" (a user's trial): it is refused,
+    naming the step, and ``plan.make_steps`` plans the same groups right."""
+    block = dyb.DynBatchBlock(DenseAddLists(), pad_lists=True)
+    block.initialize(mx.init.Uniform(0.5))
+    other = dense()
+    with dyb.batching():
+        other(mx.nd.ones((1, 3)))
+    other_sig, = other.signatures()
+    rng = np.random.RandomState(3)
+    xs = [mx.nd.array(rng.randn(1, 3)) for _ in range(6)]
+
+    def run():
+        leaves = [block(x, []) for x in xs]
+        return [block(xs[0], leaves[:1]), block(xs[1], leaves[1:3]), block(xs[2], leaves[3:])]
+    with pytest.raises(dyb.ScopeError, match=r"strategy 'own' \(_ByDepthOwn\) planned "
+                                             + message + r'.*plan\.make_steps'):
+        with dyb.batching(_ByDepthOwn(how, other_sig)):
+            run()
+    want = [value.asnumpy() for value in run()]
+    with dyb.batching(_ByDepthOwn('made')):
+        got = run()
+    for value, expected in zip(got, want):
+        np.testing.assert_allclose(value.asnumpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+class _Delegating(dyb.Strategy):
+    """A strategy of one's own that returns a package strategy's plan: its
+    plans are checked (the package's own are not)."""
+    name = 'delegating'
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def plan(self, nodes, summary=None):
+        return self.inner.plan(nodes, summary)
+
+
+@pytest.mark.parametrize('inner', [dyb.ByDepth, dyb.Agenda])
+@pytest.mark.parametrize('train_mode', [True, False])
+def test_the_plan_check_passes_the_package_plans_padded_and_ragged(inner, train_mode):
+    """The check of a user's plan passes every step the package's planners
+    make, those that pad lists and run them ragged included, under
+    autograd in training and not: it must not refuse a right plan."""
+    from gluon_dynbatch import plan as plan_module
+    cell = dyb.DynBatchBlock(ChildSumTreeLSTMCell(4, 3))
+    head = dense(2, 4)
+    cell.initialize(mx.init.Uniform(0.5))
+    rng = np.random.RandomState(5)
+    trees = [random_tree(rng, n, max_arity=4) for n in (1, 4, 9, 17, 30, 30)]
+    leaf = mx.nd.ones((1, 3))
+
+    def enc(t):
+        ch = [enc(c) for c in t.children]
+        return cell(leaf, [h for h, _ in ch], [c for _, c in ch])
+    ragged, padded = [], []
+    original = plan_module.check_plan
+
+    def watched(plan, nodes, strategy):
+        original(plan, nodes, strategy)
+        ragged.extend(step for step in plan.steps if step.ragged)
+        padded.extend(step for step in plan.steps
+                      if any(node.sig is not step.sig for node in step.nodes))
+    block_module = sys.modules['gluon_dynbatch.block']
+    saved = block_module.check_plan
+    block_module.check_plan = watched
+    try:
+        assert_same(run_both(lambda: [head(enc(t)[0]) for t in trees], [cell, head],
+                             strategy=_Delegating(inner()), train_mode=train_mode))
+    finally:
+        block_module.check_plan = saved
+    assert padded or ragged, 'no step ran a call under a signature not its own'
+
+
 @pytest.mark.parametrize('value', ['no', None, 0.5, 2, -1])
 def test_error_merge_repeats_not_a_bool(value):
     """merge_repeats='no' left merging on (bool('no')): found by a review."""
