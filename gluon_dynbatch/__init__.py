@@ -9,7 +9,7 @@ __version__ = '0.1.0'
 from .block import DynBatchBlock, batching, concat_rows, current_scope
 from .debug import reset_stats, stats
 from .errors import (DynBatchError, FreedGraphWarning, InputError, LazyValueError,
-                     PerSampleWarning, ScopeError, StatefulBlockWarning)
+                     ManySignaturesWarning, PerSampleWarning, ScopeError, StatefulBlockWarning)
 from .graph import LazyValue
 from .plan import STRATEGIES, Agenda, BatchStep, ByDepth, CachedPlan, Plan, PerSample, Strategy
 from .cost import Auto, CostModel, default_cost_model
@@ -18,7 +18,7 @@ from .optim import FusedAdaGrad
 
 __all__ = ['DynBatchBlock', 'batching', 'concat_rows', 'current_scope', 'stats', 'reset_stats',
            'DynBatchError', 'InputError', 'LazyValueError', 'ScopeError', 'PerSampleWarning',
-           'FreedGraphWarning', 'StatefulBlockWarning', 'LazyValue',
+           'FreedGraphWarning', 'StatefulBlockWarning', 'ManySignaturesWarning', 'LazyValue',
            'Plan', 'BatchStep', 'Strategy', 'PerSample', 'ByDepth', 'Agenda', 'CachedPlan',
            'Auto', 'CostModel', 'default_cost_model', 'STRATEGIES',
            'register_batching_rule', 'FusedAdaGrad']

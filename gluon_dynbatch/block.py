@@ -29,7 +29,8 @@ from mxnet.gluon import Block
 from mxnet.ndarray.ndarray import _DTYPE_NP_TO_MX
 
 from . import accel, debug
-from .errors import InputError, PerSampleWarning, ScopeError, user_line, user_stacklevel
+from .errors import (InputError, ManySignaturesWarning, PerSampleWarning, ScopeError, user_line,
+                     user_stacklevel)
 from .execute import (changed_parameters_error, collect, pad_leaves, rows_of, run_plan,
                       threaded_engine, to_device)
 from .graph import (_LAZY_OPERATOR, DONE, FAILED, OPERATOR_BLOCKS, PENDING, LazyValue, Node,
@@ -121,6 +122,13 @@ def current_scope():
     """The open :class:`BatchingScope` of this thread, or None."""
     return getattr(_LOCAL, 'scope', None)
 
+
+MANY_SIGNATURES = 1000
+"""Signatures a wrapper traces before it warns, once until
+:meth:`DynBatchBlock.forget_signatures`
+(:class:`~gluon_dynbatch.ManySignaturesWarning`): a block over arguments
+of ever new shapes grew ~0.1 MB a signature (a small block, 1,500 shapes:
++156 MB), with no bound.  The SICK Tree-LSTM traces a few dozen."""
 
 READ_FLUSHES = 32
 """Flushes that reads of pending values ran in one scope before a scope
@@ -1077,6 +1085,12 @@ def _mark_used(node):
 def _position(leaves, leaf):
     """Index of ``leaf`` (by identity) in ``leaves``, for error messages."""
     return next(i for i, x in enumerate(leaves) if x is leaf)
+
+
+def _few(items, most=4):
+    """``items`` for a message: the first ``most``, then how many more."""
+    text = ', '.join(str(item) for item in items[:most])
+    return text + (', ... (%d more)' % (len(items) - most) if len(items) > most else '')
 
 
 def _leaf_path(fmt, index):
@@ -2286,6 +2300,7 @@ class DynBatchBlock(Block):
         return {'_signatures': {}, '_families': {}, '_pad_checked': set(),
                 '_padded': {},       # tuple of signatures -> their padded signature
                 '_warned': False,    # PerSampleWarning given
+                '_warned_many': False,      # ManySignaturesWarning given
                 '_traced_blocks': None,     # blocks_of(self.block) when it first traced
                 '_sparse_params': ()}       # row-sparse-gradient parameters its graphs read
 
@@ -2393,7 +2408,32 @@ class DynBatchBlock(Block):
                 _UNWARNED.add(self)     # (its calls batch here: warned if run under autograd)
             else:
                 self.warn_per_sample(sig)
+        if len(self._signatures) >= MANY_SIGNATURES and not self._warned_many:
+            self._warned_many = True
+            warnings.warn(ManySignaturesWarning(
+                'block %s has traced %d signatures, one per distinct combination of its '
+                'arguments\' shapes, dtypes, list lengths and context (the latest: leaves of '
+                'shapes %s), and '
+                'keeps each, with its compiled programs, for the wrapper\'s life: memory '
+                'grows with every new shape. Pad arguments whose shape varies freely to a few '
+                'sizes, pass rows as a list to a pad_lists block, or call '
+                'forget_signatures() now and then.'
+                % (self.block.name, len(self._signatures), _few(key[1:-2]))),
+                stacklevel=user_stacklevel())
         return sig
+
+    def forget_signatures(self):
+        """Drop every signature traced so far, with its compiled programs:
+        later calls trace the block again (milliseconds each).  For a
+        long-running process whose calls meet ever new argument shapes,
+        which would otherwise keep one signature each for the wrapper's life
+        (see :class:`~gluon_dynbatch.ManySignaturesWarning`).  The calls
+        pending in this thread's scope run first, as for :meth:`cast`."""
+        scope = getattr(_LOCAL, 'scope', None)
+        if scope is not None:
+            scope.flush()
+        if self._signatures:
+            self._forget_traces()
 
     def warn_per_sample(self, sig):
         """Say, once a wrapper, that ``sig``'s calls run per sample, why,

@@ -5,7 +5,7 @@ import os
 import sys
 
 __all__ = ['DynBatchError', 'ScopeError', 'LazyValueError', 'InputError', 'PerSampleWarning',
-           'FreedGraphWarning', 'StatefulBlockWarning']
+           'FreedGraphWarning', 'StatefulBlockWarning', 'ManySignaturesWarning']
 
 
 class DynBatchError(Exception):
@@ -66,6 +66,18 @@ class StatefulBlockWarning(UserWarning):
     batched calls never see that state: each computes as the first call of
     a sequence would (zoneout copies zeros, every step draws a new mask).
     Pass such state as an argument and return it as an output instead."""
+
+
+class ManySignaturesWarning(UserWarning):
+    """A wrapper traced :data:`~gluon_dynbatch.block.MANY_SIGNATURES`
+    signatures, one per distinct combination of its arguments' shapes,
+    dtypes, list lengths and context.  Each keeps its symbol and compiled
+    programs for the wrapper's life (~0.1 MB for a small block) and took
+    milliseconds to trace, so a process whose calls meet ever new shapes
+    (free sequence lengths or image sizes passed as one array) grows
+    without bound.  Pad such arguments to a few sizes, pass rows as a list
+    to a ``pad_lists`` block, or drop the signatures now and then with
+    :meth:`~gluon_dynbatch.DynBatchBlock.forget_signatures`."""
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep

@@ -1,6 +1,7 @@
 """Behaviour of the user-facing API: laziness, scopes, plans, parameters,
 and the errors each misuse gets."""
 import contextlib
+import gc
 import os
 import re
 import sys
@@ -1333,6 +1334,66 @@ def test_a_block_that_runs_per_sample_warns_once_at_the_users_line(accelerated):
                      str(mine[0].message)), str(mine[0].message)
     assert mine[0].filename == __file__
     np.testing.assert_array_equal(outs[2].asnumpy(), np.full((1, 3), 4.0))
+
+
+class _MeanOverTime(gluon.HybridBlock):
+    """``tanh(W x)`` averaged over axis 1: takes ``(1, T, 4)`` for any T."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.dense = nn.Dense(2, in_units=4, flatten=False)
+
+    def hybrid_forward(self, F, x):  # pylint: disable=arguments-differ
+        return F.tanh(self.dense(x)).mean(axis=1)
+
+
+@pytest.mark.parametrize('accelerated', [False, True])
+def test_a_wrapper_of_many_signatures_warns_once_and_forgets_them(monkeypatch, accelerated):
+    """Calls over ever new shapes keep a signature each (~0.1 MB with its
+    programs) for the wrapper's life, with no bound: at MANY_SIGNATURES the
+    wrapper warns once, at the user's line, naming the block, the count and
+    what to do; forget_signatures() runs this thread's pending calls, drops
+    them (freed) and rearms the warning; results stay those of plain
+    Gluon."""
+    import weakref
+    from gluon_dynbatch import accel
+    from gluon_dynbatch import block as block_module
+    monkeypatch.setattr(block_module, 'MANY_SIGNATURES', 4)
+    block = dyb.DynBatchBlock(_MeanOverTime())
+    block.initialize(mx.init.Uniform(0.5))
+    xs = [mx.nd.array(np.random.RandomState(t).randn(1, t, 4)) for t in range(1, 10)]
+    accel.enable(accelerated)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            with dyb.batching():
+                outs = [block(x) for x in xs[:3]]
+            assert not caught
+            with dyb.batching():
+                outs += [block(x) for x in xs[3:6]]           # the 4th signature: a warning
+                refs = [weakref.ref(sig) for sig in block.signatures()]
+                block.forget_signatures()                     # runs the pending calls first
+                assert all(value.ready for value in outs) and not block.signatures()
+                outs += [block(x) for x in xs[6:]]
+            assert len(caught) == 1
+            outs += [block(x) for x in xs[3:4]]               # (outside a scope: no trace)
+            with dyb.batching():
+                outs += [block(x) for x in xs[:1]]            # the 4th since forgetting
+    finally:
+        accel.enable(True)
+    said = [w for w in caught if issubclass(w.category, dyb.ManySignaturesWarning)]
+    assert len(said) == 2 == len(caught), [str(w.message) for w in caught]
+    assert re.search(r'block _meanovertime\d+ has traced 4 signatures.*leaves of shapes '
+                     r'\(1, 4, 4\).*forget_signatures\(\)', str(said[0].message))
+    assert said[0].filename == __file__
+    got = [value.asnumpy() for value in outs]
+    del outs                # (a value keeps its call's signature)
+    gc.collect()
+    assert not [ref for ref in refs if ref() is not None]
+    want = [block(x).asnumpy() for x in xs + xs[3:4] + xs[:1]]
+    for value, expected in zip(got, want):
+        np.testing.assert_allclose(value, expected, rtol=1e-6, atol=1e-7)
 
 
 def test_error_inputs_of_another_dtype_than_the_parameters(capsys):
