@@ -1693,6 +1693,12 @@ _PADDING_ADVICE = (' Pass pad_lists=False to DynBatchBlock (calls of different l
                    'then run as separate groups).')
 
 
+FLOAT16_CLOSE = 4e-3
+"""The padding check's tolerance for float16 values, relative to the
+largest (:func:`_close`): four float16 steps (one step is 2**-10, 9.8e-4,
+between 1 and 2)."""
+
+
 def _close(a, b, wide=False):
     """Whether the padding check's outputs or gradients ``a`` and ``b``
     agree: float32 rounding, which longer sums order differently, grows
@@ -1716,8 +1722,13 @@ def _close(a, b, wide=False):
     product are the same whichever operand comes first.)  Equal finite
     arrays are close whatever the tolerance (it is never negative): a
     zero row added to a sum leaves it as it was, so most pairs are equal,
-    and one comparison then decides."""
-    scale = 1e-9 if wide else 1e-5
+    and one comparison then decides.  Values of float16 (a block cast to it,
+    whose parameters keep it from running wide) round ~500x coarser: a sum
+    over two rows and over those and three zero rows differed by one
+    float16 step (~1e-3), which refused a correct block (a user's trial);
+    they are compared within 4e-3."""
+    scale = 1e-9 if wide else FLOAT16_CLOSE if np.float16 in (
+        getattr(a, 'dtype', None), getattr(b, 'dtype', None)) else 1e-5
     if type(a) is np.ndarray and type(b) is np.ndarray and a.shape == b.shape and \
             a.dtype.kind == 'f' and b.dtype.kind == 'f':
         top = np.abs(a).max(initial=0.1)

@@ -366,6 +366,13 @@ def trace_signature(ids, block, fmt, shapes, dtypes):
                 'out what it does not compute (or return a zeros array in its place), and '
                 'keep other values as attributes of the block.'
                 % (_block_name(block), leaf, number))
+    if not out_leaves:
+        # (mx.sym.Group([]) raised "Expected a list of symbols as input",
+        # naming no block: a user's trial)
+        raise InputError(
+            'block %s returns %r, no array: a wrapped block returns at least one array (an '
+            'output nothing reads is run and dropped). Return what it computes, or call it '
+            'outside the scope if it is run for its side effects.' % (_block_name(block), out))
     # an output that is an argument itself (``return x`` for a leaf) is no
     # op of the graph, and a program built on it would lose it: copy it
     # (the call returns the argument itself, see TracedSignature.passthrough)

@@ -1336,6 +1336,64 @@ def test_a_block_that_runs_per_sample_warns_once_at_the_users_line(accelerated):
     np.testing.assert_array_equal(outs[2].asnumpy(), np.full((1, 3), 4.0))
 
 
+class _ChildSumScaled(gluon.HybridBlock):
+    """``tanh(x * w + sum(children))`` (``mean``: their mean, which padding
+    changes), with a parameter ``w``: a block cast to float16 keeps it so,
+    and the padding check runs in float16."""
+    dynbatch_pad_lists = True
+
+    def __init__(self, mean=False):
+        super().__init__()
+        self.mean = mean
+        with self.name_scope():
+            self.w = self.params.get('w', shape=(1, 64), init=mx.init.Uniform(1.0))
+
+    def hybrid_forward(self, F, x, hs, w):  # pylint: disable=arguments-differ
+        stacked = F.stack(*hs, axis=1)
+        pooled = F.mean(stacked, axis=1) if self.mean else F.sum(stacked, axis=1)
+        return F.tanh(F.broadcast_mul(x, w) + pooled)
+
+
+@pytest.mark.parametrize('train', [False, True])
+def test_a_float16_pad_lists_block_with_parameters_passes_its_padding_check(train):
+    """A float16 sum over 2 children and over those and 3 zero rows differ by
+    one float16 step (~1e-3): the padding check compared them within
+    float32's 1e-5 and refused a correct block (a user's trial); a false
+    claim (a mean) is still refused in float16."""
+    rng = np.random.RandomState(0)
+
+    def x():
+        return mx.nd.array(rng.randn(1, 64), dtype='float16')
+    block = dyb.DynBatchBlock(_ChildSumScaled())
+    block.initialize()
+    block.cast('float16')
+    args = [(x(), [x(), x()]), (x(), [x() for _ in range(5)])]
+    runs = []
+    for batched in (False, True):
+        with autograd.record(train):
+            if batched:
+                with dyb.batching('depth'):
+                    outs = [block(a, kids) for a, kids in args]
+                outs = [out.data for out in outs]
+            else:
+                outs = [block(a, kids) for a, kids in args]
+            loss = sum((out.astype('float32') * (k + 1)).sum() for k, out in enumerate(outs))
+        loss.backward()
+        runs.append([out.asnumpy().astype(np.float64) for out in outs]
+                    + [block.block.w.grad().asnumpy().astype(np.float64)])
+    for want, got in zip(*runs):
+        np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
+    assert any(len(sig.fmt[1]) == 5 for sig in block.signatures())     # padded and run
+    mean = dyb.DynBatchBlock(_ChildSumScaled(mean=True))
+    mean.initialize()
+    mean.cast('float16')
+    with pytest.raises(dyb.InputError, match=r'_childsumscaled\d+ declares pad_lists, but '
+                                             r'padding its list arguments with zeros'):
+        with dyb.batching('depth'):
+            for a, kids in args:
+                mean(a, kids)
+
+
 class _MeanOverTime(gluon.HybridBlock):
     """``tanh(W x)`` averaged over axis 1: takes ``(1, T, 4)`` for any T."""
 
@@ -1751,6 +1809,29 @@ def test_error_an_output_that_is_no_array_names_the_block(extra):
                              r'.* as its output 1: a wrapped block returns arrays'):
         with dyb.batching():
             block(mx.nd.ones((1, 3)))
+
+
+class _ReturnsNothing(gluon.HybridBlock):
+    def __init__(self, nothing):
+        super().__init__()
+        self.nothing = nothing
+
+    def hybrid_forward(self, F, x):  # pylint: disable=arguments-differ
+        return self.nothing
+
+
+@pytest.mark.parametrize('nothing', [(), [], ((), [])])
+def test_error_a_block_returning_no_array_names_the_block(nothing):
+    """A block returning ``()`` runs outside a scope; inside one, tracing
+    failed with MXNet's "Expected a list of symbols as input", naming no
+    block (a user's trial)."""
+    block = dyb.DynBatchBlock(_ReturnsNothing(nothing))
+    assert block(mx.nd.ones((1, 2))) == nothing
+    with pytest.raises(dyb.InputError,
+                       match=r'_returnsnothing\d+ \(_ReturnsNothing\) returns .*, no array: '
+                             r'a wrapped block returns at least one array'):
+        with dyb.batching():
+            block(mx.nd.ones((1, 2)))
 
 
 def test_error_concat_rows_of_one_value_or_of_call_results():
