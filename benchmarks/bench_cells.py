@@ -411,6 +411,11 @@ def each_cell_apart(args):
     write(args, merged)
 
 
+QUICK_NOTE = ('\n**--quick: a smoke run, not a measurement.** Tiny budgets, and one-time '
+              'work (tracing, padding checks, building programs) not warmed up, so it falls in '
+              'the timed repeats; run without --quick for numbers.\n')
+
+
 def write(args, out, stem='cells', text=None):
     """Print the tables (``text``, else this script's of ``out``) and write
     ``<stem>.json`` / ``<stem>.md`` where ``args`` says (``--out``,
@@ -418,6 +423,9 @@ def write(args, out, stem='cells', text=None):
     ``bench_graph.py``'s."""
     out_dir = args.out or os.path.join(HERE, 'results', 'quick' if args.quick else '')
     text = table(out['results']) if text is None else text
+    if args.quick:      # (its tables read like results: a user's trial took them for some)
+        text = QUICK_NOTE + text
+        out = dict(out, note=QUICK_NOTE.strip())
     print(text)
     os.makedirs(out_dir, exist_ok=True)
     json_path, md_path = (os.path.join(out_dir, stem + ext) for ext in ('.json', '.md'))

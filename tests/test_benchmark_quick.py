@@ -220,6 +220,9 @@ def test_quick_graph_benchmark(tmp_path):
         for form, rates in forms.items():
             assert rates and all(math.isfinite(r) and r > 0 for r in rates), (name, form)
     assert '| dynbatch / hand-batched |' in (tmp_path / 'graph.md').read_text()
+    # (its tables read like results: a user's trial took them for some)
+    assert 'a smoke run, not a measurement' in (tmp_path / 'graph.md').read_text()
+    assert 'not a measurement' in res['note'] and 'not a measurement' in proc.stdout
 
 
 @needs_sick
