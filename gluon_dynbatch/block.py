@@ -35,7 +35,7 @@ from .execute import (changed_parameters_error, collect, pad_leaves, rows_of, ru
                       threaded_engine, to_device)
 from .graph import (_LAZY_OPERATOR, DONE, FAILED, OPERATOR_BLOCKS, PENDING, LazyValue, Node,
                     data_marked, lazy_results, recorded, repeat_node, shared_results)
-from .lower import INDEXED_OPS, make_cached_op, programs_built, ragged_lists
+from .lower import INDEXED_OPS, make_cached_op, op_local, programs_built, ragged_lists
 from .plan import SETUP, STRATEGIES, Strategy, check_plan, summarize
 from .rules import draws_random
 from .trace import (blocks_of, common_dtype, error_line, flatten, graph_readers, inputs_below,
@@ -519,7 +519,9 @@ def batching(strategy='auto', flush_every='auto', merge_repeats=True):
         raise ScopeError("batching() does not support MXNet's numpy interface (npx.set_np() "
                          'is active): blocks are traced and batched with the legacy NDArray and '
                          'Symbol API. Call mx.npx.reset_np() first, or run the blocks without a '
-                         'scope.')
+                         'scope; blocks written with F.np / F.npx, or made under set_np(), need '
+                         'the numpy interface and cannot be batched: write them with the legacy '
+                         'F operators.')
     if isinstance(strategy, str):
         if strategy not in STRATEGIES:
             raise ScopeError('unknown strategy %r; choose one of %s'
@@ -1640,7 +1642,7 @@ class _CheckPrep:
         self.runs_wide = _runs_wide([self.wide], dtype, [_integer_inputs(sig)])
         self.ids = _id_inputs(self.small)
         self.lengths = _length_inputs(dblock, self.small, sig)
-        self._ops = threading.local()
+        self._ops = op_local()
         self._shapes = {}
 
     @classmethod

@@ -54,6 +54,7 @@ summed inside the graph instead of once per step.  Host parts run inside
 it on each flush's distinct host rows (their number follows the data; the
 row layout of every output does not).
 """
+import atexit
 import json
 import threading
 import time
@@ -67,7 +68,8 @@ from .rules import NOT_FUNCTIONS, draws_random
 from .trace import (EXACT, constant_shape, graph_readers, leaf_count, load_graph,
                     may_batch_on_axis_1, moved_entry, own_forms, symbol_json)
 
-__all__ = ['make_cached_op', 'ThreadCachedOp', 'StepProgram', 'step_program', 'element_major',
+__all__ = ['make_cached_op', 'op_local', 'release_at_exit', 'ThreadCachedOp', 'StepProgram',
+           'step_program', 'element_major',
            'FlushProgram', 'flush_program', 'share_host_part', 'host_part', 'embedding_reads',
            'read_tables',
            'HostSplit', 'host_split', 'split_host_part', 'hoisted_rest', 'ragged_lists',
@@ -117,6 +119,31 @@ def make_cached_op(symbol, flags=()):
     return mx.nd.CachedOp(symbol, flags), symbol
 
 
+_OP_LOCALS = weakref.WeakSet()
+"""Every ``threading.local`` that holds CachedOps (:func:`op_local`)."""
+
+
+def op_local():
+    """A ``threading.local`` to keep CachedOps in, whose exiting thread's
+    ops :func:`release_at_exit` frees."""
+    local = threading.local()
+    _OP_LOCALS.add(local)
+    return local
+
+
+@atexit.register
+def release_at_exit():
+    """Free the exiting thread's CachedOps while MXNet and the Python
+    objects their ops call back still stand (MXNet's own exit hook,
+    registered when it was imported, runs after this one).  Left to
+    interpreter teardown, a thread's locals go after modules are torn down:
+    a compiled plan holding a ``Custom`` op crashed the process at exit
+    (SIGSEGV in the op's state deleter, a user's trial) once its work was
+    done.  A later call builds its op again."""
+    for local in list(_OP_LOCALS):
+        local.__dict__.clear()
+
+
 class ThreadCachedOp:
     """A ``CachedOp`` of ``symbol`` per thread that calls it, made at its
     first call there (the building thread's at once).  Programs live on
@@ -129,7 +156,7 @@ class ThreadCachedOp:
 
     def __init__(self, symbol, flags=()):
         self.flags = list(flags)
-        self._local = threading.local()
+        self._local = op_local()
         self._local.op, self.symbol = make_cached_op(symbol, self.flags)
         _count_build()
 

@@ -288,6 +288,13 @@ def _trace_failure(block, fmt, shapes, err):
                           'passes a split whole (ResidualCell.unroll with merge_outputs=False '
                           'and valid_length: pass merge_outputs=True). The block fails the same '
                           'way outside a scope once hybridized.')
+    if 'numpy ndarray' in text or _in_numpy_interface(err):
+        # (a block written with F.np / F.npx: the advice to hybridize it
+        # misled a user's trial, whose block hybridizes under set_np())
+        return message + (' The block uses MXNet\'s numpy interface (F.np / F.npx, or layers '
+                          'made under npx.set_np()), which batching() does not support: it '
+                          'traces with the legacy Symbol API. Write the block with the legacy '
+                          'F operators, or run it outside a scope.')
     # (NotImplementedForSymbol, an NDArray-only call on a Symbol, is an
     # MXNetError too, but the block's doing, not MXNet's refusal)
     if isinstance(err, mx.base.MXNetError) and \
@@ -299,6 +306,19 @@ def _trace_failure(block, fmt, shapes, err):
                       'DynBatchBlock needs: no .shape, .asnumpy() or other NDArray-only calls '
                       'on its arguments, and no Python branches on their values (check: '
                       'block.hybridize(), then one call outside any scope).')
+
+
+def _in_numpy_interface(err):
+    """Whether ``err`` was raised inside MXNet's numpy interface
+    (``mx.sym.np``, ``mx.nd.np``, ``mx.np``, ``mx.npx``): a block written with
+    ``F.np`` meeting legacy Symbols."""
+    tb = err.__traceback__
+    while tb is not None:
+        path = tb.tb_frame.f_code.co_filename.replace('\\', '/')
+        if '/mxnet/' in path and ('/numpy/' in path or '/numpy_extension/' in path):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _shapes_text(args):
@@ -1241,8 +1261,9 @@ def _batch_safe(nodes, heads, by_name, readers, data_names, opened, inference, s
             several.extend((entry[0], entry[1]) for entry, axis in zip(inputs, axes)
                            if axis == 0 and (entry[0], entry[1]) not in several)
         reason = rule(OpView(node['op'], node.get('attrs', {}), flags, shapes, inference))
-        if reason is not None and not isinstance(reason, str):
-            # (True became the reason 'True', and False, meant as 'no', read as safe)
+        if reason is not None and (not isinstance(reason, str) or not reason.strip()):
+            # (True became the reason 'True', and False, meant as 'no', read as safe; so
+            # did '', an empty reason, found by a user's trial)
             raise InputError('the batching rule %s for op %s returned %r: a rule returns None '
                              'when stacking along axis 0 is safe, else a string saying why '
                              'not (see register_batching_rule).'

@@ -2264,14 +2264,34 @@ def test_error_numpy_interface():
     symbol met a numpy operator); the scope now refuses to open."""
     mx.npx.set_np()
     try:
-        with pytest.raises(dyb.ScopeError, match=r"numpy interface \(npx.set_np\(\)"):
+        with pytest.raises(dyb.ScopeError, match=r"numpy interface \(npx.set_np\(\).*F\.np / "
+                                                 r"F\.npx.*cannot be batched"):
             with dyb.batching():
                 pass
+        numpy_block = dyb.DynBatchBlock(_NumpyTanhDense())
+        numpy_block.initialize()
     finally:
         mx.npx.reset_np()
     with dyb.batching():
         value = dense()(mx.nd.ones((1, 3)))
     assert value.shape == (1, 3)
+    # a block written with F.np, made under set_np(): the trace's advice was to
+    # check that it hybridizes, which it does (a user's trial)
+    with pytest.raises(dyb.InputError, match=r"numpy interface \(F\.np / F\.npx.*which "
+                                             r"batching\(\) does not support") as err:
+        with dyb.batching():
+            numpy_block(mx.nd.ones((1, 3)))
+    assert 'block.hybridize()' not in str(err.value)
+
+
+class _NumpyTanhDense(gluon.HybridBlock):
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.dense = nn.Dense(4, in_units=3)
+
+    def hybrid_forward(self, F, x):  # pylint: disable=arguments-differ
+        return F.np.tanh(self.dense(x))
 
 
 @pytest.mark.parametrize('read', ['data', 'concat_rows', 'concat_rows_reversed'])
@@ -2591,6 +2611,66 @@ def test_a_generator_suspended_inside_its_scope_at_exit_runs_nothing(engine):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and 'leaving' in run.stdout, run.stderr
     assert 'Exception ignored' not in run.stderr and 'Error' not in run.stderr, run.stderr
+
+
+_CUSTOM_OP_AT_EXIT = '''
+import sys, warnings, numpy as np, mxnet as mx, gluon_dynbatch as dyb
+from mxnet import gluon
+warnings.simplefilter('ignore')
+class Twice(mx.operator.CustomOp):
+    def forward(self, is_train, req, in_data, out_data, aux):
+        self.assign(out_data[0], req[0], in_data[0] * 2)
+    def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
+        self.assign(in_grad[0], req[0], out_grad[0] * 2)
+@mx.operator.register('twice_at_exit')
+class TwiceProp(mx.operator.CustomOpProp):
+    def __init__(self):
+        super().__init__(need_top_grad=True)
+    def list_arguments(self):
+        return ['data']
+    def list_outputs(self):
+        return ['output']
+    def infer_shape(self, shapes):
+        return shapes, [shapes[0]], []
+    def create_operator(self, ctx, shapes, dtypes):
+        return Twice()
+@dyb.register_batching_rule('Custom')
+def rows(op):
+    return None
+class Net(gluon.HybridBlock):
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.emb = gluon.nn.Embedding(10, 3)
+    def hybrid_forward(self, F, ids):
+        return F.Custom(self.emb(ids), op_type='twice_at_exit')
+if sys.argv[1] == 'calibrated':
+    dyb.CostModel().calibrate()
+net = dyb.DynBatchBlock(Net())
+net.initialize()
+ids = [np.array([i % 4], np.float32) for i in range(8)]
+for _ in range(6):
+    with dyb.batching('cached'):
+        out = [net(i) for i in ids]
+    total = dyb.concat_rows(out).asnumpy().sum()
+print(dyb.stats()['last']['strategy'], 'leaving')
+'''
+
+
+@pytest.mark.parametrize('calibrated', ['calibrated', 'not'])
+def test_a_compiled_plan_holding_a_custom_op_exits_cleanly(calibrated):
+    """A compiled plan (``cached-compiled``) holding a ``Custom`` op kept its
+    CachedOp in a thread's locals, freed as Python tore itself down: after
+    a cost model's calibration the process crashed at exit (SIGSEGV in the
+    op's state deleter, exit status 255) once its work was done (a user's
+    trial).  The exiting thread's CachedOps are freed at exit now."""
+    import subprocess
+    env = dict(os.environ, OMP_NUM_THREADS='1', MXNET_ENGINE_TYPE='NaiveEngine')
+    run = subprocess.run([sys.executable, '-c', _CUSTOM_OP_AT_EXIT, calibrated], env=env,
+                         capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0 and 'cached-compiled leaving' in run.stdout, \
+        (run.returncode, run.stdout, run.stderr[-2000:])
+    assert 'Segmentation fault' not in run.stderr
 
 
 def test_copies_and_pickles_of_a_used_block_train_on_their_own():

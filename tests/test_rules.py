@@ -3,6 +3,7 @@ output shapes decide whether calls may be merged.  Each block's verdict is
 checked, and so are its results and gradients against per-sample execution:
 a block the rules wrongly accepted would differ."""
 import json
+import re
 import warnings
 
 import mxnet as mx
@@ -2582,10 +2583,11 @@ class HardSigmoid(gluon.HybridBlock):
         return F.hard_sigmoid(x)
 
 
-@pytest.mark.parametrize('verdict', [True, False, 0])
+@pytest.mark.parametrize('verdict', [True, False, 0, '', '  '])
 def test_error_a_rule_returning_neither_none_nor_a_reason(verdict, monkeypatch):
     """A rule returning True became the reason 'True'; False, meant as
-    'not safe', read as safe (found by a review)."""
+    'not safe', read as safe (found by a review); so did an empty reason
+    (a user's trial)."""
     from gluon_dynbatch import rules
     monkeypatch.setattr(rules, 'RULES', dict(rules.RULES))
     monkeypatch.setattr('gluon_dynbatch.trace.batching_rule', rules.RULES.get)
@@ -2593,7 +2595,7 @@ def test_error_a_rule_returning_neither_none_nor_a_reason(verdict, monkeypatch):
     dyb.register_batching_rule('hard_sigmoid')(lambda op: verdict)
     block = dyb.DynBatchBlock(HardSigmoid())
     with pytest.raises(dyb.InputError, match=r'the batching rule <lambda> for op hard_sigmoid '
-                       r'returned %r: a rule returns None' % verdict):
+                       r'returned %s: a rule returns None' % re.escape(repr(verdict))):
         with dyb.batching():
             block(mx.nd.ones((1, 4)))
 
