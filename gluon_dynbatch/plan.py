@@ -245,8 +245,9 @@ def check_plan(plan, nodes, strategy):
     runs it (its own, or its lists padded): such a plan failed deep in the
     execution (``'NoneType' object is not subscriptable``, numpy's
     ``cannot reshape``), or could have run rows of one signature through
-    another's program (found by a review and a user's trial).  Plans of the package's own ``plan`` methods, subclasses'
-    included, are not checked (a pass over the nodes, ~1 us a node)."""
+    another's program (found by a review and a user's trial).  Plans of
+    the package's own ``plan`` methods, subclasses' included, are not
+    checked (a pass over the nodes, ~1 us a node)."""
     if type(strategy).plan.__module__.startswith(__package__ + '.'):
         return
 
