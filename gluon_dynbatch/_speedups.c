@@ -240,12 +240,23 @@ static double tick_seconds(uint64_t count)
     return elapsed > 0 && seconds > 0 ? count * (seconds / elapsed) : 0.0;
 }
 
+/* An object's slot among 1 << bits, by a multiplicative hash of its
+ * address: by the address's low bits, objects allocated a power of two
+ * apart shared a slot, and each took it from the other at every call (two
+ * signatures in sig_info, numpy's float64 and int32 in numpy_itemsize). */
+static inline size_t address_slot(const void *address, int bits)
+{
+    return (size_t)((((uint64_t)(uintptr_t)address >> 4) * 0x9E3779B97F4A7C15ull)
+                    >> (64 - bits));
+}
+
 /* What recording reads of a signature, kept for the signatures seen
  * lately (a cache of sets of SIG_WAYS entries): attribute lookups were a
  * fifth of a recorded call.  Signatures never change after
- * DynBatchBlock._trace returns, and only traced ones reach this cache.  An entry holds its
- * signature by a weak reference, so the cache keeps no model alive (a dead
- * signature's reference reads None, which no live signature is). */
+ * DynBatchBlock._trace returns, and only traced ones reach this cache.  An
+ * entry holds its signature by a weak reference, so the cache keeps no
+ * model alive (a dead signature's reference reads None, which no live
+ * signature is). */
 #define MAX_CLASSES 8          /* outputs with a leaf class (out_class) */
 
 typedef struct {
@@ -311,13 +322,12 @@ static int32_t leaf_class(PyObject *info)
 
 static SigInfo *sig_info(PyObject *sig)
 {
-    /* SIG_WAYS entries a signature may take, found by a multiplicative
-     * hash: with one entry found by the address's low bits, two signatures
+    /* SIG_WAYS entries a signature may take, a set found by address_slot:
+     * with one entry found by the address's low bits, two signatures
      * allocated a power of two apart took it from each other at every call
      * (in some processes: the Tree-LSTM benchmark's quick mode missed
      * ~168,000 times in two of three, 634 in the third; now 11) */
-    size_t set = (((uint64_t)(uintptr_t)sig >> 4) * 0x9E3779B97F4A7C15ull)
-        >> (64 - SIG_CACHE_BITS + SIG_WAYS_BITS);
+    size_t set = address_slot(sig, SIG_CACHE_BITS - SIG_WAYS_BITS);
     SigInfo *info = &sig_cache[set << SIG_WAYS_BITS];
     for (int way = 0; way < SIG_WAYS; way++)
         if (info[way].ref != NULL && PyWeakref_GET_OBJECT(info[way].ref) == sig)
@@ -1070,11 +1080,7 @@ static struct { PyObject *descr; Py_ssize_t size; } itemsizes[1 << ITEMSIZE_CACH
 
 static Py_ssize_t numpy_itemsize(PyObject *descr)
 {
-    /* a multiplicative hash, as sig_info's: by the address's low bits,
-     * numpy's float64 and int32 took one entry, and each took it from the
-     * other at every call given both */
-    size_t slot = (((uint64_t)(uintptr_t)descr >> 4) * 0x9E3779B97F4A7C15ull)
-        >> (64 - ITEMSIZE_CACHE_BITS);
+    size_t slot = address_slot(descr, ITEMSIZE_CACHE_BITS);
     if (itemsizes[slot].descr == descr)
         return itemsizes[slot].size;
     PyObject *value = PyObject_GetAttr(descr, s_itemsize);
