@@ -123,6 +123,14 @@ def current_scope():
     return getattr(_LOCAL, 'scope', None)
 
 
+def _run_pending_here():
+    """Run the calls pending in this thread's scope, if one is open: before
+    what changes how they would run (a cast, forgetting signatures)."""
+    scope = getattr(_LOCAL, 'scope', None)
+    if scope is not None:
+        scope.flush()
+
+
 MANY_SIGNATURES = 1000
 """Signatures a wrapper traces before it warns, once until
 :meth:`DynBatchBlock.forget_signatures`
@@ -2442,9 +2450,7 @@ class DynBatchBlock(Block):
         which would otherwise keep one signature each for the wrapper's life
         (see :class:`~gluon_dynbatch.ManySignaturesWarning`).  The calls
         pending in this thread's scope run first, as for :meth:`cast`."""
-        scope = getattr(_LOCAL, 'scope', None)
-        if scope is not None:
-            scope.flush()
+        _run_pending_here()
         if self._signatures:
             self._forget_traces()
 
@@ -2593,9 +2599,7 @@ class DynBatchBlock(Block):
         in the old dtype, and their programs cannot read parameters of
         another.  The signatures traced so far are forgotten (their calls
         need inputs of the old dtype, which plain Gluon would refuse too)."""
-        scope = getattr(_LOCAL, 'scope', None)
-        if scope is not None:
-            scope.flush()
+        _run_pending_here()
         super().cast(dtype)
         if self._signatures:
             self._forget_traces()
